@@ -1,0 +1,1 @@
+"""The coordinator: servicer, chain planning, ledger, dataset splitting for trials."""

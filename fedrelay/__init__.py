@@ -1,0 +1,2 @@
+"""fedrelay: one-shot sequential federated learning, peer to peer."""
+__version__ = "0.1.0"

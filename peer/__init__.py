@@ -1,0 +1,1 @@
+"""The peer daemon: servicer, run state machine, training, data, models, transfer."""
