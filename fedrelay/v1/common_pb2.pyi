@@ -1,0 +1,86 @@
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Purpose(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PURPOSE_UNSPECIFIED: _ClassVar[Purpose]
+    CHAIN_HOP: _ClassVar[Purpose]
+    FINAL_MODEL: _ClassVar[Purpose]
+PURPOSE_UNSPECIFIED: Purpose
+CHAIN_HOP: Purpose
+FINAL_MODEL: Purpose
+
+class ModelSpec(_message.Message):
+    __slots__ = ("arch", "in_channels", "height", "width", "num_classes")
+    ARCH_FIELD_NUMBER: _ClassVar[int]
+    IN_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    arch: str
+    in_channels: int
+    height: int
+    width: int
+    num_classes: int
+    def __init__(self, arch: _Optional[str] = ..., in_channels: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_classes: _Optional[int] = ...) -> None: ...
+
+class TrainingParams(_message.Message):
+    __slots__ = ("strategy", "models_per_site", "local_epochs", "warmup_epochs", "alpha", "beta", "lr", "batch_size", "weight_decay", "selection")
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    MODELS_PER_SITE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    SELECTION_FIELD_NUMBER: _ClassVar[int]
+    strategy: str
+    models_per_site: int
+    local_epochs: int
+    warmup_epochs: int
+    alpha: float
+    beta: float
+    lr: float
+    batch_size: int
+    weight_decay: float
+    selection: str
+    def __init__(self, strategy: _Optional[str] = ..., models_per_site: _Optional[int] = ..., local_epochs: _Optional[int] = ..., warmup_epochs: _Optional[int] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., lr: _Optional[float] = ..., batch_size: _Optional[int] = ..., weight_decay: _Optional[float] = ..., selection: _Optional[str] = ...) -> None: ...
+
+class SiteRef(_message.Message):
+    __slots__ = ("name", "address")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class TransferHeader(_message.Message):
+    __slots__ = ("run_id", "hop", "sender", "total_bytes", "sha256", "purpose")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    HOP_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    PURPOSE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    hop: int
+    sender: str
+    total_bytes: int
+    sha256: str
+    purpose: Purpose
+    def __init__(self, run_id: _Optional[str] = ..., hop: _Optional[int] = ..., sender: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., purpose: _Optional[_Union[Purpose, str]] = ...) -> None: ...
+
+class ModelChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: TransferHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...

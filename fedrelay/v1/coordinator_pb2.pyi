@@ -1,0 +1,306 @@
+from fedrelay.v1 import common_pb2 as _common_pb2
+from fedrelay.v1 import peer_pb2 as _peer_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ClassCount(_message.Message):
+    __slots__ = ("name", "train", "test")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_FIELD_NUMBER: _ClassVar[int]
+    TEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    train: int
+    test: int
+    def __init__(self, name: _Optional[str] = ..., train: _Optional[int] = ..., test: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("name", "address", "classes", "channels", "height", "width", "device", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    classes: _containers.RepeatedCompositeFieldContainer[ClassCount]
+    channels: int
+    height: int
+    width: int
+    device: str
+    version: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., classes: _Optional[_Iterable[_Union[ClassCount, _Mapping]]] = ..., channels: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., device: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("version", "heartbeat_seconds")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    heartbeat_seconds: int
+    def __init__(self, version: _Optional[str] = ..., heartbeat_seconds: _Optional[int] = ...) -> None: ...
+
+class HopReport(_message.Message):
+    __slots__ = ("run_id", "hop", "purpose", "sender", "receiver", "payload_bytes", "wire_bytes", "sha256", "started", "ended")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    HOP_FIELD_NUMBER: _ClassVar[int]
+    PURPOSE_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    hop: int
+    purpose: _common_pb2.Purpose
+    sender: str
+    receiver: str
+    payload_bytes: int
+    wire_bytes: int
+    sha256: str
+    started: float
+    ended: float
+    def __init__(self, run_id: _Optional[str] = ..., hop: _Optional[int] = ..., purpose: _Optional[_Union[_common_pb2.Purpose, str]] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., started: _Optional[float] = ..., ended: _Optional[float] = ...) -> None: ...
+
+class ProgressReport(_message.Message):
+    __slots__ = ("run_id", "site", "kind", "state", "detail", "stage", "model", "epoch", "epochs", "train_loss", "val_accuracy", "seconds")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    VAL_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    site: str
+    kind: str
+    state: str
+    detail: str
+    stage: str
+    model: int
+    epoch: int
+    epochs: int
+    train_loss: float
+    val_accuracy: float
+    seconds: float
+    def __init__(self, run_id: _Optional[str] = ..., site: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., stage: _Optional[str] = ..., model: _Optional[int] = ..., epoch: _Optional[int] = ..., epochs: _Optional[int] = ..., train_loss: _Optional[float] = ..., val_accuracy: _Optional[float] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class FinalReport(_message.Message):
+    __slots__ = ("run_id", "site", "sha256", "model_bytes")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    site: str
+    sha256: str
+    model_bytes: int
+    def __init__(self, run_id: _Optional[str] = ..., site: _Optional[str] = ..., sha256: _Optional[str] = ..., model_bytes: _Optional[int] = ...) -> None: ...
+
+class FailureReport(_message.Message):
+    __slots__ = ("run_id", "site", "error")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    site: str
+    error: str
+    def __init__(self, run_id: _Optional[str] = ..., site: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ReportReply(_message.Message):
+    __slots__ = ("duplicate",)
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    duplicate: bool
+    def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
+
+class StartChainRequest(_message.Message):
+    __slots__ = ("peers", "order", "seed", "params", "arch")
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    ARCH_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    order: str
+    seed: int
+    params: _common_pb2.TrainingParams
+    arch: str
+    def __init__(self, peers: _Optional[_Iterable[str]] = ..., order: _Optional[str] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., arch: _Optional[str] = ...) -> None: ...
+
+class StartChainReply(_message.Message):
+    __slots__ = ("run_id", "order", "warnings")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    order: _containers.RepeatedScalarFieldContainer[str]
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WatchRunRequest(_message.Message):
+    __slots__ = ("run_id", "after_seq")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    after_seq: int
+    def __init__(self, run_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class RunEvent(_message.Message):
+    __slots__ = ("run_id", "seq", "time", "kind", "site", "message", "data_json")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    seq: int
+    time: float
+    kind: str
+    site: str
+    message: str
+    data_json: str
+    def __init__(self, run_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., kind: _Optional[str] = ..., site: _Optional[str] = ..., message: _Optional[str] = ..., data_json: _Optional[str] = ...) -> None: ...
+
+class GetRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class HopRecord(_message.Message):
+    __slots__ = ("hop", "sender", "receiver", "payload_bytes", "wire_bytes", "sha256", "started", "ended")
+    HOP_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    hop: int
+    sender: str
+    receiver: str
+    payload_bytes: int
+    wire_bytes: int
+    sha256: str
+    started: float
+    ended: float
+    def __init__(self, hop: _Optional[int] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., started: _Optional[float] = ..., ended: _Optional[float] = ...) -> None: ...
+
+class SiteAccuracy(_message.Message):
+    __slots__ = ("accuracy", "test_samples")
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    TEST_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    accuracy: float
+    test_samples: int
+    def __init__(self, accuracy: _Optional[float] = ..., test_samples: _Optional[int] = ...) -> None: ...
+
+class FinalResult(_message.Message):
+    __slots__ = ("sha256", "accuracy", "per_site")
+    class PerSiteEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: SiteAccuracy
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[SiteAccuracy, _Mapping]] = ...) -> None: ...
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    PER_SITE_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    accuracy: float
+    per_site: _containers.MessageMap[str, SiteAccuracy]
+    def __init__(self, sha256: _Optional[str] = ..., accuracy: _Optional[float] = ..., per_site: _Optional[_Mapping[str, SiteAccuracy]] = ...) -> None: ...
+
+class RunSummary(_message.Message):
+    __slots__ = ("run_id", "strategy", "order", "model_bytes", "hops", "final", "status", "params", "seed", "arch", "class_index", "warnings", "error", "created", "ended", "final_transfers", "insecure")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOPS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    ARCH_FIELD_NUMBER: _ClassVar[int]
+    CLASS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    FINAL_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    INSECURE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    strategy: str
+    order: _containers.RepeatedScalarFieldContainer[str]
+    model_bytes: int
+    hops: _containers.RepeatedCompositeFieldContainer[HopRecord]
+    final: FinalResult
+    status: str
+    params: _common_pb2.TrainingParams
+    seed: int
+    arch: str
+    class_index: _containers.RepeatedScalarFieldContainer[str]
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    error: str
+    created: float
+    ended: float
+    final_transfers: _containers.RepeatedCompositeFieldContainer[HopRecord]
+    insecure: bool
+    def __init__(self, run_id: _Optional[str] = ..., strategy: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., model_bytes: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., final: _Optional[_Union[FinalResult, _Mapping]] = ..., status: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., seed: _Optional[int] = ..., arch: _Optional[str] = ..., class_index: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., created: _Optional[float] = ..., ended: _Optional[float] = ..., final_transfers: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., insecure: _Optional[bool] = ...) -> None: ...
+
+class ListRunsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRunsReply(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[RunSummary]
+    def __init__(self, runs: _Optional[_Iterable[_Union[RunSummary, _Mapping]]] = ...) -> None: ...
+
+class ListPeersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeerRecord(_message.Message):
+    __slots__ = ("name", "address", "classes", "channels", "height", "width", "device", "last_seen")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    classes: _containers.RepeatedCompositeFieldContainer[ClassCount]
+    channels: int
+    height: int
+    width: int
+    device: str
+    last_seen: float
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., classes: _Optional[_Iterable[_Union[ClassCount, _Mapping]]] = ..., channels: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., device: _Optional[str] = ..., last_seen: _Optional[float] = ...) -> None: ...
+
+class ListPeersReply(_message.Message):
+    __slots__ = ("peers",)
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedCompositeFieldContainer[PeerRecord]
+    def __init__(self, peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,118 @@
+from fedrelay.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Assignment(_message.Message):
+    __slots__ = ("run_id", "position", "chain_length", "predecessor", "successor", "final_recipients", "seed", "params", "model", "class_index", "site", "order")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PREDECESSOR_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSOR_FIELD_NUMBER: _ClassVar[int]
+    FINAL_RECIPIENTS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CLASS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    position: int
+    chain_length: int
+    predecessor: _common_pb2.SiteRef
+    successor: _common_pb2.SiteRef
+    final_recipients: _containers.RepeatedCompositeFieldContainer[_common_pb2.SiteRef]
+    seed: int
+    params: _common_pb2.TrainingParams
+    model: _common_pb2.ModelSpec
+    class_index: _containers.RepeatedScalarFieldContainer[str]
+    site: str
+    order: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., position: _Optional[int] = ..., chain_length: _Optional[int] = ..., predecessor: _Optional[_Union[_common_pb2.SiteRef, _Mapping]] = ..., successor: _Optional[_Union[_common_pb2.SiteRef, _Mapping]] = ..., final_recipients: _Optional[_Iterable[_Union[_common_pb2.SiteRef, _Mapping]]] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., model: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., class_index: _Optional[_Iterable[str]] = ..., site: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AssignReply(_message.Message):
+    __slots__ = ("run_id", "state")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    state: str
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
+
+class HandoffReceipt(_message.Message):
+    __slots__ = ("run_id", "hop", "receiver", "received_bytes", "sha256", "duplicate")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    HOP_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    hop: int
+    receiver: str
+    received_bytes: int
+    sha256: str
+    duplicate: bool
+    def __init__(self, run_id: _Optional[str] = ..., hop: _Optional[int] = ..., receiver: _Optional[str] = ..., received_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunStatus(_message.Message):
+    __slots__ = ("run_id", "state", "detail")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    state: str
+    detail: str
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class PeerStatus(_message.Message):
+    __slots__ = ("name", "address", "device", "version", "runs")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    device: str
+    version: str
+    runs: _containers.RepeatedCompositeFieldContainer[RunStatus]
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ...) -> None: ...
+
+class EvaluateRequest(_message.Message):
+    __slots__ = ("run_id", "sha256")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    sha256: str
+    def __init__(self, run_id: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class EvaluateReply(_message.Message):
+    __slots__ = ("site", "correct", "test_samples", "accuracy", "seconds")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    CORRECT_FIELD_NUMBER: _ClassVar[int]
+    TEST_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    correct: int
+    test_samples: int
+    accuracy: float
+    seconds: float
+    def __init__(self, site: _Optional[str] = ..., correct: _Optional[int] = ..., test_samples: _Optional[int] = ..., accuracy: _Optional[float] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class FetchModelRequest(_message.Message):
+    __slots__ = ("run_id", "sha256")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    sha256: str
+    def __init__(self, run_id: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
