@@ -1,0 +1,273 @@
+"""``coordinator``: the coordinator daemon and the operator's commands."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import grpc
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from fedrelay.cli.common import INSECURE_HELP, stop_on_sigterm, console, err_console, fail, require_insecure, setup_logging
+
+app = typer.Typer(help="fedrelay coordinator: plans chains, assigns roles, keeps the ledger.",
+                  no_args_is_help=True, add_completion=False)
+
+COORD = typer.Option("127.0.0.1:50070", "--coordinator", "-c", envvar="FEDRELAY_COORDINATOR",
+                     help="HOST:PORT of the coordinator.")
+INSECURE = typer.Option(False, "--insecure", help=INSECURE_HELP)
+
+
+def _client(address: str, insecure: bool):
+    require_insecure(insecure)
+    from fedrelay.coordinator.client import OperatorClient
+
+    return OperatorClient(address)
+
+
+def _rpc_fail(exc: grpc.RpcError, address: str) -> None:
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        fail(f"coordinator at {address} is not reachable ({exc.details()}); is `coordinator serve` running?")
+    fail(exc.details() or exc.code().name)
+
+
+@app.command()
+def serve(
+    listen: str = typer.Option("127.0.0.1:50070", "--listen", help="HOST:PORT to listen on."),
+    db: Path = typer.Option(Path("fedrelay-ledger.sqlite"), "--db", help="SQLite ledger file."),
+    insecure: bool = INSECURE,
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Run the coordinator (ledger: SQLite at --db)."""
+    require_insecure(insecure)
+    setup_logging(verbose, prefix="[coordinator] ")
+    stop_on_sigterm()
+    from fedrelay.coordinator.service import serve as run_service
+
+    try:
+        run_service(listen, db, insecure=insecure)
+    except RuntimeError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command("start-chain")
+def start_chain(
+    coordinator: str = COORD,
+    peers: str = typer.Option("", "--peers", help="Comma-separated site names \\[default: every registered peer]."),
+    order: str = typer.Option("random", "--order", help="random (fixed by --seed) | given (as --peers lists them)."),
+    seed: int = typer.Option(..., "--seed", help="Fixes the order, each site's train/validation split and the training."),
+    strategy: str = typer.Option("fedelmy", "--strategy", help="fedelmy | fedseq"),
+    models_per_site: int = typer.Option(5, "--models-per-site", "-S", help="S: pool models trained per site."),
+    local_epochs: int = typer.Option(2, "--local-epochs", "-E", help="E: epochs per pool model (fedseq: S*E in all)."),
+    warmup_epochs: int = typer.Option(2, "--warmup-epochs", help="Ew: warm-up epochs at the first site."),
+    alpha: float = typer.Option(1.0, "--alpha", help="Weight of d1 (distance to the pool)."),
+    beta: float = typer.Option(1.0, "--beta", help="Weight of d2 (distance to m0)."),
+    lr: float = typer.Option(1e-3, "--lr", help="Adam learning rate."),
+    batch_size: int = typer.Option(128, "--batch-size"),
+    weight_decay: float = typer.Option(1e-4, "--weight-decay", help="Adam weight decay (coupled L2)."),
+    selection: str = typer.Option("best-val", "--selection", help="best-val (the paper's protocol) | last-epoch"),
+    model: str = typer.Option("cnn", "--model", help="cnn | resnet18"),
+    wait: bool = typer.Option(False, "--wait", help="Follow the run until it ends and print its summary."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (with --wait: the run summary)."),
+    insecure: bool = INSECURE,
+) -> None:
+    """Start a one-shot chain over the registered peers."""
+    from fedrelay.v1 import common_pb2
+
+    client = _client(coordinator, insecure)
+    params = common_pb2.TrainingParams(
+        strategy=strategy, models_per_site=models_per_site, local_epochs=local_epochs,
+        warmup_epochs=warmup_epochs, alpha=alpha, beta=beta, lr=lr, batch_size=batch_size,
+        weight_decay=weight_decay, selection=selection)
+    names = [p.strip() for p in peers.split(",") if p.strip()]
+    try:
+        reply = client.start_chain(peers=names, order=order, seed=seed, arch=model, params=params)
+    except grpc.RpcError as exc:
+        _rpc_fail(exc, coordinator)
+    out = err_console if as_json else console
+    if not wait:
+        if as_json:
+            print(json.dumps({"run_id": reply.run_id}))
+        else:
+            console.print(f"run [bold]{reply.run_id}[/] started: {' -> '.join(reply.order)}")
+        return
+    out.print(f"run [bold]{reply.run_id}[/]: {strategy}, chain order {' -> '.join(reply.order)}", highlight=False)
+    for w in reply.warnings:
+        out.print(f"[yellow]warning:[/] {w}", highlight=False)
+    per_site = models_per_site * local_epochs
+    total = warmup_epochs + per_site * len(reply.order)
+    try:
+        _follow(client, reply.run_id, total, out)
+        summary = client.run(reply.run_id)
+    except grpc.RpcError as exc:
+        _rpc_fail(exc, coordinator)
+    except KeyboardInterrupt:
+        out.print(f"stopped watching; the run goes on: coordinator show {reply.run_id}")
+        raise typer.Exit(130)
+    if as_json:
+        print(json.dumps(summary, indent=1))
+    else:
+        render_summary(summary)
+    if summary["status"] != "finished":
+        raise typer.Exit(1)
+
+
+def _follow(client, run_id: str, total_epochs: int, out) -> None:
+    """Show the run's events: a progress bar over all epochs of the chain, a line per hop."""
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("epochs"),
+                  TimeElapsedColumn(), console=out, transient=False) as progress:
+        task = progress.add_task("chain", total=total_epochs)
+        for ev in client.watch(run_id):
+            if ev.kind == "epoch":
+                progress.advance(task)
+                progress.update(task, description=f"{ev.site}")
+            elif ev.kind in ("hop", "final", "failed", "finished", "warning"):
+                progress.console.print(f"{ev.message}", highlight=False)
+            elif ev.kind == "state" and ev.message.endswith(": training"):
+                progress.console.print(ev.message, highlight=False)
+            if ev.kind in ("finished", "failed"):
+                break
+
+
+def _fmt_bytes(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def render_summary(s: dict) -> None:
+    console.print(f"\n[bold]run {s['run_id']}[/] ({s['strategy']}, {s['arch']}, seed {s['seed']}): [bold]{s['status']}[/]",
+                  highlight=False)
+    console.print("chain order: " + " -> ".join(s["order"]), highlight=False)
+    t = Table(title="hops (chain transfers)")
+    for col in ("hop", "sender → receiver", "payload bytes", "wire bytes", "SHA-256", "seconds"):
+        t.add_column(col, justify="right" if "bytes" in col or col in ("hop", "seconds") else "left")
+    for h in s["hops"]:
+        t.add_row(str(h["hop"]), f"{h['sender']} → {h['receiver']}", _fmt_bytes(h["payload_bytes"]),
+                  _fmt_bytes(h["wire_bytes"]), h["sha256"][:16] + "…", f"{h['seconds']:.3f}")
+    console.print(t)
+    n = len(s["order"])
+    exp = s["expected_total_bytes"]
+    verdict = "" if exp is None else (" [green](equal)[/]" if s["total_bytes"] == exp else " [red](differs)[/]")
+    console.print(f"total payload bytes on the chain: {_fmt_bytes(s['total_bytes'])}; (N-1)·M = {n - 1} × "
+                  f"{_fmt_bytes(s['model_bytes'])} = {_fmt_bytes(exp)}{verdict}", highlight=False)
+    if s["final_transfers"]:
+        fb = sum(h["payload_bytes"] for h in s["final_transfers"])
+        console.print(f"final model copied to {len(s['final_transfers'])} sites for evaluation: {fb:,} bytes "
+                      "(outside the chain's total)", highlight=False)
+    f = s["final"]
+    if f:
+        console.print(f"final model sha256 {f['sha256']}", highlight=False)
+        t = Table(title="final model accuracy per site (own test split)")
+        t.add_column("site")
+        t.add_column("accuracy", justify="right")
+        t.add_column("test images", justify="right")
+        for site, v in f["per_site"].items():
+            t.add_row(site, f"{v['accuracy']:.4f}", str(v["test_samples"]))
+        t.add_row("[bold]global[/]", f"[bold]{f['accuracy']:.4f}[/]",
+                  str(sum(v["test_samples"] for v in f["per_site"].values())))
+        console.print(t)
+    if s["error"]:
+        console.print(f"[red]error:[/] {s['error']}", highlight=False)
+    for w in s["warnings"]:
+        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+
+
+@app.command()
+def show(run_id: str, coordinator: str = COORD, as_json: bool = typer.Option(False, "--json"),
+         insecure: bool = INSECURE) -> None:
+    """Show one run: order, hops, bytes, final accuracy (works while it runs)."""
+    with _client(coordinator, insecure) as client:
+        try:
+            s = client.run(run_id)
+        except grpc.RpcError as exc:
+            _rpc_fail(exc, coordinator)
+    if as_json:
+        print(json.dumps(s, indent=1))
+    else:
+        render_summary(s)
+
+
+@app.command()
+def runs(coordinator: str = COORD, as_json: bool = typer.Option(False, "--json"), insecure: bool = INSECURE) -> None:
+    """List the runs in the ledger."""
+    with _client(coordinator, insecure) as client:
+        try:
+            all_runs = client.runs()
+        except grpc.RpcError as exc:
+            _rpc_fail(exc, coordinator)
+    if as_json:
+        print(json.dumps(all_runs, indent=1))
+        return
+    t = Table(title="runs")
+    for col in ("run", "strategy", "sites", "status", "hops", "accuracy"):
+        t.add_column(col)
+    for s in all_runs:
+        acc = f"{s['final']['accuracy']:.4f}" if s["final"] else "-"
+        t.add_row(s["run_id"], s["strategy"], str(len(s["order"])), s["status"], str(len(s["hops"])), acc)
+    console.print(t)
+
+
+@app.command()
+def peers(coordinator: str = COORD, insecure: bool = INSECURE) -> None:
+    """List the registered peers."""
+    import time
+
+    with _client(coordinator, insecure) as client:
+        try:
+            records = client.peers()
+        except grpc.RpcError as exc:
+            _rpc_fail(exc, coordinator)
+    t = Table(title="peers")
+    for col in ("site", "address", "images", "classes", "train", "test", "device", "last seen"):
+        t.add_column(col)
+    for p in records:
+        t.add_row(p.name, p.address, f"{p.channels}x{p.height}x{p.width}", str(len(p.classes)),
+                  str(sum(c.train for c in p.classes)), str(sum(c.test for c in p.classes)), p.device,
+                  f"{time.time() - p.last_seen:.0f} s ago")
+    console.print(t)
+
+
+@app.command("fetch-model")
+def fetch_model(run_id: str, out: Path = typer.Option(..., "-o", "--out", help="Where to write the safetensors file."),
+                coordinator: str = COORD, insecure: bool = INSECURE) -> None:
+    """Download a finished run's final model (safetensors), verified against its SHA-256."""
+    with _client(coordinator, insecure) as client:
+        try:
+            sha, size = client.fetch_model(run_id, out)
+        except grpc.RpcError as exc:
+            _rpc_fail(exc, coordinator)
+        except ValueError as exc:
+            fail(str(exc))
+    console.print(f"wrote {out} ({size:,} bytes, sha256 {sha})", highlight=False)
+
+
+@app.command("split-dataset")
+def split_dataset(
+    name: str = typer.Argument(..., help="Dataset: fashion-mnist"),
+    sites: int = typer.Option(10, "--sites", help="N: number of sites."),
+    dirichlet: float = typer.Option(0.5, "--dirichlet", help="Dirichlet concentration of the label skew."),
+    seed: int = typer.Option(0, "--seed"),
+    out: Path = typer.Option(..., "--out", help="Folder for site-00 ... site-(N-1)."),
+    source: Path = typer.Option(None, "--source", help="Folder with the IDX files \\[default: Debian's dataset-fashion-mnist]."),
+    max_train_per_site: int = typer.Option(None, "--max-train-per-site", help="Subsample each site's train images."),
+) -> None:
+    """Write N label-skewed site folders (ImageFolder layout) for a trial."""
+    from fedrelay.coordinator.split import DatasetNotFound, split_dataset as do_split
+
+    try:
+        summary = do_split(name, sites=sites, dirichlet=dirichlet, seed=seed, out=out, source=source,
+                           max_train_per_site=max_train_per_site)
+    except DatasetNotFound as exc:
+        fail(str(exc), code=2)
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
+    console.print(f"wrote {sites} sites under {out}", highlight=False)
+    _ = summary
+
+
+if __name__ == "__main__":
+    app()

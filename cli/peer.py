@@ -1,0 +1,78 @@
+"""``peer``: the site daemon's command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from fedrelay.cli.common import INSECURE_HELP, stop_on_sigterm, fail, require_insecure, setup_logging
+
+app = typer.Typer(help="fedrelay peer: one daemon per site (institution).", no_args_is_help=True,
+                  add_completion=False)
+
+
+@app.callback()
+def main() -> None:
+    """fedrelay peer: one daemon per site (institution)."""
+
+
+@app.command()
+def serve(
+    data: Path = typer.Option(..., "--data", help="Site folder: train/<class>/*.png|jpg and test/<class>/*."),
+    name: str = typer.Option(..., "--name", help="This site's name (unique in the federation)."),
+    listen: str = typer.Option("127.0.0.1:0", "--listen", help="HOST:PORT to listen on (port 0: any free port)."),
+    coordinator: str = typer.Option("127.0.0.1:50070", "--coordinator", envvar="FEDRELAY_COORDINATOR",
+                                    help="HOST:PORT of the coordinator."),
+    state_dir: Path = typer.Option(None, "--state-dir", help="Where runs and models are kept \\[default: ./.fedrelay/<name>]."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda:N"),
+    advertise: str = typer.Option(None, "--advertise", help="HOST:PORT other sites use to reach this peer \\[default: the listen address]."),
+    insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Serve a site: receive models from the predecessor, train the model pool, send to the successor."""
+    require_insecure(insecure)
+    setup_logging(verbose, prefix=f"[{name}] ")
+    stop_on_sigterm()
+    from fedrelay.peer.daemon import serve as run_daemon
+    from fedrelay.peer.data import DataError
+
+    try:
+        run_daemon(data_dir=data, name=name, listen=listen, coordinator=coordinator,
+                   state_dir=state_dir or Path(".fedrelay") / name, device=device, advertise=advertise)
+    except (DataError, ValueError, RuntimeError) as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def status(
+    peer: str = typer.Option(..., "--peer", help="HOST:PORT of a peer daemon."),
+    insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
+) -> None:
+    """Ask a peer daemon for its state and runs."""
+    require_insecure(insecure)
+    import grpc
+    from rich.table import Table
+
+    from fedrelay import wire
+    from fedrelay.cli.common import console
+    from fedrelay.v1 import peer_pb2, peer_pb2_grpc
+
+    try:
+        with wire.insecure_channel(peer) as ch:
+            st = peer_pb2_grpc.PeerStub(ch).GetStatus(peer_pb2.StatusRequest(), timeout=wire.CONTROL_TIMEOUT)
+    except grpc.RpcError as exc:
+        fail(f"peer at {peer}: {wire.status_message(exc)}")
+    console.print(f"peer [bold]{st.name}[/] at {st.address}, device {st.device}, fedrelay {st.version}", highlight=False)
+    t = Table(title="runs")
+    for col in ("run", "state", "detail"):
+        t.add_column(col)
+    for r in st.runs:
+        t.add_row(r.run_id, r.state, r.detail)
+    console.print(t)
+
+
+if __name__ == "__main__":
+    app()

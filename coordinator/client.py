@@ -1,0 +1,110 @@
+"""The operator's side of the Coordinator service: what ``coordinator start-chain``, ``show``,
+``runs``, ``peers`` and ``fetch-model`` call, and the run summary as a plain dict (the
+``--json`` shape)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+from fedrelay import wire
+from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2
+
+
+def summary_dict(s: cpb.RunSummary) -> dict:
+    """A run summary as the JSON object of ``show --json`` / ``start-chain --wait --json``.
+
+    Keys: run_id, strategy, status (running|finished|failed), order (site names), model_bytes
+    (M, bytes; null before the first hop), hops (chain transfers: sender, receiver, payload_bytes,
+    wire_bytes, sha256, seconds), total_bytes (sum of the hops' payload bytes),
+    expected_total_bytes ((N-1)*M), final (null until the run has finished: sha256, accuracy,
+    per_site: site -> {accuracy, test_samples}), final_transfers, params, seed, arch,
+    class_index, warnings, error, insecure, created, ended (unix seconds).
+    """
+    def hop(h):
+        return {"hop": h.hop, "sender": h.sender, "receiver": h.receiver, "payload_bytes": h.payload_bytes,
+                "wire_bytes": h.wire_bytes, "sha256": h.sha256, "seconds": round(h.ended - h.started, 6),
+                "started": h.started, "ended": h.ended}
+
+    p = s.params
+    out = {
+        "run_id": s.run_id, "strategy": s.strategy, "status": s.status, "order": list(s.order),
+        "model_bytes": s.model_bytes or None,
+        "hops": [hop(h) for h in s.hops],
+        "total_bytes": sum(h.payload_bytes for h in s.hops),
+        "expected_total_bytes": (len(s.order) - 1) * s.model_bytes if s.model_bytes else None,
+        "final": None,
+        "final_transfers": [hop(h) for h in s.final_transfers],
+        "params": {"strategy": p.strategy, "models_per_site": p.models_per_site, "local_epochs": p.local_epochs,
+                   "warmup_epochs": p.warmup_epochs, "alpha": p.alpha, "beta": p.beta, "lr": p.lr,
+                   "batch_size": p.batch_size, "weight_decay": p.weight_decay, "selection": p.selection},
+        "seed": s.seed, "arch": s.arch, "class_index": list(s.class_index), "warnings": list(s.warnings),
+        "error": s.error or None, "insecure": s.insecure, "created": s.created, "ended": s.ended or None,
+    }
+    if s.HasField("final"):
+        out["final"] = {
+            "sha256": s.final.sha256, "accuracy": s.final.accuracy,
+            "per_site": {k: {"accuracy": v.accuracy, "test_samples": v.test_samples}
+                         for k, v in sorted(s.final.per_site.items())},
+        }
+    return out
+
+
+class OperatorClient:
+    """Calls to a coordinator at ``address``. Methods raise ``grpc.RpcError`` on refusal."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self._channel = wire.insecure_channel(address)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def start_chain(self, *, peers: list[str], order: str, seed: int, arch: str,
+                    params: common_pb2.TrainingParams) -> cpb.StartChainReply:
+        return self.stub.StartChain(cpb.StartChainRequest(peers=peers, order=order, seed=seed, arch=arch,
+                                                          params=params), timeout=120.0)
+
+    def watch(self, run_id: str, after_seq: int = 0) -> Iterator[cpb.RunEvent]:
+        return self.stub.WatchRun(cpb.WatchRunRequest(run_id=run_id, after_seq=after_seq))
+
+    def run(self, run_id: str) -> dict:
+        return summary_dict(self.stub.GetRun(cpb.GetRunRequest(run_id=run_id), timeout=wire.CONTROL_TIMEOUT))
+
+    def runs(self) -> list[dict]:
+        return [summary_dict(s) for s in self.stub.ListRuns(cpb.ListRunsRequest(), timeout=wire.CONTROL_TIMEOUT).runs]
+
+    def peers(self) -> list[cpb.PeerRecord]:
+        return list(self.stub.ListPeers(cpb.ListPeersRequest(), timeout=wire.CONTROL_TIMEOUT).peers)
+
+    def fetch_model(self, run_id: str, out: Path) -> tuple[str, int]:
+        """Download the run's final model to ``out`` (atomically), verifying size and SHA-256.
+
+        Returns (sha256, bytes). Raises ``ValueError`` when the stream does not match its header.
+        """
+        out = Path(out)
+        stream = self.stub.FetchModel(peer_pb2.FetchModelRequest(run_id=run_id), timeout=3600)
+        first = next(stream)
+        if first.WhichOneof("kind") != "header":
+            raise ValueError("the coordinator's stream did not start with a header")
+        h = first.header
+        digest, parts = hashlib.sha256(), []
+        for msg in stream:
+            digest.update(msg.data)
+            parts.append(msg.data)
+        data = b"".join(parts)
+        if len(data) != h.total_bytes or digest.hexdigest() != h.sha256:
+            raise ValueError(f"model stream damaged: {len(data)} of {h.total_bytes} bytes, "
+                             f"sha256 {digest.hexdigest()} instead of {h.sha256}")
+        wire.atomic_write(out, data)
+        os.chmod(out, 0o644)
+        return h.sha256, len(data)

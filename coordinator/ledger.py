@@ -1,0 +1,225 @@
+"""The ledger: the coordinator's only state, in SQLite.
+
+Tables: ``peers`` (registrations), ``runs`` (one row per chain, with its plan and outcome),
+``hops`` (every model transfer: the chain's hops and the final model's copies, each with
+sender, receiver, payload bytes, bytes on the wire as counted by the sender, SHA-256, start
+and end times in unix seconds), ``evaluations`` (per-site accuracy of a run's final model),
+``metrics`` (per-epoch training progress) and ``events`` (the ordered log that ``WatchRun``
+streams). Writes are serialised by one lock; the file uses WAL so readers never block.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS peers (
+    name TEXT PRIMARY KEY,
+    address TEXT NOT NULL,
+    classes TEXT NOT NULL,          -- JSON [{"name", "train", "test"}]
+    channels INTEGER, height INTEGER, width INTEGER,
+    device TEXT, version TEXT,
+    registered REAL, last_seen REAL
+);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    created REAL NOT NULL, ended REAL,
+    status TEXT NOT NULL,           -- running | finished | failed
+    strategy TEXT NOT NULL, arch TEXT NOT NULL, seed INTEGER NOT NULL,
+    params TEXT NOT NULL,           -- JSON of TrainingParams
+    chain TEXT NOT NULL,            -- JSON [{"name", "address"}] in chain order
+    class_index TEXT NOT NULL,      -- JSON list
+    model TEXT NOT NULL,            -- JSON of ModelSpec
+    warnings TEXT NOT NULL,         -- JSON list
+    model_bytes INTEGER,            -- M, the safetensors size
+    final_sha256 TEXT, final_site TEXT,
+    accuracy REAL,
+    error TEXT,
+    insecure INTEGER NOT NULL DEFAULT 1
+);
+CREATE TABLE IF NOT EXISTS hops (
+    run_id TEXT NOT NULL,
+    purpose TEXT NOT NULL,          -- chain | final
+    hop INTEGER NOT NULL,
+    sender TEXT NOT NULL, receiver TEXT NOT NULL,
+    payload_bytes INTEGER NOT NULL, wire_bytes INTEGER NOT NULL,
+    sha256 TEXT NOT NULL,
+    started REAL NOT NULL, ended REAL NOT NULL,
+    PRIMARY KEY (run_id, purpose, hop, receiver)
+);
+CREATE TABLE IF NOT EXISTS evaluations (
+    run_id TEXT NOT NULL, site TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    correct INTEGER NOT NULL, test_samples INTEGER NOT NULL, accuracy REAL NOT NULL,
+    seconds REAL,
+    PRIMARY KEY (run_id, site)
+);
+CREATE TABLE IF NOT EXISTS metrics (
+    run_id TEXT NOT NULL, site TEXT NOT NULL, time REAL NOT NULL,
+    stage TEXT, model INTEGER, epoch INTEGER, epochs INTEGER,
+    train_loss REAL, val_accuracy REAL, seconds REAL
+);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL, time REAL NOT NULL,
+    kind TEXT NOT NULL, site TEXT NOT NULL DEFAULT '',
+    message TEXT NOT NULL, data TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS events_run ON events (run_id, seq);
+"""
+
+TERMINAL = ("finished", "failed")
+
+
+class Ledger:
+    """Thread-safe access to the SQLite ledger at ``path`` (``":memory:"`` for tests)."""
+
+    def __init__(self, path: str | Path):
+        if str(path) != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._lock = threading.RLock()
+        self._events = threading.Condition(self._lock)
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+        with self._lock:
+            return self._db.execute(sql, args)
+
+    def _all(self, sql: str, args: tuple = ()) -> list[dict[str, Any]]:
+        with self._lock:
+            return [dict(r) for r in self._db.execute(sql, args).fetchall()]
+
+    # -- peers ---------------------------------------------------------------------------------
+    def upsert_peer(self, name: str, address: str, classes: list[dict], shape: tuple[int, int, int],
+                    device: str, version: str) -> None:
+        now = time.time()
+        self._exec(
+            """INSERT INTO peers (name, address, classes, channels, height, width, device, version,
+                                  registered, last_seen)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+               ON CONFLICT(name) DO UPDATE SET address=excluded.address, classes=excluded.classes,
+                   channels=excluded.channels, height=excluded.height, width=excluded.width,
+                   device=excluded.device, version=excluded.version, last_seen=excluded.last_seen""",
+            (name, address, json.dumps(classes), *shape, device, version, now, now),
+        )
+
+    def peers(self) -> list[dict[str, Any]]:
+        rows = self._all("SELECT * FROM peers ORDER BY name")
+        for r in rows:
+            r["classes"] = json.loads(r["classes"])
+        return rows
+
+    # -- runs ----------------------------------------------------------------------------------
+    def create_run(self, run_id: str, *, strategy: str, arch: str, seed: int, params: dict,
+                   chain: list[dict], class_index: list[str], model: dict, warnings: list[str],
+                   insecure: bool) -> None:
+        self._exec(
+            """INSERT INTO runs (run_id, created, status, strategy, arch, seed, params, chain,
+                                 class_index, model, warnings, insecure)
+               VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+            (run_id, time.time(), strategy, arch, seed, json.dumps(params), json.dumps(chain),
+             json.dumps(class_index), json.dumps(model), json.dumps(warnings), int(insecure)),
+        )
+
+    def run(self, run_id: str) -> dict[str, Any] | None:
+        rows = self._all("SELECT * FROM runs WHERE run_id = ?", (run_id,))
+        if not rows:
+            return None
+        r = rows[0]
+        for key in ("params", "chain", "class_index", "model", "warnings"):
+            r[key] = json.loads(r[key])
+        return r
+
+    def run_ids(self) -> list[str]:
+        return [r["run_id"] for r in self._all("SELECT run_id FROM runs ORDER BY created")]
+
+    def update_run(self, run_id: str, **fields: Any) -> None:
+        if not fields:
+            return
+        cols = ", ".join(f"{k} = ?" for k in fields)
+        self._exec(f"UPDATE runs SET {cols} WHERE run_id = ?", (*fields.values(), run_id))
+
+    def finish_run(self, run_id: str, status: str, *, error: str | None = None,
+                   accuracy: float | None = None) -> bool:
+        """Move a running run to ``status`` (finished|failed). False when it had already ended."""
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE runs SET status = ?, error = ?, accuracy = ?, ended = ? "
+                "WHERE run_id = ? AND status = 'running'",
+                (status, error, accuracy, time.time(), run_id),
+            )
+            return cur.rowcount == 1
+
+    # -- hops ----------------------------------------------------------------------------------
+    def record_hop(self, run_id: str, purpose: str, hop: int, sender: str, receiver: str,
+                   payload_bytes: int, wire_bytes: int, sha256: str, started: float,
+                   ended: float) -> bool:
+        """Record one transfer. Returns False when it was already recorded (a retried report)."""
+        with self._lock:
+            cur = self._db.execute(
+                """INSERT OR IGNORE INTO hops (run_id, purpose, hop, sender, receiver, payload_bytes,
+                                              wire_bytes, sha256, started, ended)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                (run_id, purpose, hop, sender, receiver, payload_bytes, wire_bytes, sha256, started, ended),
+            )
+            return cur.rowcount == 1
+
+    def hops(self, run_id: str, purpose: str = "chain") -> list[dict[str, Any]]:
+        return self._all(
+            "SELECT * FROM hops WHERE run_id = ? AND purpose = ? ORDER BY hop, receiver", (run_id, purpose)
+        )
+
+    # -- evaluations and metrics -----------------------------------------------------------------
+    def record_evaluation(self, run_id: str, site: str, sha256: str, correct: int, test_samples: int,
+                          accuracy: float, seconds: float) -> None:
+        self._exec(
+            """INSERT OR REPLACE INTO evaluations (run_id, site, sha256, correct, test_samples, accuracy, seconds)
+               VALUES (?, ?, ?, ?, ?, ?, ?)""",
+            (run_id, site, sha256, correct, test_samples, accuracy, seconds),
+        )
+
+    def evaluations(self, run_id: str) -> list[dict[str, Any]]:
+        return self._all("SELECT * FROM evaluations WHERE run_id = ? ORDER BY site", (run_id,))
+
+    def record_metric(self, run_id: str, site: str, stage: str, model: int, epoch: int, epochs: int,
+                      train_loss: float, val_accuracy: float | None, seconds: float) -> None:
+        self._exec(
+            """INSERT INTO metrics (run_id, site, time, stage, model, epoch, epochs, train_loss,
+                                    val_accuracy, seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+            (run_id, site, time.time(), stage, model, epoch, epochs, train_loss, val_accuracy, seconds),
+        )
+
+    def metrics(self, run_id: str) -> list[dict[str, Any]]:
+        return self._all("SELECT * FROM metrics WHERE run_id = ? ORDER BY time", (run_id,))
+
+    # -- events --------------------------------------------------------------------------------
+    def add_event(self, run_id: str, kind: str, message: str, site: str = "", **data: Any) -> int:
+        with self._events:
+            cur = self._db.execute(
+                "INSERT INTO events (run_id, time, kind, site, message, data) VALUES (?, ?, ?, ?, ?, ?)",
+                (run_id, time.time(), kind, site, message, json.dumps(data)),
+            )
+            self._events.notify_all()
+            return int(cur.lastrowid)
+
+    def events_after(self, run_id: str, seq: int) -> list[dict[str, Any]]:
+        return self._all("SELECT * FROM events WHERE run_id = ? AND seq > ? ORDER BY seq", (run_id, seq))
+
+    def wait_for_events(self, timeout: float) -> None:
+        """Block until any event is added or ``timeout`` seconds pass."""
+        with self._events:
+            self._events.wait(timeout)

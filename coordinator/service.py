@@ -1,0 +1,353 @@
+"""The coordinator daemon: gRPC servicer over the ledger, chain start-up, final evaluation.
+
+The coordinator assigns roles and records; it never sits on the chain's path. After the last
+site reports the final model (which it has already copied to every site), the coordinator asks
+each site to evaluate it on its own test split, and records per-site and global accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from fedrelay import __version__, wire
+from fedrelay.coordinator.ledger import TERMINAL, Ledger
+from fedrelay.coordinator.planner import PeerInfo, PlanError, plan_chain
+from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
+
+log = logging.getLogger("fedrelay.coordinator")
+
+HEARTBEAT_SECONDS = 10
+PURPOSES = {common_pb2.CHAIN_HOP: "chain", common_pb2.FINAL_MODEL: "final"}
+STRATEGIES = ("fedelmy", "fedseq")
+SELECTIONS = ("best-val", "last-epoch")
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def params_dict(p: common_pb2.TrainingParams) -> dict:
+    return {
+        "strategy": p.strategy, "models_per_site": p.models_per_site, "local_epochs": p.local_epochs,
+        "warmup_epochs": p.warmup_epochs, "alpha": p.alpha, "beta": p.beta, "lr": p.lr,
+        "batch_size": p.batch_size, "weight_decay": p.weight_decay, "selection": p.selection,
+    }
+
+
+def check_params(p: common_pb2.TrainingParams) -> None:
+    """Raise ``PlanError`` for hyperparameters no peer could run."""
+    if p.strategy not in STRATEGIES:
+        raise PlanError(f"unknown strategy {p.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if p.selection not in SELECTIONS:
+        raise PlanError(f"unknown selection {p.selection!r}: choose one of {', '.join(SELECTIONS)}")
+    if p.models_per_site < 1 or p.local_epochs < 1:
+        raise PlanError("--models-per-site and --local-epochs must be >= 1")
+    if p.lr <= 0 or p.batch_size < 1 or p.weight_decay < 0 or p.alpha < 0 or p.beta < 0:
+        raise PlanError("--lr and --batch-size must be > 0; --alpha, --beta, weight decay >= 0")
+
+
+class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, ledger: Ledger, *, insecure: bool = True, peer_timeout: float = 10.0):
+        self.ledger = ledger
+        self.insecure = insecure
+        self.peer_timeout = peer_timeout
+        self._eval_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="evaluate")
+        self._run_locks: dict[str, threading.Lock] = {}
+
+    # -- peers' calls ----------------------------------------------------------------------------
+    def Register(self, request: cpb.RegisterRequest, context) -> cpb.RegisterReply:
+        if not request.name or not request.address:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name and address are required")
+        try:
+            wire.split_hostport(request.address)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        classes = [{"name": c.name, "train": c.train, "test": c.test} for c in request.classes]
+        self.ledger.upsert_peer(request.name, request.address, classes,
+                                (request.channels, request.height, request.width),
+                                request.device, request.version)
+        return cpb.RegisterReply(version=__version__, heartbeat_seconds=HEARTBEAT_SECONDS)
+
+    def _running_run(self, run_id: str, context) -> dict:
+        run = self.ledger.run(run_id)
+        if run is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {run_id!r}")
+        return run
+
+    def _site_in_run(self, run: dict, site: str, context) -> None:
+        if site not in [s["name"] for s in run["chain"]]:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{site!r} is not a site of run {run['run_id']}")
+
+    def ReportHop(self, request: cpb.HopReport, context) -> cpb.ReportReply:
+        run = self._running_run(request.run_id, context)
+        self._site_in_run(run, request.sender, context)
+        purpose = PURPOSES.get(request.purpose)
+        if purpose is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "purpose must be CHAIN_HOP or FINAL_MODEL")
+        new = self.ledger.record_hop(request.run_id, purpose, request.hop, request.sender, request.receiver,
+                                     request.payload_bytes, request.wire_bytes, request.sha256,
+                                     request.started, request.ended)
+        if new:
+            if purpose == "chain" and not run["model_bytes"]:
+                self.ledger.update_run(request.run_id, model_bytes=request.payload_bytes)
+            seconds = request.ended - request.started
+            what = f"hop {request.hop}" if purpose == "chain" else "final model"
+            self.ledger.add_event(
+                request.run_id, "hop" if purpose == "chain" else "final_copy",
+                f"{what}: {request.sender} -> {request.receiver}, {request.payload_bytes} bytes, "
+                f"sha256 {request.sha256[:12]}, {seconds:.2f} s",
+                site=request.sender, hop=request.hop, sender=request.sender, receiver=request.receiver,
+                payload_bytes=request.payload_bytes, wire_bytes=request.wire_bytes,
+                sha256=request.sha256, seconds=seconds,
+            )
+        return cpb.ReportReply(duplicate=not new)
+
+    def ReportProgress(self, request: cpb.ProgressReport, context) -> cpb.ReportReply:
+        run = self._running_run(request.run_id, context)
+        self._site_in_run(run, request.site, context)
+        if request.kind == "epoch":
+            val = request.val_accuracy if request.val_accuracy >= 0 else None
+            self.ledger.record_metric(request.run_id, request.site, request.stage, request.model,
+                                      request.epoch, request.epochs, request.train_loss, val, request.seconds)
+            what = request.stage if request.stage != "pool" else f"pool model {request.model}"
+            val_s = f", val acc {val:.4f}" if val is not None else ""
+            self.ledger.add_event(
+                request.run_id, "epoch",
+                f"{request.site}: {what}, epoch {request.epoch}/{request.epochs}, "
+                f"loss {request.train_loss:.4f}{val_s}, {request.seconds:.1f} s",
+                site=request.site, stage=request.stage, model=request.model, epoch=request.epoch,
+                epochs=request.epochs, train_loss=request.train_loss, val_accuracy=val,
+                seconds=request.seconds,
+            )
+        else:
+            self.ledger.add_event(request.run_id, "state",
+                                  f"{request.site}: {request.state}"
+                                  + (f" ({request.detail})" if request.detail else ""),
+                                  site=request.site, state=request.state, detail=request.detail)
+        return cpb.ReportReply()
+
+    def ReportFinal(self, request: cpb.FinalReport, context) -> cpb.ReportReply:
+        run = self._running_run(request.run_id, context)
+        last = run["chain"][-1]["name"]
+        if request.site != last:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"only the last site ({last}) reports the final model")
+        if run["final_sha256"]:
+            return cpb.ReportReply(duplicate=True)
+        self.ledger.update_run(request.run_id, final_sha256=request.sha256, final_site=request.site,
+                               model_bytes=run["model_bytes"] or request.model_bytes)
+        self.ledger.add_event(request.run_id, "final",
+                              f"final model from {request.site}: sha256 {request.sha256}, "
+                              f"{request.model_bytes} bytes", site=request.site,
+                              sha256=request.sha256, model_bytes=request.model_bytes)
+        self._eval_pool.submit(self._evaluate_run, request.run_id)
+        return cpb.ReportReply()
+
+    def ReportFailure(self, request: cpb.FailureReport, context) -> cpb.ReportReply:
+        run = self._running_run(request.run_id, context)
+        self._site_in_run(run, request.site, context)
+        self._fail(request.run_id, f"{request.site}: {request.error}", site=request.site)
+        return cpb.ReportReply()
+
+    def _fail(self, run_id: str, error: str, site: str = "") -> None:
+        if self.ledger.finish_run(run_id, "failed", error=error):
+            self.ledger.add_event(run_id, "failed", f"run failed: {error}", site=site, error=error)
+
+    # -- final evaluation -----------------------------------------------------------------------
+    def _evaluate_run(self, run_id: str) -> None:
+        run = self.ledger.run(run_id)
+        sha = run["final_sha256"]
+        results, errors = {}, []
+
+        def one(site: dict) -> None:
+            try:
+                with wire.insecure_channel(site["address"]) as ch:
+                    reply = peer_pb2_grpc.PeerStub(ch).Evaluate(
+                        peer_pb2.EvaluateRequest(run_id=run_id, sha256=sha), timeout=wire.EVALUATE_TIMEOUT)
+                results[site["name"]] = reply
+                self.ledger.record_evaluation(run_id, site["name"], sha, reply.correct, reply.test_samples,
+                                              reply.accuracy, reply.seconds)
+                self.ledger.add_event(run_id, "evaluated",
+                                      f"{site['name']}: accuracy {reply.accuracy:.4f} on "
+                                      f"{reply.test_samples} test images", site=site["name"],
+                                      accuracy=reply.accuracy, test_samples=reply.test_samples)
+            except grpc.RpcError as exc:
+                errors.append(f"{site['name']}: {wire.status_message(exc)}")
+
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            list(pool.map(one, run["chain"]))
+        if errors:
+            self._fail(run_id, "evaluation failed at " + "; ".join(errors))
+            return
+        correct = sum(r.correct for r in results.values())
+        total = sum(r.test_samples for r in results.values())
+        accuracy = correct / total if total else 0.0
+        if self.ledger.finish_run(run_id, "finished", accuracy=accuracy):
+            self.ledger.add_event(run_id, "finished",
+                                  f"run finished: global accuracy {accuracy:.4f} on {total} test images",
+                                  accuracy=accuracy, test_samples=total)
+
+    # -- operator calls ---------------------------------------------------------------------------
+    def StartChain(self, request: cpb.StartChainRequest, context) -> cpb.StartChainReply:
+        peers = [
+            PeerInfo(name=p["name"], address=p["address"],
+                     classes={c["name"]: (c["train"], c["test"]) for c in p["classes"]},
+                     shape=(p["channels"], p["height"], p["width"]), device=p["device"])
+            for p in self.ledger.peers()
+        ]
+        try:
+            check_params(request.params)
+            plan = plan_chain(peers, names=list(request.peers) or None, order=request.order or "random",
+                              seed=request.seed, arch=request.arch or "cnn")
+        except PlanError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        unreachable = []
+        for p in plan.order:
+            try:
+                with wire.insecure_channel(p.address) as ch:
+                    st = peer_pb2_grpc.PeerStub(ch).GetStatus(peer_pb2.StatusRequest(), timeout=self.peer_timeout)
+                if st.name != p.name:
+                    unreachable.append(f"{p.name} at {p.address} answers as {st.name!r}")
+            except grpc.RpcError as exc:
+                unreachable.append(f"{p.name} at {p.address} ({wire.status_message(exc)})")
+        if unreachable:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "peers not reachable: " + "; ".join(unreachable))
+        run_id = new_run_id()
+        chain = [{"name": p.name, "address": p.address} for p in plan.order]
+        params = params_dict(request.params)
+        self.ledger.create_run(run_id, strategy=params["strategy"], arch=plan.model["arch"], seed=request.seed,
+                               params=params, chain=chain, class_index=plan.class_index, model=plan.model,
+                               warnings=plan.warnings, insecure=self.insecure)
+        self.ledger.add_event(run_id, "started", f"run {run_id}: {params['strategy']} over "
+                              f"{len(chain)} sites: {' -> '.join(plan.names)}", order=plan.names)
+        for w in plan.warnings:
+            self.ledger.add_event(run_id, "warning", w)
+        spec = common_pb2.ModelSpec(arch=plan.model["arch"], in_channels=plan.model["in_channels"],
+                                    height=plan.model["height"], width=plan.model["width"],
+                                    num_classes=plan.model["num_classes"])
+        refs = [common_pb2.SiteRef(name=p.name, address=p.address) for p in plan.order]
+        n = len(refs)
+        # Assign from the last site back to the first, so every successor knows the run before
+        # its predecessor can finish; the first site starts training as soon as it is assigned.
+        for pos in reversed(range(n)):
+            a = peer_pb2.Assignment(
+                run_id=run_id, position=pos, chain_length=n, seed=request.seed, params=request.params,
+                model=spec, class_index=plan.class_index, site=refs[pos].name, order=plan.names)
+            if pos > 0:
+                a.predecessor.CopyFrom(refs[pos - 1])
+            if pos < n - 1:
+                a.successor.CopyFrom(refs[pos + 1])
+            else:
+                a.final_recipients.extend(refs[:-1])
+            try:
+                with wire.insecure_channel(refs[pos].address) as ch:
+                    peer_pb2_grpc.PeerStub(ch).Assign(a, timeout=wire.CONTROL_TIMEOUT)
+            except grpc.RpcError as exc:
+                error = f"assignment refused by {refs[pos].name}: {wire.status_message(exc)}"
+                self._fail(run_id, error, site=refs[pos].name)
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
+        self.ledger.add_event(run_id, "assigned", "every site has its assignment")
+        return cpb.StartChainReply(run_id=run_id, order=plan.names, warnings=plan.warnings)
+
+    def WatchRun(self, request: cpb.WatchRunRequest, context):
+        if self.ledger.run(request.run_id) is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {request.run_id!r}")
+        seq = request.after_seq
+        while context.is_active():
+            events = self.ledger.events_after(request.run_id, seq)
+            for e in events:
+                seq = e["seq"]
+                yield cpb.RunEvent(run_id=e["run_id"], seq=e["seq"], time=e["time"], kind=e["kind"],
+                                   site=e["site"], message=e["message"], data_json=e["data"])
+            if not events:
+                if self.ledger.run(request.run_id)["status"] in TERMINAL:
+                    return
+                self.ledger.wait_for_events(1.0)
+
+    def GetRun(self, request: cpb.GetRunRequest, context) -> cpb.RunSummary:
+        summary = self.summary(request.run_id)
+        if summary is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {request.run_id!r}")
+        return summary
+
+    def ListRuns(self, request, context) -> cpb.ListRunsReply:
+        return cpb.ListRunsReply(runs=[self.summary(r) for r in self.ledger.run_ids()])
+
+    def ListPeers(self, request, context) -> cpb.ListPeersReply:
+        out = cpb.ListPeersReply()
+        for p in self.ledger.peers():
+            out.peers.add(name=p["name"], address=p["address"], channels=p["channels"] or 0,
+                          height=p["height"] or 0, width=p["width"] or 0, device=p["device"] or "",
+                          last_seen=p["last_seen"] or 0,
+                          classes=[cpb.ClassCount(**c) for c in p["classes"]])
+        return out
+
+    def FetchModel(self, request: peer_pb2.FetchModelRequest, context):
+        run = self.ledger.run(request.run_id)
+        if run is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {request.run_id!r}")
+        if not run["final_sha256"]:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id} has no final model yet")
+        last = run["chain"][-1]
+        try:
+            with wire.insecure_channel(last["address"]) as ch:
+                stream = peer_pb2_grpc.PeerStub(ch).FetchModel(
+                    peer_pb2.FetchModelRequest(run_id=request.run_id, sha256=run["final_sha256"]),
+                    timeout=wire.transfer_timeout(run["model_bytes"] or 0))
+                yield from stream
+        except grpc.RpcError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"cannot fetch the final model from {last['name']}: {wire.status_message(exc)}")
+
+    # -- summaries --------------------------------------------------------------------------------
+    def summary(self, run_id: str) -> cpb.RunSummary | None:
+        run = self.ledger.run(run_id)
+        if run is None:
+            return None
+        s = cpb.RunSummary(
+            run_id=run_id, strategy=run["strategy"], order=[c["name"] for c in run["chain"]],
+            model_bytes=run["model_bytes"] or 0, status=run["status"], seed=run["seed"], arch=run["arch"],
+            class_index=run["class_index"], warnings=run["warnings"], error=run["error"] or "",
+            created=run["created"], ended=run["ended"] or 0, insecure=bool(run["insecure"]),
+            params=common_pb2.TrainingParams(**run["params"]),
+        )
+        for purpose, field in (("chain", s.hops), ("final", s.final_transfers)):
+            for h in self.ledger.hops(run_id, purpose):
+                field.add(hop=h["hop"], sender=h["sender"], receiver=h["receiver"],
+                          payload_bytes=h["payload_bytes"], wire_bytes=h["wire_bytes"], sha256=h["sha256"],
+                          started=h["started"], ended=h["ended"])
+        if run["status"] == "finished":
+            s.final.sha256 = run["final_sha256"] or ""
+            s.final.accuracy = run["accuracy"] or 0.0
+            for e in self.ledger.evaluations(run_id):
+                s.final.per_site[e["site"]].accuracy = e["accuracy"]
+                s.final.per_site[e["site"]].test_samples = e["test_samples"]
+        return s
+
+
+def serve(listen: str, db: str | Path, *, insecure: bool = True, ready: threading.Event | None = None,
+          stop: threading.Event | None = None) -> None:
+    """Run the coordinator until ``stop`` is set (or forever). Raises ``RuntimeError`` if it cannot bind."""
+    ledger = Ledger(db)
+    service = CoordinatorService(ledger, insecure=insecure)
+    server, port = wire.make_server(listen)
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+    server.start()
+    log.info("coordinator %s listening on %s, ledger %s", __version__, wire.with_port(listen, port), db)
+    if ready is not None:
+        ready.set()
+    stop = stop or threading.Event()
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.stop(grace=2).wait()
+        ledger.close()

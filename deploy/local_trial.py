@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""A whole trial on one machine, on loopback: split a dataset into site folders, start a
+coordinator and one peer daemon per site as separate OS processes, run a chain through the
+real CLI (``coordinator start-chain --wait``), print its summary, and stop every process it
+started (also on Ctrl-C, SIGTERM or failure).
+
+This is what ``make demo`` runs::
+
+    python deploy/local_trial.py --sites 10 --dirichlet 0.5 --seed 0 --workdir demo
+
+Everything after ``--`` goes to ``coordinator start-chain`` (e.g. ``-- --strategy fedseq -S 3``).
+Logs of every process are in ``<workdir>/logs``; the ledger is ``<workdir>/ledger.sqlite``; each
+site's state dir (received, pool and outgoing models) is ``<workdir>/state/<site>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
+BIN = Path(sys.executable).parent
+
+
+def _tool(name: str) -> str:
+    path = BIN / name
+    return str(path) if path.exists() else name
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if the launcher dies, even by SIGKILL."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def ensure_fashion_mnist(source: Path | None) -> None:
+    """Make the Fashion-MNIST IDX files available, installing Debian's package when possible."""
+    if source is not None or any(DEBIAN_DIR.glob("train-images-idx3-ubyte*")):
+        return
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        print("Fashion-MNIST not found: installing Debian's dataset-fashion-mnist (apt-get) ...", flush=True)
+        ok = subprocess.call(["apt-get", "install", "-y", "-q", "dataset-fashion-mnist"]) == 0
+        if not ok:
+            subprocess.call(["apt-get", "update", "-q"])
+            ok = subprocess.call(["apt-get", "install", "-y", "-q", "dataset-fashion-mnist"]) == 0
+        if ok and any(DEBIAN_DIR.glob("train-images-idx3-ubyte*")):
+            return
+    sys.exit(
+        "Fashion-MNIST IDX files are missing. Get them one of these ways, then run again:\n"
+        "  - Debian/Ubuntu, as root:  apt-get install -y dataset-fashion-mnist\n"
+        f"    (puts them in {DEBIAN_DIR})\n"
+        "  - or download train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz,\n"
+        "    t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz from\n"
+        "    https://github.com/zalandoresearch/fashion-mnist (data/fashion) into a folder\n"
+        "    and pass --source FOLDER (make demo SOURCE=FOLDER)."
+    )
+
+
+class LocalTrial:
+    """A coordinator and peers as subprocesses on 127.0.0.1. Use as a context manager."""
+
+    def __init__(self, workdir: Path, site_dirs: list[Path], *, device: str = "cpu", env: dict | None = None):
+        self.workdir = Path(workdir)
+        self.site_dirs = site_dirs
+        self.device = device
+        self.env = {**os.environ, **(env or {})}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.coordinator = f"127.0.0.1:{free_port()}"
+        self.logs = self.workdir / "logs"
+
+    @property
+    def names(self) -> list[str]:
+        return [d.name for d in self.site_dirs]
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        log = open(self.logs / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                            start_new_session=True, preexec_fn=_die_with_parent)
+        log.close()
+
+    def start(self, timeout: float = 180.0) -> None:
+        for sub in ("state",):
+            shutil.rmtree(self.workdir / sub, ignore_errors=True)
+        for f in ("ledger.sqlite", "ledger.sqlite-wal", "ledger.sqlite-shm"):
+            (self.workdir / f).unlink(missing_ok=True)
+        shutil.rmtree(self.logs, ignore_errors=True)
+        self._spawn("coordinator", [_tool("coordinator"), "serve", "--listen", self.coordinator,
+                                    "--db", str(self.workdir / "ledger.sqlite"), "--insecure"])
+        for d in self.site_dirs:
+            self._spawn(d.name, [_tool("peer"), "serve", "--data", str(d), "--name", d.name,
+                                 "--listen", "127.0.0.1:0", "--coordinator", self.coordinator,
+                                 "--state-dir", str(self.workdir / "state" / d.name),
+                                 "--device", self.device, "--insecure"])
+        self.wait_registered(timeout)
+
+    def wait_registered(self, timeout: float) -> None:
+        from fedrelay.coordinator.client import OperatorClient
+
+        import grpc
+
+        deadline = time.monotonic() + timeout
+        with OperatorClient(self.coordinator) as client:
+            while True:
+                for name, p in self.procs.items():
+                    if p.poll() is not None:
+                        tail = (self.logs / f"{name}.log").read_text(errors="replace")[-2000:]
+                        raise RuntimeError(f"{name} exited with code {p.returncode}:\n{tail}")
+                try:
+                    registered = {p.name for p in client.peers()}
+                except grpc.RpcError:
+                    registered = set()
+                if set(self.names) <= registered:
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"peers not registered after {timeout:.0f} s: "
+                                       f"{sorted(set(self.names) - registered)} (see {self.logs})")
+                time.sleep(0.5)
+
+    def cli(self, *args: str, **kw) -> subprocess.CompletedProcess:
+        """Run ``coordinator ARGS --coordinator <this trial> --insecure``."""
+        return subprocess.run([_tool("coordinator"), *args, "--coordinator", self.coordinator, "--insecure"],
+                              env=self.env, **kw)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chain_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, chain_args = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sites", type=int, default=10, help="N sites (default 10)")
+    ap.add_argument("--dirichlet", type=float, default=0.5, help="label skew (default 0.5)")
+    ap.add_argument("--seed", type=int, default=0, help="split and chain seed (default 0)")
+    ap.add_argument("--workdir", type=Path, default=Path("demo"), help="where sites, logs, ledger go (default ./demo)")
+    ap.add_argument("--source", type=Path, default=None, help="folder with the Fashion-MNIST IDX files")
+    ap.add_argument("--max-train-per-site", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="peers' --device (default cpu)")
+    ap.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    args = ap.parse_args(argv)
+
+    ensure_fashion_mnist(args.source)
+    sites_dir = args.workdir / "sites"
+    split_args = ["split-dataset", "fashion-mnist", "--sites", str(args.sites), "--dirichlet", str(args.dirichlet),
+                  "--seed", str(args.seed), "--out", str(sites_dir)]
+    if args.source:
+        split_args += ["--source", str(args.source)]
+    if args.max_train_per_site:
+        split_args += ["--max-train-per-site", str(args.max_train_per_site)]
+    marker = args.workdir / "split-args.json"
+    if not (marker.exists() and json.loads(marker.read_text()) == split_args):
+        print(f"splitting Fashion-MNIST into {args.sites} sites (Dirichlet {args.dirichlet}, seed {args.seed}) ...", flush=True)
+        if subprocess.call([_tool("coordinator"), *split_args]) != 0:
+            return 2
+        marker.write_text(json.dumps(split_args))
+    site_dirs = sorted(p for p in sites_dir.iterdir() if p.is_dir() and p.name.startswith("site-"))[: args.sites]
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    started = time.monotonic()
+    try:
+        print(f"starting a coordinator and {len(site_dirs)} peer daemons on loopback (logs: {args.workdir / 'logs'}) ...",
+              flush=True)
+        with LocalTrial(args.workdir, site_dirs, device=args.device) as trial:
+            print(f"all {len(site_dirs)} peers registered with the coordinator at {trial.coordinator}", flush=True)
+            cmd = ["start-chain", "--seed", str(args.seed), "--wait", *chain_args]
+            if args.json:
+                cmd.append("--json")
+            rc = trial.cli(*cmd).returncode
+        print(f"stopped all processes; {time.monotonic() - started:.0f} s in all", file=sys.stderr, flush=True)
+        return rc
+    except KeyboardInterrupt:
+        print("interrupted: stopped all processes", file=sys.stderr)
+        return 130
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""``peer serve``: load the site's data once, listen, register with the coordinator, heartbeat."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import grpc
+
+from fedrelay import __version__, wire
+from fedrelay.peer.data import SiteData, load_site
+from fedrelay.peer.node import CoordinatorLink, PeerNode, backoff_delays
+from fedrelay.peer.servicer import PeerServicer
+from fedrelay.v1 import coordinator_pb2 as cpb, peer_pb2_grpc
+
+log = logging.getLogger("fedrelay.peer")
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda:0`` when a GPU is usable, else ``cpu``. Raises ``ValueError`` for a
+    device that does not exist here."""
+    import torch
+
+    if device == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return device
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA GPU is usable on this machine (use --device cpu)")
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s)")
+        return f"cuda:{index}"
+    raise ValueError(f"--device must be auto, cpu or cuda:N, not {device!r}")
+
+
+def registration(name: str, address: str, data: SiteData, device: str) -> cpb.RegisterRequest:
+    c, h, w = data.image_shape
+    return cpb.RegisterRequest(
+        name=name, address=address, channels=c, height=h, width=w, device=device, version=__version__,
+        classes=[cpb.ClassCount(name=k, train=data.train_counts.get(k, 0), test=data.test_counts.get(k, 0))
+                 for k in data.class_names])
+
+
+def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: threading.Event) -> None:
+    """Register until the coordinator answers, then re-register every heartbeat (this also
+    re-registers after a coordinator restart)."""
+    period = None
+    delays = backoff_delays(cap=10.0)
+    while not stop.is_set():
+        try:
+            reply = link.stub.Register(request, timeout=wire.CONTROL_TIMEOUT)
+            if period is None:
+                log.info("registered with the coordinator at %s as %s (%s)", link.address, request.name, request.address)
+            period = reply.heartbeat_seconds or 10
+            delays = backoff_delays(cap=10.0)
+            stop.wait(period)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                log.error("the coordinator refused the registration: %s", exc.details())
+            else:
+                log.warning("coordinator %s not reachable (%s); retrying", link.address, wire.status_message(exc))
+            period = None
+            stop.wait(next(delays))
+
+
+def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir: Path, device: str,
+          advertise: str | None = None, stop: threading.Event | None = None,
+          ready: threading.Event | None = None) -> None:
+    """Run a peer daemon until ``stop`` is set (or forever).
+
+    Raises ``DataError`` (bad data folder), ``ValueError`` (bad device or address) or
+    ``RuntimeError`` (cannot listen) before serving anything.
+    """
+    device = resolve_device(device)
+    log.info("loading site data from %s", data_dir)
+    data = load_site(data_dir)
+    log.info("site %s: %d classes, %s images, train %d, test %d", name, len(data.class_names),
+             "x".join(map(str, data.image_shape)), sum(data.train_counts.values()), sum(data.test_counts.values()))
+    server, port = wire.make_server(listen)
+    address = advertise or wire.with_port(listen, port)
+    host, _ = wire.split_hostport(address)
+    if host in ("0.0.0.0", "::"):
+        raise ValueError(f"listening on {listen}: pass --advertise HOST:PORT, the address other sites can reach")
+    link = CoordinatorLink(coordinator)
+    node = PeerNode(name, address, data, Path(state_dir), device, link)
+    peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
+    server.start()
+    log.info("peer %s (%s) listening on %s, state dir %s, device %s", name, __version__, address, state_dir, device)
+    stop = stop or threading.Event()
+    node.stop = stop
+    node.resume()
+    hb = threading.Thread(target=_heartbeat, args=(link, registration(name, address, data, device), stop),
+                          name="heartbeat", daemon=True)
+    hb.start()
+    if ready is not None:
+        ready.set()
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.stop(grace=2).wait()
+        link.close()

@@ -1,0 +1,491 @@
+"""The peer's run state machine: waiting -> receiving -> training -> sending -> done.
+
+One ``PeerNode`` per daemon holds the site's data (decoded once) and its runs. Each run has a
+folder in the state dir::
+
+    runs/<run_id>/assignment.pb        the coordinator's Assignment (protobuf, our own message)
+    runs/<run_id>/state.json           state, detail, transfers done, final digest
+    runs/<run_id>/received.safetensors the predecessor's pool average (m0), once verified
+    runs/<run_id>/pool/model-<j>.safetensors  each finished pool model
+    runs/<run_id>/outgoing.safetensors the pool average to send (the final model at the last site)
+
+Every file is written atomically, and the worker skips the steps whose results are on disk, so
+a restarted daemon carries on with the same command (received models are not asked for again,
+finished pool models are not trained again, an unsent model is sent).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import grpc
+
+from fedrelay import __version__, wire
+from fedrelay.peer.data import SiteData
+from fedrelay.peer.transfer import TransferError, receive_model, send_model
+from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2
+
+log = logging.getLogger("fedrelay.peer")
+
+ACTIVE = ("assigned", "receiving", "training", "sending", "distributing")
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL,
+             grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
+
+
+def backoff_delays(first: float = 0.5, cap: float = 15.0):
+    """Exponential backoff with full jitter: 0.5 s, 1 s, 2 s, ... capped at ``cap`` seconds."""
+    delay = first
+    while True:
+        yield random.uniform(0.5 * delay, delay)
+        delay = min(cap, delay * 2)
+
+
+class CoordinatorLink:
+    """The peer's calls to the coordinator. Reports are retried until ``retry_for`` seconds pass."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self._channel = wire.insecure_channel(address)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+
+    def call(self, method: str, request, *, retry_for: float = 0.0, stop: threading.Event | None = None):
+        deadline = time.monotonic() + retry_for
+        for delay in backoff_delays():
+            try:
+                return getattr(self.stub, method)(request, timeout=wire.CONTROL_TIMEOUT)
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("coordinator %s: %s failed (%s); retrying", self.address, method, wire.status_message(exc))
+                if stop is None:
+                    time.sleep(delay)
+                elif stop.wait(delay):
+                    raise
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+@dataclass
+class Run:
+    assignment: peer_pb2.Assignment
+    folder: Path
+    state: str = "assigned"
+    detail: str = ""
+    sent: list[str] = field(default_factory=list)   # receivers already holding our model
+    final_sha256: str = ""
+    received: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def run_id(self) -> str:
+        return self.assignment.run_id
+
+    @property
+    def is_last(self) -> bool:
+        return self.assignment.position == self.assignment.chain_length - 1
+
+    def path(self, name: str) -> Path:
+        return self.folder / name
+
+    def save(self) -> None:
+        doc = {"state": self.state, "detail": self.detail, "sent": self.sent, "final_sha256": self.final_sha256}
+        wire.atomic_write(self.path("state.json"), json.dumps(doc, indent=1).encode())
+
+
+class PeerNode:
+    """A site's daemon logic, independent of gRPC plumbing (the servicer is a thin shell).
+
+    ``training`` is ``fedrelay.peer.training``; it is imported lazily so that the daemon can
+    answer status calls while torch loads.
+    """
+
+    def __init__(self, name: str, address: str, data: SiteData, state_dir: Path, device: str,
+                 coordinator: CoordinatorLink | None, *, send_deadline: float = 1800.0):
+        self.name = name
+        self.address = address
+        self.data = data
+        self.state_dir = Path(state_dir)
+        self.device = device
+        self.coordinator = coordinator
+        self.send_deadline = send_deadline
+        self.runs: dict[str, Run] = {}
+        self._lock = threading.Lock()
+        self._train_lock = threading.Lock()  # one training at a time on this site's hardware
+        self._tensors: dict[tuple, tuple] = {}
+        self.stop = threading.Event()
+        self._load_runs()
+
+    # -- persistence -----------------------------------------------------------------------------
+    def _load_runs(self) -> None:
+        for folder in sorted((self.state_dir / "runs").glob("*")):
+            try:
+                a = peer_pb2.Assignment.FromString((folder / "assignment.pb").read_bytes())
+                doc = json.loads((folder / "state.json").read_text())
+            except (OSError, ValueError) as exc:
+                log.warning("ignoring unreadable run folder %s: %s", folder, exc)
+                continue
+            run = Run(a, folder, doc.get("state", "assigned"), doc.get("detail", ""),
+                      doc.get("sent", []), doc.get("final_sha256", ""))
+            if run.path("received.safetensors").exists() or a.position == 0:
+                run.received.set()
+            self.runs[a.run_id] = run
+
+    def resume(self) -> None:
+        """Restart the workers of runs that were active when the daemon stopped."""
+        for run in self.runs.values():
+            if run.state in ACTIVE:
+                log.info("resuming run %s (was %s)", run.run_id, run.state)
+                self._start_worker(run)
+
+    # -- coordinator calls -----------------------------------------------------------------------
+    def assign(self, a: peer_pb2.Assignment) -> str:
+        """Accept an assignment (idempotent). Raises ``ValueError`` when it cannot be run here."""
+        if a.site != self.name:
+            raise ValueError(f"assignment is for {a.site!r}, this peer is {self.name!r}")
+        if not a.run_id or "/" in a.run_id or a.run_id.startswith("."):
+            raise ValueError(f"invalid run id {a.run_id!r}")
+        if a.chain_length < 2 or a.position >= a.chain_length or len(a.order) != a.chain_length:
+            raise ValueError("inconsistent position, chain length and order")
+        if a.order[a.position] != self.name:
+            raise ValueError(f"order[{a.position}] is {a.order[a.position]!r}, not {self.name!r}")
+        missing = [c for c in self.data.class_names if c not in set(a.class_index)]
+        if missing:
+            raise ValueError(f"this site's classes {missing} are not in the run's class index")
+        shape = (a.model.in_channels, a.model.height, a.model.width)
+        if shape != tuple(self.data.image_shape):
+            raise ValueError(f"the run's images are {shape}, this site's are {tuple(self.data.image_shape)}")
+        self._train_config(a).validate()
+        with self._lock:
+            run = self.runs.get(a.run_id)
+            if run is not None:
+                if run.assignment != a:
+                    raise ValueError(f"run {a.run_id} was already assigned differently")
+                return run.state
+            folder = self.state_dir / "runs" / a.run_id
+            folder.mkdir(parents=True, exist_ok=True)
+            wire.atomic_write(folder / "assignment.pb", a.SerializeToString())
+            run = Run(a, folder)
+            if a.position == 0:
+                run.received.set()
+            run.save()
+            self.runs[a.run_id] = run
+        self._report_state(run)
+        self._start_worker(run)
+        return run.state
+
+    @staticmethod
+    def _train_config(a: peer_pb2.Assignment):
+        from fedrelay.peer.training import TrainConfig
+
+        p = a.params
+        return TrainConfig(strategy=p.strategy, models_per_site=p.models_per_site, local_epochs=p.local_epochs,
+                           warmup_epochs=p.warmup_epochs, alpha=p.alpha, beta=p.beta, lr=p.lr,
+                           batch_size=p.batch_size, weight_decay=p.weight_decay, selection=p.selection)
+
+    @staticmethod
+    def _spec(a: peer_pb2.Assignment):
+        from fedrelay.peer.models import ModelSpec
+
+        m = a.model
+        return ModelSpec(arch=m.arch, in_channels=m.in_channels, image_size=(m.height, m.width),
+                         num_classes=m.num_classes)
+
+    # -- receiving --------------------------------------------------------------------------------
+    def handoff(self, chunks) -> peer_pb2.HandoffReceipt:
+        """Receive a model stream. Raises ``TransferError`` (with the status to answer)."""
+        holder: dict = {}
+
+        def check_header(h: common_pb2.TransferHeader) -> Path:
+            run = self.runs.get(h.run_id)
+            if run is None:
+                raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"no assignment for run {h.run_id!r} (yet)")
+            a = run.assignment
+            if h.purpose == common_pb2.CHAIN_HOP:
+                if a.position == 0 or h.sender != a.predecessor.name:
+                    raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                        f"{h.sender!r} is not this site's predecessor in run {h.run_id}")
+                if h.hop != a.position:
+                    raise TransferError(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"hop {h.hop} does not end at this site (expected hop {a.position})")
+                dest = run.path("received.safetensors")
+            elif h.purpose == common_pb2.FINAL_MODEL:
+                if h.sender != a.order[-1] or h.hop != 0:
+                    raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                        f"{h.sender!r} is not the last site of run {h.run_id}")
+                dest = run.path("final.safetensors")
+            else:
+                raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "unknown transfer purpose")
+            cap = self._payload_cap(a)
+            if h.total_bytes > cap:
+                raise TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"declared size {h.total_bytes} bytes exceeds this run's cap of {cap} bytes")
+            if dest.exists():
+                have = wire.sha256_file(dest)
+                if have == h.sha256:
+                    holder["duplicate"] = (run, dest, have)
+                    raise _Duplicate()
+                raise TransferError(grpc.StatusCode.ALREADY_EXISTS,
+                                    f"a different model was already accepted for this transfer (sha256 {have})")
+            holder["run"] = run
+            if h.purpose == common_pb2.CHAIN_HOP:
+                self._set_state(run, "receiving", f"from {h.sender}")
+            return dest
+
+        def check_payload(data: bytes) -> None:
+            self._check_model_bytes(holder["run"].assignment, data)
+
+        try:
+            got = receive_model(chunks, Path("/nonexistent"), check_header, check_payload)
+        except _Duplicate:
+            run, dest, sha = holder["duplicate"]
+            return peer_pb2.HandoffReceipt(run_id=run.run_id, receiver=self.name, received_bytes=dest.stat().st_size,
+                                           sha256=sha, duplicate=True)
+        except BaseException:
+            run = holder.get("run")
+            if run is not None and run.state == "receiving":
+                self._set_state(run, "assigned", "waiting for the predecessor's model")
+            raise
+        run = holder["run"]
+        h = got.header
+        if h.purpose == common_pb2.CHAIN_HOP:
+            log.info("run %s: received hop %d from %s (%d bytes, sha256 %s)", run.run_id, h.hop, h.sender,
+                     got.size, got.sha256[:12])
+            run.received.set()
+        else:
+            run.final_sha256 = got.sha256
+            run.save()
+        return peer_pb2.HandoffReceipt(run_id=run.run_id, hop=h.hop, receiver=self.name,
+                                       received_bytes=got.size, sha256=got.sha256)
+
+    @staticmethod
+    def _payload_cap(a: peer_pb2.Assignment) -> int:
+        """Largest payload accepted for a run: 4 x the model's tensor bytes + 1 MiB of header."""
+        from fedrelay.peer.models import build_model
+
+        with _model_size_lock:
+            key = a.model.SerializeToString()
+            if key not in _model_size_cache:
+                model = build_model(PeerNode._spec(a))
+                _model_size_cache[key] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        return 4 * _model_size_cache[key] + (1 << 20)
+
+    def _check_model_bytes(self, a: peer_pb2.Assignment, data: bytes) -> None:
+        """Parse a payload with safetensors and check it is the run's model. Raises ``ValueError``."""
+        import torch
+
+        from fedrelay.peer.models import build_model, state_signature
+
+        state = wire.decode_state(data)
+        expected = state_signature(build_model(self._spec(a)))
+        got = state_signature(state)
+        if set(got) != set(expected):
+            extra, missing = sorted(set(got) - set(expected)), sorted(set(expected) - set(got))
+            raise ValueError(f"tensor names differ from the run's model (unexpected {extra[:5]}, missing {missing[:5]})")
+        for k, sig in expected.items():
+            if got[k] != sig:
+                raise ValueError(f"tensor {k!r} is {got[k]}, the run's model has {sig}")
+        for k, t in state.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"tensor {k!r} holds NaN or Inf")
+
+    # -- the worker ---------------------------------------------------------------------------------
+    def _start_worker(self, run: Run) -> None:
+        threading.Thread(target=self._work, args=(run,), name=f"run-{run.run_id}", daemon=True).start()
+
+    def _work(self, run: Run) -> None:
+        try:
+            if not run.lock.acquire(blocking=False):
+                return  # a worker is already on this run
+            try:
+                self._work_steps(run)
+            finally:
+                run.lock.release()
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, the daemon goes on
+            log.exception("run %s failed", run.run_id)
+            self._set_state(run, "failed", f"{type(exc).__name__}: {exc}")
+            if self.coordinator is not None:
+                try:
+                    self.coordinator.call("ReportFailure", cpb.FailureReport(
+                        run_id=run.run_id, site=self.name, error=f"{type(exc).__name__}: {exc}"),
+                        retry_for=300, stop=self.stop)
+                except grpc.RpcError as rpc_exc:
+                    log.error("could not report the failure: %s", wire.status_message(rpc_exc))
+
+    def _work_steps(self, run: Run) -> None:
+        a = run.assignment
+        outgoing = run.path("outgoing.safetensors")
+        if not outgoing.exists():
+            if a.position > 0 and not run.received.is_set():
+                self._set_state(run, "assigned", f"waiting for the model from {a.predecessor.name}")
+                while not run.received.wait(1.0):
+                    if self.stop.is_set():
+                        return
+            self._train(run, outgoing)
+        sha = wire.sha256_file(outgoing)
+        size = outgoing.stat().st_size
+        if not a.HasField("successor"):
+            run.final_sha256 = sha
+            run.save()
+            self._distribute(run, outgoing, sha, size)
+            self._report("ReportFinal", cpb.FinalReport(run_id=run.run_id, site=self.name, sha256=sha, model_bytes=size))
+        else:
+            header = common_pb2.TransferHeader(run_id=run.run_id, hop=a.position + 1, sender=self.name,
+                                               total_bytes=size, sha256=sha, purpose=common_pb2.CHAIN_HOP)
+            self._set_state(run, "sending", f"hop {a.position + 1} to {a.successor.name}")
+            self._deliver(run, a.successor, header, outgoing)
+        self._set_state(run, "done", "")
+
+    def _train(self, run: Run, outgoing: Path) -> None:
+        from fedrelay.peer.data import train_val_split
+        from fedrelay.peer.training import derive_seed, run_site
+
+        a = run.assignment
+        with self._train_lock:
+            self._set_state(run, "training", "")
+            spec, cfg = self._spec(a), self._train_config(a)
+            images, labels = self._site_tensors("train", a.class_index)
+            train, val = train_val_split(images, labels, seed=derive_seed(a.seed, "split", self.name))
+            m0 = None
+            if a.position > 0:
+                m0 = wire.decode_state(run.path("received.safetensors").read_bytes())
+            pool_dir = run.path("pool")
+            finished = []
+            n_models = cfg.models_per_site if cfg.strategy == "fedelmy" else 1
+            for j in range(1, n_models + 1):
+                p = pool_dir / f"model-{j}.safetensors"
+                if not p.exists():
+                    break
+                finished.append(wire.decode_state(p.read_bytes()))
+
+            def on_model(j: int, state) -> None:
+                wire.atomic_write(pool_dir / f"model-{j}.safetensors", wire.encode_state(state))
+
+            def on_epoch(info: dict) -> None:
+                val_acc = info.get("val_accuracy")
+                self._report_progress(cpb.ProgressReport(
+                    run_id=run.run_id, site=self.name, kind="epoch", stage=info["stage"], model=info["model"],
+                    epoch=info["epoch"], epochs=info["epochs"], train_loss=info["train_loss"],
+                    val_accuracy=-1.0 if val_acc is None else val_acc, seconds=info["seconds"]))
+
+            seed = derive_seed(a.seed, "site", a.position)
+            started = time.time()
+            send, pool = run_site(m0, spec, train, val, cfg, seed, self.device, finished=finished,
+                                  on_epoch=on_epoch, on_model=on_model)
+            wire.atomic_write(outgoing, wire.encode_state(send))
+            log.info("run %s: trained %d pool models in %.1f s", run.run_id, len(pool) - 1, time.time() - started)
+
+    def _deliver(self, run: Run, to: common_pb2.SiteRef, header: common_pb2.TransferHeader, path: Path) -> None:
+        """Send ``path`` to ``to`` with retries (exponential backoff and jitter), then report it."""
+        if to.name in run.sent:
+            return
+        deadline = time.monotonic() + self.send_deadline
+        for delay in backoff_delays():
+            try:
+                sent = send_model(to.address, header, path)
+                break
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE or time.monotonic() + delay > deadline:
+                    raise RuntimeError(f"cannot deliver to {to.name} at {to.address}: {wire.status_message(exc)}") from exc
+                log.warning("run %s: delivery to %s failed (%s); retrying in %.1f s", run.run_id, to.name,
+                            wire.status_message(exc), delay)
+                if self.stop.wait(delay):
+                    raise RuntimeError("daemon stopping") from exc
+        purpose = header.purpose
+        self._report("ReportHop", cpb.HopReport(
+            run_id=run.run_id, hop=header.hop, purpose=purpose, sender=self.name, receiver=to.name,
+            payload_bytes=sent.payload_bytes, wire_bytes=sent.wire_bytes, sha256=header.sha256,
+            started=sent.started, ended=sent.ended))
+        run.sent.append(to.name)
+        run.save()
+
+    def _distribute(self, run: Run, path: Path, sha: str, size: int) -> None:
+        """Last site: copy the final model to every other site of the chain, for evaluation."""
+        self._set_state(run, "distributing", "final model to every site")
+        header = common_pb2.TransferHeader(run_id=run.run_id, hop=0, sender=self.name, total_bytes=size,
+                                           sha256=sha, purpose=common_pb2.FINAL_MODEL)
+        for ref in run.assignment.final_recipients:
+            self._deliver(run, ref, header, path)
+
+    # -- evaluation and status ------------------------------------------------------------------------
+    def final_model_path(self, run_id: str, sha256: str) -> Path:
+        """The run's final model held here. Raises ``LookupError`` when there is none (or another)."""
+        run = self.runs.get(run_id)
+        if run is None:
+            raise LookupError(f"unknown run {run_id!r}")
+        path = run.path("outgoing.safetensors" if run.is_last else "final.safetensors")
+        if not path.exists():
+            raise LookupError(f"this site holds no final model of run {run_id}")
+        have = wire.sha256_file(path)
+        if sha256 and have != sha256:
+            raise LookupError(f"the final model held here has sha256 {have}, not {sha256}")
+        return path
+
+    def evaluate(self, run_id: str, sha256: str) -> peer_pb2.EvaluateReply:
+        """Accuracy of the run's final model on this site's test split."""
+        from fedrelay.peer.models import build_model
+        from fedrelay.peer.training import evaluate
+
+        path = self.final_model_path(run_id, sha256)
+        a = self.runs[run_id].assignment
+        started = time.time()
+        model = build_model(self._spec(a))
+        model.load_state_dict(wire.decode_state(path.read_bytes()))
+        images, labels = self._site_tensors("test", a.class_index)
+        correct, total = evaluate(model.to(self.device), images, labels, device=self.device) if len(labels) else (0, 0)
+        return peer_pb2.EvaluateReply(site=self.name, correct=correct, test_samples=total,
+                                      accuracy=correct / total if total else 0.0, seconds=time.time() - started)
+
+    def status(self) -> peer_pb2.PeerStatus:
+        st = peer_pb2.PeerStatus(name=self.name, address=self.address, device=self.device, version=__version__)
+        for run in self.runs.values():
+            st.runs.add(run_id=run.run_id, state=run.state, detail=run.detail)
+        return st
+
+    # -- helpers ----------------------------------------------------------------------------------------
+    def _site_tensors(self, split: str, class_index) -> tuple:
+        key = (split, tuple(class_index))
+        if key not in self._tensors:
+            self._tensors[key] = self.data.tensors(split, list(class_index))
+        return self._tensors[key]
+
+    def _set_state(self, run: Run, state: str, detail: str) -> None:
+        run.state, run.detail = state, detail
+        run.save()
+        log.info("run %s: %s%s", run.run_id, state, f" ({detail})" if detail else "")
+        self._report_state(run)
+
+    def _report_state(self, run: Run) -> None:
+        self._report_progress(cpb.ProgressReport(run_id=run.run_id, site=self.name, kind="state",
+                                                 state=run.state, detail=run.detail))
+
+    def _report_progress(self, report: cpb.ProgressReport) -> None:
+        """Progress is best effort: one try, never blocks the run for long."""
+        if self.coordinator is None:
+            return
+        try:
+            self.coordinator.stub.ReportProgress(report, timeout=5.0)
+        except grpc.RpcError as exc:
+            log.debug("progress report lost: %s", wire.status_message(exc))
+
+    def _report(self, method: str, request) -> None:
+        """Reports that the ledger must have are retried for up to 10 minutes."""
+        if self.coordinator is not None:
+            self.coordinator.call(method, request, retry_for=600, stop=self.stop)
+
+
+class _Duplicate(Exception):
+    pass
+
+
+_model_size_cache: dict[bytes, int] = {}
+_model_size_lock = threading.Lock()

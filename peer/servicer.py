@@ -1,0 +1,59 @@
+"""The Peer gRPC servicer: checks and translation only; the work is in ``PeerNode``.
+
+Every refusal is a gRPC status with a one-line reason; an exception in one call never stops the
+daemon from serving the next.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from fedrelay import wire
+from fedrelay.peer.node import PeerNode
+from fedrelay.peer.transfer import TransferError, model_stream
+from fedrelay.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+
+log = logging.getLogger("fedrelay.peer")
+
+
+class PeerServicer(peer_pb2_grpc.PeerServicer):
+    def __init__(self, node: PeerNode):
+        self.node = node
+
+    def Assign(self, request: peer_pb2.Assignment, context) -> peer_pb2.AssignReply:
+        try:
+            state = self.node.assign(request)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"assignment refused: {exc}")
+        return peer_pb2.AssignReply(run_id=request.run_id, state=state)
+
+    def Handoff(self, request_iterator, context) -> peer_pb2.HandoffReceipt:
+        try:
+            return self.node.handoff(request_iterator)
+        except TransferError as exc:
+            log.warning("handoff refused (%s): %s", exc.code.name, exc.message)
+            context.abort(exc.code, exc.message)
+        except OSError as exc:  # e.g. a full disk: nothing was kept
+            log.error("handoff failed: %s", exc)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot store the model: {exc}")
+
+    def GetStatus(self, request, context) -> peer_pb2.PeerStatus:
+        return self.node.status()
+
+    def Evaluate(self, request: peer_pb2.EvaluateRequest, context) -> peer_pb2.EvaluateReply:
+        try:
+            return self.node.evaluate(request.run_id, request.sha256)
+        except LookupError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]))
+
+    def FetchModel(self, request: peer_pb2.FetchModelRequest, context):
+        try:
+            path = self.node.final_model_path(request.run_id, request.sha256)
+        except LookupError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]))
+        header = common_pb2.TransferHeader(run_id=request.run_id, sender=self.node.name,
+                                           total_bytes=path.stat().st_size, sha256=wire.sha256_file(path),
+                                           purpose=common_pb2.FINAL_MODEL)
+        yield from model_stream(header, path)
