@@ -1,0 +1,164 @@
+"""The model zoo: the architectures a fedrelay run can train.
+
+Every model takes a float32 batch ``N x C x H x W`` with pixel values in ``[0, 1]``
+and returns float32 logits ``N x K`` (no softmax).  Construction draws its initial
+weights from torch's *global* RNG and never seeds it: the caller does
+``torch.manual_seed(...)`` immediately before :func:`build_model` when it needs a
+reproducible initialisation (see ``fedrelay.peer.training.run_site``).
+
+Architectures (``ARCHS``):
+
+``"cnn"``
+    A small CPU-friendly CNN (not one of the reference code's CNNs, which are
+    BN-free and sized for GPUs; implementation-notes section 1.6)::
+
+        Conv3x3(C->16, pad 1) + BatchNorm2d + ReLU + MaxPool2
+        Conv3x3(16->32, pad 1) + BatchNorm2d + ReLU + MaxPool2
+        Flatten, Linear(32*(H//4)*(W//4) -> 128) + ReLU, Linear(128 -> K)
+
+    About 0.2 M parameters for 28x28 grey images.  Needs ``H, W >= 4``.
+
+``"resnet18"``
+    ``torchvision.models.resnet18(num_classes=K)`` with the CIFAR-style stem used
+    by the reference code's ``models/resnet.py`` (implementation-notes section 1.6):
+    ``conv1 = Conv2d(C, 64, 3, stride 1, padding 1, bias=False)`` and
+    ``maxpool = Identity``.  BasicBlocks [2, 2, 2, 2], widths 64-512, adaptive
+    average pool, Linear head.  Needs ``H, W >= 9`` (the stem keeps the resolution
+    and the three strided stages divide it by 8; from 9 px on, layer4 sees at
+    least 2x2, so BatchNorm also works on a last training batch of one image).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["ARCHS", "ModelSpec", "SmallCNN", "build_model", "state_signature"]
+
+ARCHS = ("cnn", "resnet18")
+
+_MIN_SIZE = {"cnn": 4, "resnet18": 9}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to build.
+
+    Attributes:
+        arch: one of :data:`ARCHS` (``"cnn"`` or ``"resnet18"``).
+        in_channels: image channels C (1 for grey, 3 for RGB).
+        image_size: ``(H, W)`` in pixels.
+        num_classes: K, the number of output logits (>= 2).
+    """
+
+    arch: str
+    in_channels: int
+    image_size: tuple[int, int]
+    num_classes: int
+
+
+class SmallCNN(nn.Module):
+    """The ``"cnn"`` architecture (see the module docstring).
+
+    Input ``N x C x H x W`` float32, output ``N x K`` float32 logits.
+    State-dict keys: ``features.{0,1,4,5}.*`` (conv, BN, conv, BN) and
+    ``classifier.{1,3}.*`` (the two Linear layers).
+    """
+
+    def __init__(self, in_channels: int, image_size: tuple[int, int], num_classes: int):
+        super().__init__()
+        h, w = image_size
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, 16, kernel_size=3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, kernel_size=3, padding=1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(32 * (h // 4) * (w // 4), 128),
+            nn.ReLU(inplace=True),
+            nn.Linear(128, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"ModelSpec.{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"ModelSpec.{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _checked(spec: ModelSpec) -> tuple[str, int, tuple[int, int], int]:
+    if spec.arch not in ARCHS:
+        raise ValueError(f"unknown arch {spec.arch!r}; expected one of {ARCHS}")
+    channels = _check_int("in_channels", spec.in_channels, 1)
+    classes = _check_int("num_classes", spec.num_classes, 2)
+    try:
+        h, w = spec.image_size
+    except (TypeError, ValueError):
+        raise ValueError(f"ModelSpec.image_size must be (H, W), got {spec.image_size!r}") from None
+    minimum = _MIN_SIZE[spec.arch]
+    h = _check_int("image_size[0] (H)", h, minimum)
+    w = _check_int("image_size[1] (W)", w, minimum)
+    return spec.arch, channels, (h, w), classes
+
+
+def build_model(spec: ModelSpec) -> nn.Module:
+    """Build a freshly initialised model for ``spec`` on the CPU, in train mode.
+
+    Deterministic given the global torch RNG state (the caller seeds it; this
+    function never does).  The model maps float32 ``N x C x H x W`` in ``[0, 1]``
+    to float32 ``N x K`` logits.
+
+    Raises:
+        ValueError: unknown ``arch``; ``in_channels < 1``; ``num_classes < 2``;
+            ``H`` or ``W`` below 4 (``"cnn"``) or 9 (``"resnet18"``); non-int sizes.
+    """
+    arch, channels, size, classes = _checked(spec)
+    if arch == "cnn":
+        return SmallCNN(channels, size, classes)
+    # resnet18: the reference code's CIFAR ResNet-18 (3x3 stride-1 stem, no max-pool).
+    from torchvision.models import resnet18  # imported lazily: torchvision is slow to import
+
+    model = resnet18(weights=None, num_classes=classes)
+    model.conv1 = nn.Conv2d(channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    # Same initialisation torchvision applies to every other conv of the network.
+    nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+    model.maxpool = nn.Identity()
+    return model
+
+
+def state_signature(model_or_state) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Return ``{name: (shape, dtype)}`` for every state_dict entry.
+
+    Accepts an ``nn.Module`` (its ``state_dict()``) or a mapping of name to tensor
+    (e.g. a received state).  Compare the signature of a received state with
+    ``state_signature(build_model(spec))`` to validate it before loading.
+
+    Raises:
+        TypeError: the argument is neither a module nor a mapping of tensors.
+    """
+    if isinstance(model_or_state, nn.Module):
+        state = model_or_state.state_dict()
+    elif isinstance(model_or_state, Mapping):
+        state = model_or_state
+    else:
+        raise TypeError(f"expected an nn.Module or a state dict, got {type(model_or_state).__name__}")
+    signature = {}
+    for name, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"state entry {name!r} is {type(tensor).__name__}, not a tensor")
+        signature[name] = (tuple(tensor.shape), tensor.dtype)
+    return signature
