@@ -30,6 +30,7 @@ Architectures (``ARCHS``):
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -41,6 +42,10 @@ __all__ = ["ARCHS", "ModelSpec", "SmallCNN", "build_model", "state_signature"]
 ARCHS = ("cnn", "resnet18")
 
 _MIN_SIZE = {"cnn": 4, "resnet18": 9}
+
+# Held while a model is constructed, so that a seeded construction (_build_seeded) is
+# not interleaved with another thread's build_model drawing from the same global RNG.
+_BUILD_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True)
@@ -128,16 +133,30 @@ def build_model(spec: ModelSpec) -> nn.Module:
     """
     arch, channels, size, classes = _checked(spec)
     if arch == "cnn":
-        return SmallCNN(channels, size, classes)
+        with _BUILD_LOCK:
+            return SmallCNN(channels, size, classes)
     # resnet18: the reference code's CIFAR ResNet-18 (3x3 stride-1 stem, no max-pool).
     from torchvision.models import resnet18  # imported lazily: torchvision is slow to import
 
-    model = resnet18(weights=None, num_classes=classes)
-    model.conv1 = nn.Conv2d(channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
-    # Same initialisation torchvision applies to every other conv of the network.
-    nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
-    model.maxpool = nn.Identity()
+    with _BUILD_LOCK:
+        model = resnet18(weights=None, num_classes=classes)
+        model.conv1 = nn.Conv2d(channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        # Same initialisation torchvision applies to every other conv of the network.
+        nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+        model.maxpool = nn.Identity()
     return model
+
+
+def _build_seeded(spec: ModelSpec, seed: int) -> nn.Module:
+    """``torch.manual_seed(seed)`` immediately followed by :func:`build_model`.
+
+    Atomic with respect to :func:`build_model` calls in other threads of the process
+    (a daemon may build models to validate received states while a site trains), and
+    the global CPU RNG state is restored afterwards (``torch.random.fork_rng``).
+    """
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build_model(spec)
 
 
 def state_signature(model_or_state) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

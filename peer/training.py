@@ -25,10 +25,12 @@ behaviour follows the authors' code as described in implementation-notes section
 
 Determinism: given the same inputs, config and seed, every function here returns
 bit-identical states on the CPU.  Batch order comes from ``torch.Generator`` objects
-seeded with :func:`derive_seed`; the global torch RNG is only touched by
-:func:`run_site` (``torch.manual_seed(derive_seed(seed, "init"))`` right before the
-first site's model is built).  Other model constructions run inside
-``torch.random.fork_rng`` so that they leave the global RNG as they found it.
+seeded with :func:`derive_seed`.  The global torch RNG is seeded only by
+:func:`run_site`, with ``torch.manual_seed(derive_seed(seed, "init"))`` immediately
+before the first site's model is built (atomically with respect to ``build_model``
+in other threads).  Every model construction here runs inside
+``torch.random.fork_rng``, so the functions leave the caller's global RNG state as
+they found it.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .models import ModelSpec, build_model, state_signature
+from .models import ModelSpec, _build_seeded, build_model, state_signature
 
 __all__ = [
     "State",
@@ -762,7 +764,10 @@ def run_site(
     """Everything one site does (paper Algorithm 1, one iteration of the client loop).
 
     If ``m0`` is None (the first site): ``torch.manual_seed(derive_seed(seed,
-    "init"))``, build the model and :func:`warm_up` it; the warm-up state is m0.
+    "init"))``, build the model and :func:`warm_up` it; the warm-up state is m0.  The
+    seeding and construction happen inside ``torch.random.fork_rng`` (the caller's
+    global RNG state is restored) and under the model zoo's construction lock, so a
+    concurrent ``build_model`` in another thread cannot change the initialisation.
     Both strategies get the warm-up so that they spend the same local epochs (the
     reference repository has no FedSeq; implementation-notes section 1.7).  A resumed
     first site re-runs the warm-up, which is deterministic; passing the warm-up state
@@ -791,8 +796,7 @@ def run_site(
     _check_data_fits(spec, train, "train")
     _check_data_fits(spec, val, "val")
     if m0 is None:
-        torch.manual_seed(derive_seed(seed, "init"))
-        model = build_model(spec)
+        model = _build_seeded(spec, derive_seed(seed, "init"))
         m0 = warm_up(model, train, val, cfg, seed, device, on_epoch=on_epoch)
         del model
     if cfg.strategy == "fedelmy":

@@ -319,6 +319,13 @@ def test_run_site_is_deterministic():
         assert_states_equal(x, y)
     c, _ = run_site(None, SPEC, TRAIN, VAL, cfg, seed=12, device="cpu")
     assert states_differ(a, c)
+    # the first site's initialisation comes from the seed, not from the caller's global RNG,
+    # and the caller's global RNG is left as it was
+    torch.manual_seed(12345)
+    rng = torch.get_rng_state()
+    f, _ = run_site(None, SPEC, TRAIN, VAL, cfg, seed=11, device="cpu")
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert_states_equal(a, f)
     # a later site (m0 given): deterministic too, and the global RNG is left alone
     rng = torch.get_rng_state()
     d, _ = run_site(a, SPEC, TRAIN, VAL, cfg, seed=13, device="cpu")
