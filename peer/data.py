@@ -1,0 +1,350 @@
+"""A site's local image data: an ImageFolder-style folder, decoded once into memory.
+
+Layout (the same one ``coordinator split`` writes)::
+
+    root/
+      train/<class name>/<file>.png|.jpg|.jpeg     (required; at least one image overall)
+      test/<class name>/<file>.png|.jpg|.jpeg      (optional)
+
+* Extensions are matched case-insensitively (``.PNG``, ``.JPG`` ...). Any other file
+  (``.DS_Store``, ``README``, ``labels.csv`` ...) is ignored, as are hidden entries (names
+  starting with ``.``) and sub-folders *inside* a class folder (the scan is not recursive).
+* An image lying directly in ``train/`` or ``test/`` (not in a class folder) is an error:
+  the label would be unknown.
+* A class folder that is absent, or present but empty, is normal under label skew: the
+  class simply has 0 images at this site. ``class_names`` lists the classes with at least
+  one image in ``train/`` or ``test/``.
+* A missing ``test/`` folder is allowed: ``test_counts`` is then empty and
+  ``tensors("test", ...)`` returns empty tensors of shape ``(0, C, H, W)`` / ``(0,)``.
+* Images may be greyscale or colour, of any size, but every image of a site must decode to
+  the same ``(C, H, W)``. Nothing is resized: a mismatch is reported, naming the file.
+
+Colour modes (decoded with Pillow, always to 8 bits per channel):
+
+* greyscale (``L``), 1-bit (``1``) and greyscale + alpha (``LA``) -> 1 channel; the alpha
+  channel is dropped (not composited);
+* 16-bit greyscale (``I;16*``) -> 1 channel, scaled to 8 bits (``value >> 8``);
+* palette images (``P``/``PA``) -> 1 channel if every palette entry used is grey (r == g == b),
+  else 3 channels (RGB); transparency is dropped;
+* RGB -> 3 channels; RGBA/RGBX -> 3 channels, alpha dropped (not composited); CMYK, YCbCr
+  and the other colour modes -> converted to RGB;
+* 32-bit integer or float images (``I``, ``F``) are refused: convert them to 8-bit PNG.
+
+EXIF orientation tags are not applied (the pixels are used as stored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+__all__ = ["DataError", "SiteData", "IMAGE_EXTENSIONS", "load_site", "train_val_split"]
+
+IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg"})
+SPLITS = ("train", "test")
+
+
+class DataError(ValueError):
+    """A site's data folder is unusable; the message names the path, the problem and the fix."""
+
+
+@dataclass
+class SiteData:
+    """The decoded images of one site, held in memory as uint8 tensors.
+
+    Attributes:
+        root: the site folder that was loaded.
+        class_names: sorted names of the class folders holding >= 1 image in train/ or test/.
+        image_shape: ``(C, H, W)`` shared by every image of the site (C is 1 or 3).
+        train_counts / test_counts: class name -> number of images (0 allowed); both have
+            one key per entry of ``class_names``, except that ``test_counts`` is empty when
+            the site has no ``test/`` folder.
+    """
+
+    root: Path
+    class_names: list[str]
+    image_shape: tuple[int, int, int]
+    train_counts: dict[str, int]
+    test_counts: dict[str, int]
+    # Per split: images uint8 (N, C, H, W) and the position of each sample's class in
+    # class_names (int64 (N,)). Filled by load_site.
+    _images: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _local_labels: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    has_test: bool = True
+
+    def num_samples(self, split: str) -> int:
+        """Number of images in ``split`` ("train" or "test")."""
+        _check_split(split)
+        return int(self._local_labels[split].numel())
+
+    def tensors(self, split: str, class_index: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The images and labels of one split.
+
+        Args:
+            split: "train" or "test".
+            class_index: the federation-wide list of class names; a sample's label is the
+                position of its class name in this list. It may contain classes this site
+                lacks, but must contain every class of the site.
+
+        Returns:
+            ``(images, labels)``: images uint8 ``(N, C, H, W)`` (values 0..255, not
+            normalised; the tensor is shared with this object, so do not modify it in
+            place), labels int64 ``(N,)``. Order is deterministic: sorted class name, then
+            sorted file name. ``N`` may be 0 (e.g. no ``test/`` folder).
+
+        Raises:
+            DataError: the site has a class that is not in ``class_index``, or
+                ``class_index`` has duplicates.
+            ValueError: ``split`` is not "train" or "test".
+        """
+        _check_split(split)
+        class_index = list(class_index)
+        positions: dict[str, int] = {}
+        for i, name in enumerate(class_index):
+            if name in positions:
+                raise DataError(f"class_index lists class {name!r} twice; class names must be unique")
+            positions[name] = i
+        missing = [c for c in self.class_names if c not in positions]
+        if missing:
+            raise DataError(
+                f"site {self.root} has class folder(s) {missing} that are not in the federation's "
+                f"class list {class_index}; rename or remove those folders (under "
+                f"{self.root / 'train'} / {self.root / 'test'}), or add the classes to the run's "
+                f"class list"
+            )
+        lut = torch.tensor([positions[c] for c in self.class_names], dtype=torch.int64)
+        local = self._local_labels[split]
+        labels = lut[local] if local.numel() else torch.empty(0, dtype=torch.int64)
+        return self._images[split], labels
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be 'train' or 'test', not {split!r}")
+
+
+def _is_image_file(path: Path) -> bool:
+    return path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
+
+
+def _scan_split(split_dir: Path) -> dict[str, list[Path]]:
+    """class name -> sorted image paths, for the class folders directly under split_dir."""
+    try:
+        entries = sorted(split_dir.iterdir(), key=lambda p: p.name)
+    except OSError as e:
+        raise DataError(f"cannot list {split_dir}: {e}; check that it is a readable folder") from e
+    classes: dict[str, list[Path]] = {}
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            try:
+                files = sorted(
+                    (p for p in entry.iterdir() if _is_image_file(p) and p.is_file()),
+                    key=lambda p: p.name,
+                )
+            except OSError as e:
+                raise DataError(f"cannot list {entry}: {e}; check that it is a readable folder") from e
+            classes[entry.name] = files
+        elif _is_image_file(entry):
+            raise DataError(
+                f"image {entry} lies directly in {split_dir}; images must be inside one folder "
+                f"per class ({split_dir}/<class name>/{entry.name}) so that their label is known"
+            )
+    return classes
+
+
+def _palette_is_grey(im: Image.Image) -> bool:
+    """True if every palette entry the image actually uses is grey (r == g == b)."""
+    pal = im.getpalette()  # flat RGB triples
+    if not pal:
+        return False
+    pal_arr = np.asarray(pal, dtype=np.int64)
+    pal_arr = pal_arr[: (len(pal_arr) // 3) * 3].reshape(-1, 3)
+    idx = np.asarray(im)
+    used = np.unique(idx[..., 0] if idx.ndim == 3 else idx)  # PA: (H, W, 2), index first
+    used = used[used < len(pal_arr)]
+    sub = pal_arr[used]
+    return bool(np.all(sub[:, 0] == sub[:, 1]) and np.all(sub[:, 1] == sub[:, 2]))
+
+
+def _decode(path: Path) -> np.ndarray:
+    """Decode one image file to uint8 (C, H, W) with C in {1, 3}; DataError on failure."""
+    try:
+        with Image.open(path) as im:
+            im.load()
+            mode = im.mode
+            if mode in ("1", "LA", "La"):
+                im = im.convert("L")
+            elif mode.startswith("I;16"):
+                arr16 = np.asarray(im).astype(np.uint32)
+                return (arr16 >> 8).astype(np.uint8)[None]
+            elif mode in ("I", "F"):
+                raise DataError(
+                    f"image {path} has 32-bit pixels (mode {mode}); convert it to an 8-bit "
+                    f"greyscale or RGB PNG/JPEG"
+                )
+            elif mode in ("P", "PA"):
+                grey = _palette_is_grey(im)
+                rgb = np.asarray(im.convert("RGBA"), dtype=np.uint8)
+                rgb = rgb[..., :1] if grey else rgb[..., :3]
+                return np.ascontiguousarray(rgb.transpose(2, 0, 1))
+            elif mode not in ("L", "RGB"):
+                im = im.convert("RGB")
+            arr = np.asarray(im, dtype=np.uint8)
+    except DataError:
+        raise
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise DataError(
+            f"cannot read or decode image {path}: {e}; check that the file is readable and a "
+            f"valid PNG/JPEG, else replace or delete it (it may be corrupt or truncated)"
+        ) from e
+    if arr.ndim == 2:
+        return arr[None]
+    return np.ascontiguousarray(arr.transpose(2, 0, 1))
+
+
+def _shape_str(shape: Sequence[int]) -> str:
+    return "(C={}, H={}, W={})".format(*shape)
+
+
+def load_site(root: str | Path, *, expect_shape: tuple[int, int, int] | None = None) -> SiteData:
+    """Load and decode every image of a site folder into memory, once.
+
+    Args:
+        root: the site folder, holding ``train/`` and optionally ``test/`` (see module doc).
+        expect_shape: if given, the ``(C, H, W)`` every image must have (e.g. what the
+            run's model expects); images are never resized.
+
+    Returns:
+        A :class:`SiteData`; get tensors with ``site.tensors("train", class_index)``.
+
+    Raises:
+        DataError: root missing or not a folder; ``train/`` missing; no training image at
+            all; ``test`` present but not a folder; an unreadable or corrupt image; an image
+            directly in ``train/``/``test/``; an image whose (C, H, W) differs from the
+            site's first image or from ``expect_shape``. The message names the offending path.
+    """
+    root = Path(root)
+    if expect_shape is not None:
+        expect_shape = tuple(int(v) for v in expect_shape)  # type: ignore[assignment]
+        if len(expect_shape) != 3 or min(expect_shape) < 1:
+            raise ValueError(f"expect_shape must be (C, H, W) with positive entries, not {expect_shape}")
+    if not root.exists():
+        raise DataError(
+            f"site data folder {root} does not exist; pass the folder that holds train/<class>/ "
+            f"(and optionally test/<class>/) image folders"
+        )
+    if not root.is_dir():
+        raise DataError(f"site data path {root} is not a folder; pass the folder that holds train/ and test/")
+    train_dir = root / "train"
+    if not train_dir.is_dir():
+        what = "is not a folder" if train_dir.exists() else "is missing"
+        raise DataError(
+            f"{train_dir} {what}; a site folder must contain train/<class name>/ with the "
+            f"training images (and optionally test/<class name>/)"
+        )
+    test_dir = root / "test"
+    has_test = test_dir.exists()
+    if has_test and not test_dir.is_dir():
+        raise DataError(f"{test_dir} is not a folder; remove it or make it test/<class name>/ image folders")
+
+    scans = {"train": _scan_split(train_dir), "test": _scan_split(test_dir) if has_test else {}}
+    if not any(scans["train"].values()):
+        raise DataError(
+            f"no training images found under {train_dir}; put the site's training images in "
+            f"{train_dir}/<class name>/ as .png/.jpg/.jpeg files"
+        )
+    class_names = sorted({c for scan in scans.values() for c, files in scan.items() if files})
+    class_pos = {c: i for i, c in enumerate(class_names)}
+
+    shape: tuple[int, int, int] | None = None
+    reference_file: Path | None = None
+    images: dict[str, torch.Tensor] = {}
+    local_labels: dict[str, torch.Tensor] = {}
+    counts: dict[str, dict[str, int]] = {}
+    for split in SPLITS:
+        scan = scans[split]
+        paths: list[Path] = []
+        labels: list[int] = []
+        for c in class_names:
+            files = scan.get(c, [])
+            paths.extend(files)
+            labels.extend([class_pos[c]] * len(files))
+        counts[split] = {c: len(scan.get(c, [])) for c in class_names} if (split == "train" or has_test) else {}
+        buf: np.ndarray | None = None
+        for i, path in enumerate(paths):
+            arr = _decode(path)
+            if shape is None:
+                shape = tuple(arr.shape)  # type: ignore[assignment]
+                reference_file = path
+                if expect_shape is not None and shape != expect_shape:
+                    raise DataError(
+                        f"image {path} has shape {_shape_str(shape)} but the run expects "
+                        f"{_shape_str(expect_shape)}; convert/resize the site's images to "
+                        f"{expect_shape[2]}x{expect_shape[1]} with {expect_shape[0]} channel(s)"
+                    )
+            elif arr.shape != shape:
+                raise DataError(
+                    f"image {path} has shape {_shape_str(arr.shape)} but {reference_file} has "
+                    f"{_shape_str(shape)}; all images of a site must have the same size and "
+                    f"number of channels: convert/resize {path}"
+                )
+            if buf is None:
+                buf = np.empty((len(paths), *shape), dtype=np.uint8)
+            buf[i] = arr
+        if buf is None:
+            buf = np.empty((0, *(shape or (1, 1, 1))), dtype=np.uint8)
+        images[split] = torch.from_numpy(buf)
+        local_labels[split] = torch.tensor(labels, dtype=torch.int64)
+
+    assert shape is not None  # at least one training image was decoded
+    # The test split may have been allocated before the shape was known only if empty.
+    if images["test"].shape[1:] != torch.Size(shape):
+        images["test"] = torch.empty((0, *shape), dtype=torch.uint8)
+    return SiteData(
+        root=root,
+        class_names=class_names,
+        image_shape=shape,
+        train_counts=counts["train"],
+        test_counts=counts["test"],
+        _images=images,
+        _local_labels=local_labels,
+        has_test=has_test,
+    )
+
+
+def train_val_split(
+    images: torch.Tensor, labels: torch.Tensor, seed: int, val_fraction: float = 0.1
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Split a site's training samples into train and validation parts (reference protocol).
+
+    A permutation of the N samples is drawn with a ``torch.Generator`` seeded by ``seed``;
+    validation gets the first ``int(val_fraction * N)`` permuted indices and training the
+    rest (FedELMY implementation notes §1.5: "val = first int(0.1*len) indices"). With
+    N < 1 / val_fraction the validation part is empty.
+
+    Args:
+        images: tensor ``(N, ...)`` (any dtype).
+        labels: tensor ``(N,)``.
+        seed: generator seed; the same seed gives the same split.
+        val_fraction: share of samples for validation, in [0, 1).
+
+    Returns:
+        ``((train_images, train_labels), (val_images, val_labels))`` (new tensors).
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), not {val_fraction}")
+    n = int(images.shape[0])
+    if int(labels.shape[0]) != n:
+        raise ValueError(f"images has {n} samples but labels has {int(labels.shape[0])}")
+    gen = torch.Generator().manual_seed(int(seed))
+    perm = torch.randperm(n, generator=gen)
+    n_val = int(val_fraction * n)
+    val_idx, train_idx = perm[:n_val], perm[n_val:]
+    return (images[train_idx], labels[train_idx]), (images[val_idx], labels[val_idx])
