@@ -110,7 +110,8 @@ class PeerNode:
     """
 
     def __init__(self, name: str, address: str, data: SiteData, state_dir: Path, device: str,
-                 coordinator: CoordinatorLink | None, *, send_deadline: float = 1800.0):
+                 coordinator: CoordinatorLink | None, *, send_deadline: float = 1800.0,
+                 start_workers: bool = True):
         self.name = name
         self.address = address
         self.data = data
@@ -118,6 +119,7 @@ class PeerNode:
         self.device = device
         self.coordinator = coordinator
         self.send_deadline = send_deadline
+        self.start_workers = start_workers  # False: accept and store, but train nothing (tests)
         self.runs: dict[str, Run] = {}
         self._lock = threading.Lock()
         self._train_lock = threading.Lock()  # one training at a time on this site's hardware
@@ -300,6 +302,8 @@ class PeerNode:
 
     # -- the worker ---------------------------------------------------------------------------------
     def _start_worker(self, run: Run) -> None:
+        if not self.start_workers:
+            return
         threading.Thread(target=self._work, args=(run,), name=f"run-{run.run_id}", daemon=True).start()
 
     def _work(self, run: Run) -> None:

@@ -1,0 +1,33 @@
+# fedrelay: `make demo` runs the main job, `make test` the test suite. Both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Demo knobs: make demo SITES=10 SEED=0 DIRICHLET=0.5 SOURCE=/path/to/idx CHAIN_ARGS="-S 5 -E 2"
+SITES ?= 10
+SEED ?= 0
+DIRICHLET ?= 0.5
+CHAIN_ARGS ?= --models-per-site 5 --local-epochs 2 --warmup-epochs 2
+
+.PHONY: setup demo test proto clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "fedrelay needs Python >= 3.11 (set PYTHON=python3.11)")'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+demo: setup
+	$(PY) deploy/local_trial.py --sites $(SITES) --dirichlet $(DIRICHLET) --seed $(SEED) --workdir demo \
+		$(if $(SOURCE),--source $(SOURCE)) -- $(CHAIN_ARGS)
+
+test: setup
+	$(PY) -m pytest -q
+
+proto: setup
+	$(PY) -m fedrelay.protogen
+
+clean:
+	rm -rf demo .pytest_cache

@@ -1,0 +1,66 @@
+"""Chain planning and the ledger, without a network."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedrelay.coordinator.ledger import Ledger
+from fedrelay.coordinator.planner import PeerInfo, PlanError, plan_chain
+
+
+def peer(name, classes=None, shape=(1, 28, 28)):
+    classes = classes if classes is not None else {"a": (10, 5), "b": (3, 5)}
+    return PeerInfo(name=name, address=f"127.0.0.1:{hash(name) % 1000 + 2000}", classes=classes, shape=shape)
+
+
+def test_order_is_fixed_by_the_seed_not_by_registration_order():
+    peers = [peer(f"site-{i}") for i in range(6)]
+    a = plan_chain(peers, seed=3).names
+    b = plan_chain(list(reversed(peers)), seed=3).names
+    assert a == b and sorted(a) == [p.name for p in peers]
+    assert any(plan_chain(peers, seed=s).names != a for s in range(4, 10))
+
+
+def test_given_order_is_kept():
+    peers = [peer("x"), peer("y"), peer("z")]
+    assert plan_chain(peers, names=["z", "x", "y"], order="given").names == ["z", "x", "y"]
+
+
+def test_class_index_is_the_sorted_union_and_single_holders_warn():
+    peers = [peer("s1", {"cat": (5, 1), "dog": (0, 0)}), peer("s2", {"cat": (2, 1), "Dog": (4, 1)}),
+             peer("s3", {"cat": (1, 1), "bird": (3, 0)})]
+    plan = plan_chain(peers, seed=0)
+    assert plan.class_index == ["Dog", "bird", "cat"]  # an empty class folder ("dog") adds nothing
+    assert plan.model == {"arch": "cnn", "in_channels": 1, "height": 28, "width": 28, "num_classes": 3}
+    assert len(plan.warnings) == 2 and any("'Dog'" in w and "s2" in w for w in plan.warnings)
+
+
+@pytest.mark.parametrize("peers,kw,words", [
+    ([peer("a")], {}, "at least 2"),
+    ([peer("a"), peer("b", shape=(3, 28, 28))], {}, "differ"),
+    ([peer("a"), peer("b", {"x": (0, 4)})], {}, "without training images"),
+    ([peer("a"), peer("b")], {"names": ["a", "c"]}, "not registered"),
+    ([peer("a"), peer("b")], {"names": ["a", "a"]}, "more than once"),
+    ([peer("a"), peer("b")], {"arch": "vgg"}, "unknown model"),
+    ([peer("a"), peer("b")], {"order": "given"}, "--peers"),
+])
+def test_impossible_chains_are_refused_clearly(peers, kw, words):
+    with pytest.raises(PlanError, match=words):
+        plan_chain(peers, **kw)
+
+
+def test_ledger_records_each_hop_once_and_streams_events():
+    led = Ledger(":memory:")
+    led.create_run("r", strategy="fedelmy", arch="cnn", seed=1, params={}, chain=[{"name": "a", "address": "x:1"}],
+                   class_index=["c"], model={}, warnings=[], insecure=True)
+    assert led.record_hop("r", "chain", 1, "a", "b", 100, 120, "f" * 64, 1.0, 2.0)
+    assert not led.record_hop("r", "chain", 1, "a", "b", 100, 120, "f" * 64, 1.0, 2.0)  # retried report
+    assert led.record_hop("r", "final", 0, "b", "a", 100, 120, "f" * 64, 3.0, 4.0)
+    assert [h["hop"] for h in led.hops("r")] == [1]
+    first = led.add_event("r", "hop", "one")
+    led.add_event("r", "hop", "two", site="a", n=2)
+    later = led.events_after("r", first)
+    assert [e["message"] for e in later] == ["two"] and later[0]["site"] == "a"
+    assert led.finish_run("r", "finished", accuracy=0.5)
+    assert not led.finish_run("r", "failed", error="late")  # an ended run stays ended
+    assert led.run("r")["status"] == "finished"
