@@ -120,10 +120,9 @@ class LocalTrial:
         deadline = time.monotonic() + timeout
         with OperatorClient(self.coordinator) as client:
             while True:
-                for name, p in self.procs.items():
-                    if p.poll() is not None:
-                        tail = (self.logs / f"{name}.log").read_text(errors="replace")[-2000:]
-                        raise RuntimeError(f"{name} exited with code {p.returncode}:\n{tail}")
+                dead = self.dead()
+                if dead:
+                    raise RuntimeError("\n".join(dead))
                 try:
                     registered = {p.name for p in client.peers()}
                 except grpc.RpcError:
@@ -134,6 +133,35 @@ class LocalTrial:
                     raise RuntimeError(f"peers not registered after {timeout:.0f} s: "
                                        f"{sorted(set(self.names) - registered)} (see {self.logs})")
                 time.sleep(0.5)
+
+    def dead(self) -> list[str]:
+        """Daemons that have exited, each with the end of its log."""
+        out = []
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                tail = (self.logs / f"{name}.log").read_text(errors="replace")[-1500:]
+                out.append(f"{name} exited with code {p.returncode}; end of {self.logs / (name + '.log')}:\n{tail}")
+        return out
+
+    def cli_watched(self, *args: str) -> int:
+        """Run a ``coordinator`` command (output to this terminal) while watching the daemons:
+        if one of them dies, stop the command and say which one and why."""
+        cmd = subprocess.Popen([_tool("coordinator"), *args, "--coordinator", self.coordinator, "--insecure"],
+                               env=self.env)
+        try:
+            while cmd.poll() is None:
+                dead = self.dead()
+                if dead:
+                    cmd.terminate()
+                    cmd.wait()
+                    print("error: a daemon of the trial died:\n" + "\n".join(dead), file=sys.stderr)
+                    return 1
+                time.sleep(0.5)
+            return cmd.returncode
+        finally:
+            if cmd.poll() is None:
+                cmd.kill()
+                cmd.wait()
 
     def cli(self, *args: str, **kw) -> subprocess.CompletedProcess:
         """Run ``coordinator ARGS --coordinator <this trial> --insecure``."""
@@ -201,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
     started = time.monotonic()
     try:
         print(f"starting a coordinator and {len(site_dirs)} peer daemons on loopback (logs: {args.workdir / 'logs'}) ...",
@@ -210,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd = ["start-chain", "--seed", str(args.seed), "--wait", *chain_args]
             if args.json:
                 cmd.append("--json")
-            rc = trial.cli(*cmd).returncode
+            rc = trial.cli_watched(*cmd)
         print(f"stopped all processes; {time.monotonic() - started:.0f} s in all", file=sys.stderr, flush=True)
         return rc
     except KeyboardInterrupt:

@@ -26,7 +26,8 @@ def trial(three_sites, tmp_path_factory):
 
 
 def start(trial, seed: int, *extra: str) -> dict:
-    res = trial.cli("start-chain", "--seed", str(seed), "--wait", "--json", *CHAIN, *extra,
+    res = trial.cli("start-chain", "--seed", str(seed), "--peers", ",".join(trial.names), "--wait", "--json",
+                    *CHAIN, *extra,
                     capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout)
@@ -108,3 +109,18 @@ def test_bad_requests_get_clear_errors(trial):
     assert res.returncode == 1 and "unknown strategy" in res.stderr
     res = trial.cli("show", "no-such-run", capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and "unknown run" in res.stderr
+
+
+def test_unreachable_peer_is_named_and_no_run_starts(trial):
+    from fedrelay.coordinator.client import OperatorClient
+    from fedrelay.v1 import coordinator_pb2 as cpb
+
+    with OperatorClient(trial.coordinator) as c:
+        c.stub.Register(cpb.RegisterRequest(name="ghost", address="127.0.0.1:9", channels=1, height=28, width=28,
+                                            classes=[cpb.ClassCount(name="Bag", train=20, test=2)]), timeout=10)
+        before = len(c.runs())
+    res = trial.cli("start-chain", "--seed", "1", "--peers", "site-00,ghost", capture_output=True, text=True,
+                    timeout=120)
+    assert res.returncode == 1 and "ghost" in res.stderr and "not reachable" in res.stderr
+    with OperatorClient(trial.coordinator) as c:
+        assert len(c.runs()) == before
