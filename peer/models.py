@@ -30,6 +30,7 @@ Architectures (``ARCHS``):
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,7 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ARCHS", "ModelSpec", "SmallCNN", "build_model", "state_signature"]
+__all__ = ["ARCHS", "ModelSpec", "SmallCNN", "build_model", "state_signature", "expected_signature",
+           "state_bytes"]
 
 ARCHS = ("cnn", "resnet18")
 
@@ -181,3 +183,22 @@ def state_signature(model_or_state) -> dict[str, tuple[tuple[int, ...], torch.dt
             raise TypeError(f"state entry {name!r} is {type(tensor).__name__}, not a tensor")
         signature[name] = (tuple(tensor.shape), tensor.dtype)
     return signature
+
+
+@functools.lru_cache(maxsize=32)
+def expected_signature(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """:func:`state_signature` of the model ``spec`` describes, without building its weights.
+
+    The model is constructed on PyTorch's ``meta`` device (shapes and dtypes only: no memory,
+    no random numbers drawn), and the result is cached per spec, so checking a received
+    payload against the run's model costs microseconds, not a model construction.
+    Raises ``ValueError`` like :func:`build_model`.
+    """
+    with torch.device("meta"):
+        return state_signature(build_model(spec))
+
+
+def state_bytes(spec: ModelSpec) -> int:
+    """Bytes of all state entries of the model ``spec`` describes (the payload's tensor data)."""
+    return sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+               for shape, dtype in expected_signature(spec).values())

@@ -272,23 +272,18 @@ class PeerNode:
     @staticmethod
     def _payload_cap(a: peer_pb2.Assignment) -> int:
         """Largest payload accepted for a run: 4 x the model's tensor bytes + 1 MiB of header."""
-        from fedrelay.peer.models import build_model
+        from fedrelay.peer.models import state_bytes
 
-        with _model_size_lock:
-            key = a.model.SerializeToString()
-            if key not in _model_size_cache:
-                model = build_model(PeerNode._spec(a))
-                _model_size_cache[key] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        return 4 * _model_size_cache[key] + (1 << 20)
+        return 4 * state_bytes(PeerNode._spec(a)) + (1 << 20)
 
     def _check_model_bytes(self, a: peer_pb2.Assignment, data: bytes) -> None:
         """Parse a payload with safetensors and check it is the run's model. Raises ``ValueError``."""
         import torch
 
-        from fedrelay.peer.models import build_model, state_signature
+        from fedrelay.peer.models import expected_signature, state_signature
 
         state = wire.decode_state(data)
-        expected = state_signature(build_model(self._spec(a)))
+        expected = expected_signature(self._spec(a))
         got = state_signature(state)
         if set(got) != set(expected):
             extra, missing = sorted(set(got) - set(expected)), sorted(set(expected) - set(got))
@@ -490,6 +485,3 @@ class PeerNode:
 class _Duplicate(Exception):
     pass
 
-
-_model_size_cache: dict[bytes, int] = {}
-_model_size_lock = threading.Lock()

@@ -507,3 +507,15 @@ def test_run_site_rejects_bad_inputs():
     with pytest.raises(ValueError):
         run_site(None, SPEC, TRAIN, VAL, TrainConfig(strategy="x"), 1, "cpu")
 
+
+
+def test_expected_signature_matches_a_built_model_without_drawing_random_numbers():
+    from fedrelay.peer.models import expected_signature, state_bytes, state_signature
+
+    for spec in (ModelSpec("cnn", 1, (28, 28), 10), ModelSpec("resnet18", 3, (16, 16), 5)):
+        rng = torch.random.get_rng_state()
+        sig = expected_signature(spec)
+        assert torch.equal(rng, torch.random.get_rng_state())
+        built = build_model(spec).state_dict()
+        assert sig == state_signature(built)
+        assert state_bytes(spec) == sum(t.numel() * t.element_size() for t in built.values())
