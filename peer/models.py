@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 __all__ = ["ARCHS", "ModelSpec", "SmallCNN", "build_model", "state_signature", "expected_signature",
-           "state_bytes"]
+           "state_bytes", "check_state"]
 
 ARCHS = ("cnn", "resnet18")
 
@@ -202,3 +202,29 @@ def state_bytes(spec: ModelSpec) -> int:
     """Bytes of all state entries of the model ``spec`` describes (the payload's tensor data)."""
     return sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
                for shape, dtype in expected_signature(spec).values())
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    # A finite sum implies every element is finite (NaN and Inf propagate through a sum);
+    # only a non-finite sum, e.g. an overflow of huge finite values, needs the elementwise check.
+    # ~15x faster than isfinite().all() on large tensors.
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def check_state(state: Mapping[str, torch.Tensor], spec: ModelSpec) -> None:
+    """Check that ``state`` is a state of the model ``spec`` describes: the same tensor names,
+    shapes and dtypes, and no NaN or Inf in floating tensors.
+
+    Raises ``ValueError`` naming the first difference.
+    """
+    expected = expected_signature(spec)
+    got = state_signature(state)
+    if set(got) != set(expected):
+        extra, missing = sorted(set(got) - set(expected)), sorted(set(expected) - set(got))
+        raise ValueError(f"tensor names differ from the run's model (unexpected {extra[:5]}, missing {missing[:5]})")
+    for k, sig in expected.items():
+        if got[k] != sig:
+            raise ValueError(f"tensor {k!r} is {got[k]}, the run's model has {sig}")
+    for k, t in state.items():
+        if t.is_floating_point() and not _all_finite(t):
+            raise ValueError(f"tensor {k!r} holds NaN or Inf")

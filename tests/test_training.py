@@ -519,3 +519,23 @@ def test_expected_signature_matches_a_built_model_without_drawing_random_numbers
         built = build_model(spec).state_dict()
         assert sig == state_signature(built)
         assert state_bytes(spec) == sum(t.numel() * t.element_size() for t in built.values())
+
+
+def test_check_state_refuses_wrong_names_shapes_and_non_finite_values():
+    from fedrelay.peer.models import check_state
+
+    spec = ModelSpec("cnn", 1, (8, 8), 3)
+    state = build_model(spec).state_dict()
+    check_state(state, spec)
+    with pytest.raises(ValueError, match="names"):
+        check_state({**state, "extra": torch.zeros(1)}, spec)
+    key = next(k for k, v in state.items() if v.is_floating_point() and v.dim() == 2)
+    with pytest.raises(ValueError, match=key):
+        check_state({**state, key: torch.zeros(1, 1)}, spec)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = state[key].clone()
+        t[0, 0] = bad
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            check_state({**state, key: t}, spec)
+    huge = torch.full_like(state[key], 3e38)  # finite values whose sum overflows: still accepted
+    check_state({**state, key: huge}, spec)
