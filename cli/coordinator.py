@@ -11,7 +11,8 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fedrelay.cli.common import INSECURE_HELP, stop_on_sigterm, console, err_console, fail, require_insecure, setup_logging
+from fedrelay.cli.common import (INSECURE_HELP, TLS_HELP, console, err_console, fail, setup_logging, stop_on_sigterm,
+                                 transport_from)
 
 app = typer.Typer(help="fedrelay coordinator: plans chains, assigns roles, keeps the ledger.",
                   no_args_is_help=True, add_completion=False)
@@ -19,16 +20,23 @@ app = typer.Typer(help="fedrelay coordinator: plans chains, assigns roles, keeps
 COORD = typer.Option("127.0.0.1:50070", "--coordinator", "-c", envvar="FEDRELAY_COORDINATOR",
                      help="HOST:PORT of the coordinator.")
 INSECURE = typer.Option(False, "--insecure", help=INSECURE_HELP)
+TLS = typer.Option(None, "--tls", help=TLS_HELP + " Operator commands: PKI/operator.", file_okay=False)
+HOSTS = typer.Option(None, "--host", help="Host name or IP others dial this identity at (repeatable; goes in the "
+                     "certificate's SAN) \[default: localhost, 127.0.0.1, ::1].")
 
 
-def _client(address: str, insecure: bool):
-    require_insecure(insecure)
+def _client(address: str, tls: Path | None, insecure: bool):
+    transport = transport_from(tls, insecure)
     from fedrelay.coordinator.client import OperatorClient
 
-    return OperatorClient(address)
+    return OperatorClient(address, transport)
 
 
 def _rpc_fail(exc: grpc.RpcError, address: str) -> None:
+    details = exc.details() or ""
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and any(w in details for w in ("ssl", "SSL", "TLS", "Tls", "verif", "handshake")):
+        fail(f"TLS with the coordinator at {address} failed ({details}); check --tls (same CA? an insecure "
+             "coordinator?)")
     if exc.code() == grpc.StatusCode.UNAVAILABLE:
         fail(f"coordinator at {address} is not reachable ({exc.details()}); is `coordinator serve` running?")
     fail(exc.details() or exc.code().name)
@@ -38,18 +46,19 @@ def _rpc_fail(exc: grpc.RpcError, address: str) -> None:
 def serve(
     listen: str = typer.Option("127.0.0.1:50070", "--listen", help="HOST:PORT to listen on."),
     db: Path = typer.Option(Path("fedrelay-ledger.sqlite"), "--db", help="SQLite ledger file."),
+    tls: Path = typer.Option(None, "--tls", help=TLS_HELP + " Here: PKI/coordinator.", file_okay=False),
     insecure: bool = INSECURE,
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Run the coordinator (ledger: SQLite at --db)."""
-    require_insecure(insecure)
+    transport = transport_from(tls, insecure)
     setup_logging(verbose, prefix="[coordinator] ")
     stop_on_sigterm()
     from fedrelay.coordinator.service import serve as run_service
 
     try:
-        run_service(listen, db, insecure=insecure)
-    except RuntimeError as exc:
+        run_service(listen, db, transport=transport)
+    except (RuntimeError, ValueError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
         pass
@@ -74,12 +83,13 @@ def start_chain(
     model: str = typer.Option("cnn", "--model", help="cnn | resnet18"),
     wait: bool = typer.Option(False, "--wait", help="Follow the run until it ends and print its summary."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (with --wait: the run summary)."),
+    tls: Path = TLS,
     insecure: bool = INSECURE,
 ) -> None:
     """Start a one-shot chain over the registered peers."""
     from fedrelay.v1 import common_pb2
 
-    client = _client(coordinator, insecure)
+    client = _client(coordinator, tls, insecure)
     params = common_pb2.TrainingParams(
         strategy=strategy, models_per_site=models_per_site, local_epochs=local_epochs,
         warmup_epochs=warmup_epochs, alpha=alpha, beta=beta, lr=lr, batch_size=batch_size,
@@ -178,9 +188,9 @@ def render_summary(s: dict) -> None:
 
 @app.command()
 def show(run_id: str, coordinator: str = COORD, as_json: bool = typer.Option(False, "--json"),
-         insecure: bool = INSECURE) -> None:
+         tls: Path = TLS, insecure: bool = INSECURE) -> None:
     """Show one run: order, hops, bytes, final accuracy (works while it runs)."""
-    with _client(coordinator, insecure) as client:
+    with _client(coordinator, tls, insecure) as client:
         try:
             s = client.run(run_id)
         except grpc.RpcError as exc:
@@ -192,9 +202,10 @@ def show(run_id: str, coordinator: str = COORD, as_json: bool = typer.Option(Fal
 
 
 @app.command()
-def runs(coordinator: str = COORD, as_json: bool = typer.Option(False, "--json"), insecure: bool = INSECURE) -> None:
+def runs(coordinator: str = COORD, as_json: bool = typer.Option(False, "--json"), tls: Path = TLS,
+         insecure: bool = INSECURE) -> None:
     """List the runs in the ledger."""
-    with _client(coordinator, insecure) as client:
+    with _client(coordinator, tls, insecure) as client:
         try:
             all_runs = client.runs()
         except grpc.RpcError as exc:
@@ -212,11 +223,11 @@ def runs(coordinator: str = COORD, as_json: bool = typer.Option(False, "--json")
 
 
 @app.command()
-def peers(coordinator: str = COORD, insecure: bool = INSECURE) -> None:
+def peers(coordinator: str = COORD, tls: Path = TLS, insecure: bool = INSECURE) -> None:
     """List the registered peers."""
     import time
 
-    with _client(coordinator, insecure) as client:
+    with _client(coordinator, tls, insecure) as client:
         try:
             records = client.peers()
         except grpc.RpcError as exc:
@@ -233,9 +244,9 @@ def peers(coordinator: str = COORD, insecure: bool = INSECURE) -> None:
 
 @app.command("fetch-model")
 def fetch_model(run_id: str, out: Path = typer.Option(..., "-o", "--out", help="Where to write the safetensors file."),
-                coordinator: str = COORD, insecure: bool = INSECURE) -> None:
+                coordinator: str = COORD, tls: Path = TLS, insecure: bool = INSECURE) -> None:
     """Download a finished run's final model (safetensors), verified against its SHA-256."""
-    with _client(coordinator, insecure) as client:
+    with _client(coordinator, tls, insecure) as client:
         try:
             sha, size = client.fetch_model(run_id, out)
         except grpc.RpcError as exc:
@@ -243,6 +254,42 @@ def fetch_model(run_id: str, out: Path = typer.Option(..., "-o", "--out", help="
         except ValueError as exc:
             fail(str(exc))
     console.print(f"wrote {out} ({size:,} bytes, sha256 {sha})", highlight=False)
+
+
+@app.command("init-ca")
+def init_ca(
+    out: Path = typer.Option(..., "--out", help="PKI folder to create: ca/, coordinator/, operator/."),
+    host: list[str] = HOSTS,
+) -> None:
+    """Create the federation's CA, the coordinator's identity (OUT/coordinator) and the operator's (OUT/operator)."""
+    from fedrelay.coordinator.pki import DEFAULT_HOSTS, PKIError, init_ca as do_init
+
+    try:
+        do_init(out, hosts=host or DEFAULT_HOSTS)
+    except (PKIError, OSError) as exc:
+        fail(str(exc))
+    console.print(f"CA in {out / 'ca'} (keep ca-key.pem private); identities: {out / 'coordinator'} "
+                  f"(coordinator serve --tls), {out / 'operator'} (operator commands --tls)", highlight=False)
+
+
+@app.command()
+def enroll(
+    name: str = typer.Argument(..., help="The site's name: its identity, and what it passes as `peer serve --name`."),
+    ca: Path = typer.Option(..., "--ca", help="The PKI folder made by init-ca."),
+    out: Path = typer.Option(..., "--out", help="Folder to write key.pem (0600), cert.pem, ca.pem to."),
+    host: list[str] = HOSTS,
+    days: int = typer.Option(825, "--days", help="Validity of the certificate in days."),
+) -> None:
+    """Issue a key and certificate for one site (give the folder to the site; --tls DIR for `peer serve`)."""
+    from fedrelay.coordinator.pki import DEFAULT_HOSTS, PKIError, enroll as do_enroll
+
+    if days < 1:
+        fail("--days must be >= 1")
+    try:
+        do_enroll(name, ca, out, hosts=host or DEFAULT_HOSTS, days=days)
+    except (PKIError, OSError) as exc:
+        fail(str(exc))
+    console.print(f"enrolled {name}: {out} (key.pem, cert.pem, ca.pem)", highlight=False)
 
 
 @app.command("split-dataset")

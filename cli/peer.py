@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from fedrelay.cli.common import INSECURE_HELP, stop_on_sigterm, fail, require_insecure, setup_logging
+from fedrelay.cli.common import INSECURE_HELP, TLS_HELP, fail, setup_logging, stop_on_sigterm, transport_from
 
 app = typer.Typer(help="fedrelay peer: one daemon per site (institution).", no_args_is_help=True,
                   add_completion=False)
@@ -27,11 +27,15 @@ def serve(
     state_dir: Path = typer.Option(None, "--state-dir", help="Where runs and models are kept \\[default: ./.fedrelay/<name>]."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda:N"),
     advertise: str = typer.Option(None, "--advertise", help="HOST:PORT other sites use to reach this peer \\[default: the listen address]."),
+    tls: Path = typer.Option(None, "--tls", help=TLS_HELP + " Here: the folder `coordinator enroll NAME` wrote.",
+                             file_okay=False),
     insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
+    stall_timeout: float = typer.Option(60.0, "--stall-timeout",
+                                        help="Seconds a sender may send nothing before its handoff is dropped."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Serve a site: receive models from the predecessor, train the model pool, send to the successor."""
-    require_insecure(insecure)
+    transport = transport_from(tls, insecure)
     setup_logging(verbose, prefix=f"[{name}] ")
     stop_on_sigterm()
     from fedrelay.peer.daemon import serve as run_daemon
@@ -39,7 +43,8 @@ def serve(
 
     try:
         run_daemon(data_dir=data, name=name, listen=listen, coordinator=coordinator,
-                   state_dir=state_dir or Path(".fedrelay") / name, device=device, advertise=advertise)
+                   state_dir=state_dir or Path(".fedrelay") / name, device=device, advertise=advertise,
+                   transport=transport, stall_timeout=stall_timeout)
     except (DataError, ValueError, RuntimeError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -49,10 +54,12 @@ def serve(
 @app.command()
 def status(
     peer: str = typer.Option(..., "--peer", help="HOST:PORT of a peer daemon."),
+    tls: Path = typer.Option(None, "--tls", help=TLS_HELP + " Peers answer only the coordinator's identity "
+                             "(PKI/coordinator).", file_okay=False),
     insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
 ) -> None:
     """Ask a peer daemon for its state and runs."""
-    require_insecure(insecure)
+    transport = transport_from(tls, insecure)
     import grpc
     from rich.table import Table
 
@@ -61,7 +68,7 @@ def status(
     from fedrelay.v1 import peer_pb2, peer_pb2_grpc
 
     try:
-        with wire.insecure_channel(peer) as ch:
+        with transport.channel(peer) as ch:
             st = peer_pb2_grpc.PeerStub(ch).GetStatus(peer_pb2.StatusRequest(), timeout=wire.CONTROL_TIMEOUT)
     except grpc.RpcError as exc:
         fail(f"peer at {peer}: {wire.status_message(exc)}")

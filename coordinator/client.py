@@ -53,11 +53,12 @@ def summary_dict(s: cpb.RunSummary) -> dict:
 
 
 class OperatorClient:
-    """Calls to a coordinator at ``address``. Methods raise ``grpc.RpcError`` on refusal."""
+    """Calls to a coordinator at ``address`` over ``transport`` (mutual TLS with the operator's
+    identity, or insecure). Methods raise ``grpc.RpcError`` on refusal."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, transport: wire.Transport = wire.INSECURE):
         self.address = address
-        self._channel = wire.insecure_channel(address)
+        self._channel = transport.channel(address, expect=wire.COORDINATOR_IDENTITY)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     def close(self) -> None:

@@ -1,6 +1,13 @@
 """The coordinator daemon: gRPC servicer over the ledger, chain start-up, final evaluation.
 
-The coordinator assigns roles and records; it never sits on the chain's path. After the last
+The coordinator assigns roles and records; it never sits on the chain's path.
+
+Authorization (mutual TLS; identity = the caller's certificate name, never a message field):
+peers' calls (Register, Report*) only from site identities, each only as itself (``name``,
+``sender`` or ``site`` must equal the certificate name); operator calls (StartChain, WatchRun,
+GetRun, ListRuns, ListPeers, FetchModel) only from the ``operator`` or ``coordinator`` identity.
+Refusals are PERMISSION_DENIED. On an insecure (plaintext) coordinator there are no identities
+and only the ledger's name checks apply. After the last
 site reports the final model (which it has already copied to every site), the coordinator asks
 each site to evaluate it on its own test split, and records per-site and global accuracy.
 """
@@ -55,15 +62,40 @@ def check_params(p: common_pb2.TrainingParams) -> None:
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, ledger: Ledger, *, insecure: bool = True, peer_timeout: float = 10.0):
+    def __init__(self, ledger: Ledger, *, transport: wire.Transport = wire.INSECURE, peer_timeout: float = 10.0):
         self.ledger = ledger
-        self.insecure = insecure
+        self.transport = transport
+        self.insecure = not transport.secure
         self.peer_timeout = peer_timeout
         self._eval_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="evaluate")
         self._run_locks: dict[str, threading.Lock] = {}
 
+    # -- authorization ---------------------------------------------------------------------------
+    def _as_site(self, context, claimed: str) -> None:
+        """Abort with PERMISSION_DENIED unless the caller is the site ``claimed`` (TLS only)."""
+        who = wire.caller_identity(context)
+        if who is None:
+            return
+        if who in (wire.COORDINATOR_IDENTITY, wire.OPERATOR_IDENTITY):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the {who} identity cannot act as a site")
+        if who != claimed:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"certificate identity {who!r} cannot register or report as {claimed!r}")
+
+    def _as_operator(self, context) -> None:
+        """Abort with PERMISSION_DENIED unless the caller is the operator or coordinator (TLS only)."""
+        who = wire.caller_identity(context)
+        if who is not None and who not in (wire.OPERATOR_IDENTITY, wire.COORDINATOR_IDENTITY):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{who!r} is a site identity; only the operator may call this")
+
+    def _peer_channel(self, site: dict | PeerInfo | common_pb2.SiteRef) -> grpc.Channel:
+        name, address = (site["name"], site["address"]) if isinstance(site, dict) else (site.name, site.address)
+        return self.transport.channel(address, expect=name)
+
     # -- peers' calls ----------------------------------------------------------------------------
     def Register(self, request: cpb.RegisterRequest, context) -> cpb.RegisterReply:
+        self._as_site(context, request.name)
         if not request.name or not request.address:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name and address are required")
         try:
@@ -87,6 +119,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{site!r} is not a site of run {run['run_id']}")
 
     def ReportHop(self, request: cpb.HopReport, context) -> cpb.ReportReply:
+        self._as_site(context, request.sender)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.sender, context)
         purpose = PURPOSES.get(request.purpose)
@@ -111,6 +144,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return cpb.ReportReply(duplicate=not new)
 
     def ReportProgress(self, request: cpb.ProgressReport, context) -> cpb.ReportReply:
+        self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.site, context)
         if request.kind == "epoch":
@@ -135,6 +169,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return cpb.ReportReply()
 
     def ReportFinal(self, request: cpb.FinalReport, context) -> cpb.ReportReply:
+        self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
         last = run["chain"][-1]["name"]
         if request.site != last:
@@ -151,6 +186,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return cpb.ReportReply()
 
     def ReportFailure(self, request: cpb.FailureReport, context) -> cpb.ReportReply:
+        self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.site, context)
         self._fail(request.run_id, f"{request.site}: {request.error}", site=request.site)
@@ -168,7 +204,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
         def one(site: dict) -> None:
             try:
-                with wire.insecure_channel(site["address"]) as ch:
+                with self._peer_channel(site) as ch:
                     reply = peer_pb2_grpc.PeerStub(ch).Evaluate(
                         peer_pb2.EvaluateRequest(run_id=run_id, sha256=sha), timeout=wire.EVALUATE_TIMEOUT)
                 results[site["name"]] = reply
@@ -196,6 +232,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     # -- operator calls ---------------------------------------------------------------------------
     def StartChain(self, request: cpb.StartChainRequest, context) -> cpb.StartChainReply:
+        self._as_operator(context)
         peers = [
             PeerInfo(name=p["name"], address=p["address"],
                      classes={c["name"]: (c["train"], c["test"]) for c in p["classes"]},
@@ -211,7 +248,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         unreachable = []
         for p in plan.order:
             try:
-                with wire.insecure_channel(p.address) as ch:
+                with self._peer_channel(p) as ch:
                     st = peer_pb2_grpc.PeerStub(ch).GetStatus(peer_pb2.StatusRequest(), timeout=self.peer_timeout)
                 if st.name != p.name:
                     unreachable.append(f"{p.name} at {p.address} answers as {st.name!r}")
@@ -248,7 +285,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             else:
                 a.final_recipients.extend(refs[:-1])
             try:
-                with wire.insecure_channel(refs[pos].address) as ch:
+                with self._peer_channel(refs[pos]) as ch:
                     peer_pb2_grpc.PeerStub(ch).Assign(a, timeout=wire.CONTROL_TIMEOUT)
             except grpc.RpcError as exc:
                 error = f"assignment refused by {refs[pos].name}: {wire.status_message(exc)}"
@@ -258,6 +295,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return cpb.StartChainReply(run_id=run_id, order=plan.names, warnings=plan.warnings)
 
     def WatchRun(self, request: cpb.WatchRunRequest, context):
+        self._as_operator(context)
         if self.ledger.run(request.run_id) is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {request.run_id!r}")
         seq = request.after_seq
@@ -273,15 +311,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self.ledger.wait_for_events(1.0)
 
     def GetRun(self, request: cpb.GetRunRequest, context) -> cpb.RunSummary:
+        self._as_operator(context)
         summary = self.summary(request.run_id)
         if summary is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {request.run_id!r}")
         return summary
 
     def ListRuns(self, request, context) -> cpb.ListRunsReply:
+        self._as_operator(context)
         return cpb.ListRunsReply(runs=[self.summary(r) for r in self.ledger.run_ids()])
 
     def ListPeers(self, request, context) -> cpb.ListPeersReply:
+        self._as_operator(context)
         out = cpb.ListPeersReply()
         for p in self.ledger.peers():
             out.peers.add(name=p["name"], address=p["address"], channels=p["channels"] or 0,
@@ -291,6 +332,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return out
 
     def FetchModel(self, request: peer_pb2.FetchModelRequest, context):
+        self._as_operator(context)
         run = self.ledger.run(request.run_id)
         if run is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {request.run_id!r}")
@@ -298,7 +340,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id} has no final model yet")
         last = run["chain"][-1]
         try:
-            with wire.insecure_channel(last["address"]) as ch:
+            with self._peer_channel(last) as ch:
                 stream = peer_pb2_grpc.PeerStub(ch).FetchModel(
                     peer_pb2.FetchModelRequest(run_id=request.run_id, sha256=run["final_sha256"]),
                     timeout=wire.transfer_timeout(run["model_bytes"] or 0))
@@ -333,15 +375,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return s
 
 
-def serve(listen: str, db: str | Path, *, insecure: bool = True, ready: threading.Event | None = None,
+def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: threading.Event | None = None,
           stop: threading.Event | None = None) -> None:
-    """Run the coordinator until ``stop`` is set (or forever). Raises ``RuntimeError`` if it cannot bind."""
+    """Run the coordinator until ``stop`` is set (or forever), with mutual TLS unless ``transport``
+    is insecure (then every run it starts is recorded as insecure). Raises ``RuntimeError`` if it
+    cannot bind, ``ValueError`` if a TLS identity is not the coordinator's."""
+    if transport.secure and transport.identity != wire.COORDINATOR_IDENTITY:
+        raise ValueError(f"--tls {transport.source}: this is the identity {transport.identity!r}, "
+                         f"not {wire.COORDINATOR_IDENTITY!r} (use PKI/coordinator from `coordinator init-ca`)")
     ledger = Ledger(db)
-    service = CoordinatorService(ledger, insecure=insecure)
-    server, port = wire.make_server(listen)
+    service = CoordinatorService(ledger, transport=transport)
+    server, port = wire.make_server(listen, transport=transport)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     server.start()
-    log.info("coordinator %s listening on %s, ledger %s", __version__, wire.with_port(listen, port), db)
+    log.info("coordinator %s listening on %s (%s), ledger %s", __version__, wire.with_port(listen, port),
+             "mutual TLS" if transport.secure else "INSECURE plaintext", db)
     if ready is not None:
         ready.set()
     stop = stop or threading.Event()

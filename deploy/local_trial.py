@@ -11,6 +11,10 @@ This is what ``make demo`` runs::
 Everything after ``--`` goes to ``coordinator start-chain`` (e.g. ``-- --strategy fedseq -S 3``).
 Logs of every process are in ``<workdir>/logs``; the ledger is ``<workdir>/ledger.sqlite``; each
 site's state dir (received, pool and outgoing models) is ``<workdir>/state/<site>``.
+
+Every channel uses mutual TLS: the launcher makes a fresh PKI in ``<workdir>/pki`` with the real
+CLI (``coordinator init-ca``, then ``coordinator enroll <site>`` per site into
+``<workdir>/pki/sites/<site>``). ``--insecure`` runs everything in plaintext instead.
 """
 
 from __future__ import annotations
@@ -77,7 +81,11 @@ def ensure_fashion_mnist(source: Path | None) -> None:
 class LocalTrial:
     """A coordinator and peers as subprocesses on 127.0.0.1. Use as a context manager."""
 
-    def __init__(self, workdir: Path, site_dirs: list[Path], *, device: str = "cpu", env: dict | None = None):
+    def __init__(self, workdir: Path, site_dirs: list[Path], *, device: str = "cpu", env: dict | None = None,
+                 insecure: bool = False, peer_args: list[str] | None = None):
+        self.insecure = insecure
+        self.peer_args = list(peer_args or [])
+        self.pki = Path(workdir) / "pki"
         self.workdir = Path(workdir)
         self.site_dirs = site_dirs
         self.device = device
@@ -89,6 +97,30 @@ class LocalTrial:
     @property
     def names(self) -> list[str]:
         return [d.name for d in self.site_dirs]
+
+    def site_tls(self, name: str) -> Path:
+        """The --tls folder of site ``name``."""
+        return self.pki / "sites" / name
+
+    def security_args(self, identity: str = "operator") -> list[str]:
+        """``--tls <pki>/<identity>`` (operator or coordinator), or ``--insecure``."""
+        return ["--insecure"] if self.insecure else ["--tls", str(self.pki / identity)]
+
+    def transport(self, identity: str = "operator"):
+        """A ``fedrelay.wire.Transport`` with the operator's (or coordinator's) identity."""
+        from fedrelay.wire import Transport
+
+        return Transport.insecure() if self.insecure else Transport.from_dir(self.pki / identity)
+
+    def make_pki(self) -> None:
+        """A fresh CA and identities, through the real CLI (init-ca, enroll per site)."""
+        shutil.rmtree(self.pki, ignore_errors=True)
+        steps = [["init-ca", "--out", str(self.pki)]]
+        steps += [["enroll", n, "--ca", str(self.pki), "--out", str(self.site_tls(n))] for n in self.names]
+        for step in steps:
+            res = subprocess.run([_tool("coordinator"), *step], env=self.env, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"coordinator {' '.join(step)} failed: {res.stderr.strip()}")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -103,13 +135,16 @@ class LocalTrial:
         for f in ("ledger.sqlite", "ledger.sqlite-wal", "ledger.sqlite-shm"):
             (self.workdir / f).unlink(missing_ok=True)
         shutil.rmtree(self.logs, ignore_errors=True)
+        if not self.insecure:
+            self.make_pki()
         self._spawn("coordinator", [_tool("coordinator"), "serve", "--listen", self.coordinator,
-                                    "--db", str(self.workdir / "ledger.sqlite"), "--insecure"])
+                                    "--db", str(self.workdir / "ledger.sqlite"), *self.security_args("coordinator")])
         for d in self.site_dirs:
+            sec = ["--insecure"] if self.insecure else ["--tls", str(self.site_tls(d.name))]
             self._spawn(d.name, [_tool("peer"), "serve", "--data", str(d), "--name", d.name,
                                  "--listen", "127.0.0.1:0", "--coordinator", self.coordinator,
                                  "--state-dir", str(self.workdir / "state" / d.name),
-                                 "--device", self.device, "--insecure"])
+                                 "--device", self.device, *sec, *self.peer_args])
         self.wait_registered(timeout)
 
     def wait_registered(self, timeout: float) -> None:
@@ -118,7 +153,7 @@ class LocalTrial:
         import grpc
 
         deadline = time.monotonic() + timeout
-        with OperatorClient(self.coordinator) as client:
+        with OperatorClient(self.coordinator, self.transport()) as client:
             while True:
                 dead = self.dead()
                 if dead:
@@ -146,8 +181,8 @@ class LocalTrial:
     def cli_watched(self, *args: str) -> int:
         """Run a ``coordinator`` command (output to this terminal) while watching the daemons:
         if one of them dies, stop the command and say which one and why."""
-        cmd = subprocess.Popen([_tool("coordinator"), *args, "--coordinator", self.coordinator, "--insecure"],
-                               env=self.env)
+        cmd = subprocess.Popen([_tool("coordinator"), *args, "--coordinator", self.coordinator,
+                                *self.security_args()], env=self.env)
         try:
             while cmd.poll() is None:
                 dead = self.dead()
@@ -164,9 +199,10 @@ class LocalTrial:
                 cmd.wait()
 
     def cli(self, *args: str, **kw) -> subprocess.CompletedProcess:
-        """Run ``coordinator ARGS --coordinator <this trial> --insecure``."""
-        return subprocess.run([_tool("coordinator"), *args, "--coordinator", self.coordinator, "--insecure"],
-                              env=self.env, **kw)
+        """Run ``coordinator ARGS --coordinator <this trial>`` with ``--tls <pki>/operator`` (or
+        ``--insecure`` for an insecure trial)."""
+        return subprocess.run([_tool("coordinator"), *args, "--coordinator", self.coordinator,
+                               *self.security_args()], env=self.env, **kw)
 
     def stop(self) -> None:
         for p in self.procs.values():
@@ -207,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-train-per-site", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="peers' --device (default cpu)")
     ap.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    ap.add_argument("--insecure", action="store_true",
+                    help="plaintext gRPC everywhere instead of mutual TLS with a PKI made in <workdir>/pki")
     args = ap.parse_args(argv)
 
     ensure_fashion_mnist(args.source)
@@ -232,9 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
     started = time.monotonic()
     try:
-        print(f"starting a coordinator and {len(site_dirs)} peer daemons on loopback (logs: {args.workdir / 'logs'}) ...",
-              flush=True)
-        with LocalTrial(args.workdir, site_dirs, device=args.device) as trial:
+        how = "plaintext (--insecure)" if args.insecure else f"mutual TLS, PKI in {args.workdir / 'pki'}"
+        print(f"starting a coordinator and {len(site_dirs)} peer daemons on loopback, {how} "
+              f"(logs: {args.workdir / 'logs'}) ...", flush=True)
+        with LocalTrial(args.workdir, site_dirs, device=args.device, insecure=args.insecure) as trial:
             print(f"all {len(site_dirs)} peers registered with the coordinator at {trial.coordinator}", flush=True)
             cmd = ["start-chain", "--seed", str(args.seed), "--wait", *chain_args]
             if args.json:

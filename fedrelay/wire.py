@@ -10,6 +10,12 @@ move ~3x faster than 64 KiB ones; gRPC's default 4 MiB receive cap must not deci
   ``transfer_timeout(n)`` for streams (a floor plus time for ``n`` bytes at a pessimistic
   ``MIN_TRANSFER_RATE``), ``EVALUATE_TIMEOUT`` for evaluation of a site's test split.
 
+Transport security is set up here and nowhere else: a ``Transport`` is either mutual TLS from a
+``--tls DIR`` folder (``key.pem``, ``cert.pem``, ``ca.pem``; see ``coordinator/pki.py``) or
+explicitly insecure (plaintext), and every server (``make_server``) and channel
+(``Transport.channel``) of both daemons and the CLI is made from one. ``caller_identity``
+gives a server the certificate name of the caller.
+
 Models are exchanged as safetensors only (``encode_state``/``decode_state``): nothing received
 is ever unpickled or passed to ``torch.load``.
 """
@@ -51,13 +57,125 @@ def transfer_timeout(total_bytes: int) -> float:
     return TRANSFER_FLOOR + total_bytes / MIN_TRANSFER_RATE
 
 
+# ---------------------------------------------------------------------------------------------
+# Transport security
+
+KEY_FILE, CERT_FILE, CA_FILE = "key.pem", "cert.pem", "ca.pem"
+COORDINATOR_IDENTITY = "coordinator"
+OPERATOR_IDENTITY = "operator"
+
+
+class TransportError(ValueError):
+    """A ``--tls`` folder that cannot be used (missing file, bad PEM, key not matching...)."""
+
+
+class Transport:
+    """How a process talks gRPC: mutual TLS with its own identity, or plaintext.
+
+    ``Transport.from_dir(DIR)`` reads ``DIR/key.pem`` (private key), ``DIR/cert.pem`` (this
+    identity's certificate) and ``DIR/ca.pem`` (the federation's CA); servers then require a
+    client certificate from that CA (``require_client_auth``), and clients present theirs and
+    verify the server's. ``Transport.insecure()`` is plaintext: no identities at all.
+    """
+
+    def __init__(self, *, key: bytes | None = None, cert: bytes | None = None, ca: bytes | None = None,
+                 identity: str | None = None, source: str = ""):
+        self.key, self.cert, self.ca = key, cert, ca
+        self.identity = identity
+        self.source = source
+
+    @property
+    def secure(self) -> bool:
+        return self.cert is not None
+
+    @classmethod
+    def insecure(cls) -> "Transport":
+        return cls(source="insecure")
+
+    @classmethod
+    def from_dir(cls, folder: str | Path) -> "Transport":
+        """Mutual TLS from a folder made by ``coordinator init-ca``/``enroll``.
+
+        Raises ``TransportError`` when a file is missing or unreadable, is not PEM, the key does
+        not belong to the certificate, or the certificate is expired or not yet valid.
+        """
+        import datetime as dt
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.x509.oid import NameOID
+
+        folder = Path(folder)
+        blobs = {}
+        for name in (KEY_FILE, CERT_FILE, CA_FILE):
+            try:
+                blobs[name] = (folder / name).read_bytes()
+            except OSError as exc:
+                raise TransportError(f"--tls {folder}: cannot read {name} ({exc.strerror}); expected "
+                                     f"{KEY_FILE}, {CERT_FILE} and {CA_FILE} as written by "
+                                     "`coordinator init-ca` / `coordinator enroll`") from exc
+        try:
+            cert = x509.load_pem_x509_certificate(blobs[CERT_FILE])
+            x509.load_pem_x509_certificates(blobs[CA_FILE])
+            key = serialization.load_pem_private_key(blobs[KEY_FILE], password=None)
+        except (ValueError, TypeError) as exc:
+            raise TransportError(f"--tls {folder}: not a PEM key/certificate: {exc}") from exc
+        pub = serialization.PublicFormat.SubjectPublicKeyInfo
+        if key.public_key().public_bytes(serialization.Encoding.PEM, pub) != \
+                cert.public_key().public_bytes(serialization.Encoding.PEM, pub):
+            raise TransportError(f"--tls {folder}: {KEY_FILE} is not the key of {CERT_FILE}")
+        now = dt.datetime.now(dt.timezone.utc)
+        if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+            raise TransportError(f"--tls {folder}: {CERT_FILE} is valid from {cert.not_valid_before_utc} to "
+                                 f"{cert.not_valid_after_utc} only; enrol again")
+        cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        if not cns:
+            raise TransportError(f"--tls {folder}: {CERT_FILE} has no common name (identity)")
+        return cls(key=blobs[KEY_FILE], cert=blobs[CERT_FILE], ca=blobs[CA_FILE], identity=str(cns[0].value),
+                   source=str(folder))
+
+    def channel(self, address: str, expect: str | None = None) -> grpc.Channel:
+        """A channel to ``HOST:PORT`` with fedrelay's limits and keepalive.
+
+        With TLS, the server's certificate must come from the CA and name ``expect`` (an identity:
+        a site name or ``coordinator``) when given, else the host in ``address``.
+        """
+        if not self.secure:
+            return grpc.insecure_channel(address, options=_OPTIONS)
+        creds = grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                             certificate_chain=self.cert)
+        options = list(_OPTIONS)
+        if expect:
+            options.append(("grpc.ssl_target_name_override", expect))
+        return grpc.secure_channel(address, creds, options=options)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=True)
+
+
+INSECURE = Transport.insecure()
+
+
+def caller_identity(context) -> str | None:
+    """The certificate name (CN) of the caller of a server call, or ``None`` on a plaintext
+    server (no identities). On a TLS server every caller has one (client certificates are
+    required)."""
+    ctx = context.auth_context() or {}
+    if ctx.get("transport_security_type") != [b"ssl"]:
+        return None
+    names = ctx.get("x509_common_name") or []
+    return names[0].decode() if names else ""
+
+
 def insecure_channel(address: str) -> grpc.Channel:
-    """A plaintext channel to ``HOST:PORT`` with fedrelay's message limits and keepalive."""
+    """A plaintext channel to ``HOST:PORT`` (``INSECURE.channel``)."""
     return grpc.insecure_channel(address, options=_OPTIONS)
 
 
-def make_server(listen: str, max_workers: int = 16) -> tuple[grpc.Server, int]:
-    """A gRPC server bound (plaintext) to ``listen`` (``HOST:PORT``; port 0 picks a free one).
+def make_server(listen: str, max_workers: int = 16, transport: Transport = INSECURE) -> tuple[grpc.Server, int]:
+    """A gRPC server bound to ``listen`` (``HOST:PORT``; port 0 picks a free one), with mutual TLS
+    when ``transport`` is secure (daemons always pass theirs; the default is plaintext).
 
     Returns (server, bound port). Raises ``RuntimeError`` when the address cannot be bound.
     """
@@ -65,7 +183,10 @@ def make_server(listen: str, max_workers: int = 16) -> tuple[grpc.Server, int]:
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_SERVER_OPTIONS)
     try:
-        port = server.add_insecure_port(listen)
+        if transport.secure:
+            port = server.add_secure_port(listen, transport.server_credentials())
+        else:
+            port = server.add_insecure_port(listen)
     except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ...")
         raise RuntimeError(f"cannot listen on {listen}: {exc}") from exc
     if port == 0:
@@ -120,7 +241,10 @@ def decode_state(data: bytes) -> dict:
 
     try:
         return load(bytes(data))
-    except (SafetensorError, Exception) as exc:  # the Rust parser raises several error types
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except (SafetensorError, BaseException) as exc:  # the Rust parser raises several error types,
+        # and a Rust panic surfaces as pyo3's PanicException, a BaseException
         raise ValueError(f"not a valid safetensors payload: {exc}") from exc
 
 

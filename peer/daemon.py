@@ -10,7 +10,7 @@ import grpc
 
 from fedrelay import __version__, wire
 from fedrelay.peer.data import SiteData, load_site
-from fedrelay.peer.node import CoordinatorLink, PeerNode, backoff_delays
+from fedrelay.peer.node import DEFAULT_STALL_TIMEOUT, CoordinatorLink, PeerNode, backoff_delays
 from fedrelay.peer.servicer import PeerServicer
 from fedrelay.v1 import coordinator_pb2 as cpb, peer_pb2_grpc
 
@@ -58,7 +58,7 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
             delays = backoff_delays(cap=10.0)
             stop.wait(period)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
                 log.error("the coordinator refused the registration: %s", exc.details())
             else:
                 log.warning("coordinator %s not reachable (%s); retrying", link.address, wire.status_message(exc))
@@ -67,28 +67,36 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
 
 
 def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir: Path, device: str,
-          advertise: str | None = None, stop: threading.Event | None = None,
-          ready: threading.Event | None = None) -> None:
-    """Run a peer daemon until ``stop`` is set (or forever).
+          transport: wire.Transport, advertise: str | None = None, stop: threading.Event | None = None,
+          ready: threading.Event | None = None, stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> None:
+    """Run a peer daemon until ``stop`` is set (or forever), with mutual TLS on every channel
+    unless ``transport`` is insecure. ``stall_timeout``: seconds a handoff may send nothing
+    before it is dropped.
 
-    Raises ``DataError`` (bad data folder), ``ValueError`` (bad device or address) or
-    ``RuntimeError`` (cannot listen) before serving anything.
+    Raises ``DataError`` (bad data folder), ``ValueError`` (bad device or address, or a TLS
+    identity that is not ``name``) or ``RuntimeError`` (cannot listen) before serving anything.
     """
+    if transport.secure and transport.identity != name:
+        raise ValueError(f"--tls {transport.source} holds the identity {transport.identity!r}, not --name {name!r}")
+    if stall_timeout <= 0:
+        raise ValueError("--stall-timeout must be > 0 seconds")
     device = resolve_device(device)
     log.info("loading site data from %s", data_dir)
     data = load_site(data_dir)
     log.info("site %s: %d classes, %s images, train %d, test %d", name, len(data.class_names),
              "x".join(map(str, data.image_shape)), sum(data.train_counts.values()), sum(data.test_counts.values()))
-    server, port = wire.make_server(listen)
+    server, port = wire.make_server(listen, transport=transport)
     address = advertise or wire.with_port(listen, port)
     host, _ = wire.split_hostport(address)
     if host in ("0.0.0.0", "::"):
         raise ValueError(f"listening on {listen}: pass --advertise HOST:PORT, the address other sites can reach")
-    link = CoordinatorLink(coordinator)
-    node = PeerNode(name, address, data, Path(state_dir), device, link)
+    link = CoordinatorLink(coordinator, transport)
+    node = PeerNode(name, address, data, Path(state_dir), device, link, transport=transport,
+                    stall_timeout=stall_timeout)
     peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
     server.start()
-    log.info("peer %s (%s) listening on %s, state dir %s, device %s", name, __version__, address, state_dir, device)
+    log.info("peer %s (%s) listening on %s (%s), state dir %s, device %s", name, __version__, address,
+             "mutual TLS" if transport.secure else "INSECURE plaintext", state_dir, device)
     stop = stop or threading.Event()
     node.stop = stop
     node.resume()

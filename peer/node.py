@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import random
 import threading
 import time
@@ -34,6 +35,7 @@ from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
 
 log = logging.getLogger("fedrelay.peer")
 
+DEFAULT_STALL_TIMEOUT = 60.0  # seconds
 ACTIVE = ("assigned", "receiving", "training", "sending", "distributing")
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
              grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -50,11 +52,12 @@ def backoff_delays(first: float = 0.5, cap: float = 15.0):
 
 
 class CoordinatorLink:
-    """The peer's calls to the coordinator. Reports are retried until ``retry_for`` seconds pass."""
+    """The peer's calls to the coordinator (whose certificate must name ``coordinator`` under
+    TLS). Reports are retried until ``retry_for`` seconds pass."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, transport: wire.Transport = wire.INSECURE):
         self.address = address
-        self._channel = wire.insecure_channel(address)
+        self._channel = transport.channel(address, expect=wire.COORDINATOR_IDENTITY)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     def call(self, method: str, request, *, retry_for: float = 0.0, stop: threading.Event | None = None):
@@ -111,7 +114,12 @@ class PeerNode:
 
     def __init__(self, name: str, address: str, data: SiteData, state_dir: Path, device: str,
                  coordinator: CoordinatorLink | None, *, send_deadline: float = 1800.0,
-                 start_workers: bool = True):
+                 start_workers: bool = True, transport: wire.Transport = wire.INSECURE,
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT):
+        if stall_timeout <= 0:
+            raise ValueError("the stall timeout must be > 0 seconds")
+        self.transport = transport
+        self.stall_timeout = stall_timeout  # seconds without a message before a stream is dropped
         self.name = name
         self.address = address
         self.data = data
@@ -203,8 +211,25 @@ class PeerNode:
                          num_classes=m.num_classes)
 
     # -- receiving --------------------------------------------------------------------------------
-    def handoff(self, chunks) -> peer_pb2.HandoffReceipt:
-        """Receive a model stream. Raises ``TransferError`` (with the status to answer)."""
+    def handoff(self, chunks, caller: str | None = None) -> peer_pb2.HandoffReceipt:
+        """Receive a model stream from the peer whose certificate names ``caller`` (``None`` on a
+        plaintext daemon: then only the header's ``sender`` is checked).
+
+        Accepted only from the run's assigned predecessor (CHAIN_HOP, hop = this site's
+        position) or its last site (FINAL_MODEL), whose certificate name must also be the
+        header's ``sender``. A stream that sends nothing for ``stall_timeout`` seconds, or runs
+        past ``wire.transfer_timeout`` of its declared size, is dropped (DEADLINE_EXCEEDED) and
+        its partial file removed.
+
+        Replays: a transfer is taken once per (run, hop, SHA-256). The same transfer again (a
+        retry by the legitimate sender, whose first receipt was lost) has no effect: nothing is
+        read past the header, nothing is written, the run's state is unchanged, and the answer
+        is the first receipt marked ``duplicate=True``, so the sender knows its model arrived. A
+        different model for a transfer already taken is refused (ALREADY_EXISTS); the same bytes
+        from anyone else are refused (PERMISSION_DENIED) before any check on the content.
+
+        Raises ``TransferError`` (with the status to answer).
+        """
         holder: dict = {}
 
         def check_header(h: common_pb2.TransferHeader) -> Path:
@@ -212,6 +237,17 @@ class PeerNode:
             if run is None:
                 raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"no assignment for run {h.run_id!r} (yet)")
             a = run.assignment
+            if caller is not None:
+                expected = a.predecessor.name if h.purpose == common_pb2.CHAIN_HOP else a.order[-1]
+                if h.purpose == common_pb2.CHAIN_HOP and a.position == 0:
+                    expected = None
+                if caller != expected:
+                    what = "predecessor" if h.purpose == common_pb2.CHAIN_HOP else "last site"
+                    raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                        f"certificate identity {caller!r} is not this site's {what} in run {h.run_id}")
+                if h.sender != caller:
+                    raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                        f"header.sender {h.sender!r} is not the certificate identity {caller!r}")
             if h.purpose == common_pb2.CHAIN_HOP:
                 if a.position == 0 or h.sender != a.predecessor.name:
                     raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
@@ -234,29 +270,34 @@ class PeerNode:
             if dest.exists():
                 have = wire.sha256_file(dest)
                 if have == h.sha256:
-                    holder["duplicate"] = (run, dest, have)
+                    holder["duplicate"] = (run, dest, have, h.hop)
                     raise _Duplicate()
                 raise TransferError(grpc.StatusCode.ALREADY_EXISTS,
                                     f"a different model was already accepted for this transfer (sha256 {have})")
             holder["run"] = run
             if h.purpose == common_pb2.CHAIN_HOP:
-                self._set_state(run, "receiving", f"from {h.sender}")
+                # In memory only: a refused stream leaves nothing changed on disk.
+                holder["was"] = (run.state, run.detail)
+                self._set_state(run, "receiving", f"from {h.sender}", persist=False)
             return dest
 
         def check_payload(data: bytes) -> None:
             self._check_model_bytes(holder["run"].assignment, data)
 
+        watched = self._watched(chunks)
         try:
-            got = receive_model(chunks, Path("/nonexistent"), check_header, check_payload)
+            got = receive_model(watched, Path("/nonexistent"), check_header, check_payload)
         except _Duplicate:
-            run, dest, sha = holder["duplicate"]
-            return peer_pb2.HandoffReceipt(run_id=run.run_id, receiver=self.name, received_bytes=dest.stat().st_size,
-                                           sha256=sha, duplicate=True)
+            run, dest, sha, hop = holder["duplicate"]
+            return peer_pb2.HandoffReceipt(run_id=run.run_id, hop=hop, receiver=self.name,
+                                           received_bytes=dest.stat().st_size, sha256=sha, duplicate=True)
         except BaseException:
             run = holder.get("run")
-            if run is not None and run.state == "receiving":
-                self._set_state(run, "assigned", "waiting for the predecessor's model")
+            if run is not None and run.state == "receiving" and "was" in holder:
+                self._set_state(run, *holder["was"], persist=False)
             raise
+        finally:
+            watched.close()
         run = holder["run"]
         h = got.header
         if h.purpose == common_pb2.CHAIN_HOP:
@@ -269,6 +310,60 @@ class PeerNode:
         return peer_pb2.HandoffReceipt(run_id=run.run_id, hop=h.hop, receiver=self.name,
                                        received_bytes=got.size, sha256=got.sha256)
 
+    def _watched(self, chunks):
+        """``chunks``, read by a helper thread, with a watchdog: raises ``TransferError``
+        (DEADLINE_EXCEEDED) when no message comes for ``stall_timeout`` seconds, or when the
+        stream runs past ``wire.transfer_timeout`` of its declared size."""
+        q: queue.Queue = queue.Queue(maxsize=4)
+        done = threading.Event()
+        end = object()
+
+        def pump() -> None:
+            item = end
+            try:
+                for msg in chunks:
+                    while not done.is_set():
+                        try:
+                            q.put(msg, timeout=0.5)
+                            break
+                        except queue.Full:
+                            continue
+                    if done.is_set():
+                        return
+            except BaseException as exc:  # noqa: BLE001 - the call ended (cancelled, broken)
+                item = exc
+            while not done.is_set():
+                try:
+                    q.put(item, timeout=0.5)
+                    return
+                except queue.Full:
+                    continue
+
+        threading.Thread(target=pump, name="handoff-reader", daemon=True).start()
+        deadline = None
+        try:
+            while True:
+                wait = self.stall_timeout
+                if deadline is not None:
+                    wait = min(wait, deadline - time.monotonic())
+                try:
+                    item = q.get(timeout=max(0.0, wait))
+                except queue.Empty:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                            "stream dropped: slower than the transfer deadline") from None
+                    raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"stream dropped: the sender stalled (nothing for {self.stall_timeout:g} s)") from None
+                if item is end:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                if deadline is None and item.WhichOneof("kind") == "header":
+                    deadline = time.monotonic() + wire.transfer_timeout(item.header.total_bytes)
+                yield item
+        finally:
+            done.set()
+
     @staticmethod
     def _payload_cap(a: peer_pb2.Assignment) -> int:
         """Largest payload accepted for a run: 4 x the model's tensor bytes + 1 MiB of header."""
@@ -278,22 +373,9 @@ class PeerNode:
 
     def _check_model_bytes(self, a: peer_pb2.Assignment, data: bytes) -> None:
         """Parse a payload with safetensors and check it is the run's model. Raises ``ValueError``."""
-        import torch
+        from fedrelay.peer.models import check_state
 
-        from fedrelay.peer.models import expected_signature, state_signature
-
-        state = wire.decode_state(data)
-        expected = expected_signature(self._spec(a))
-        got = state_signature(state)
-        if set(got) != set(expected):
-            extra, missing = sorted(set(got) - set(expected)), sorted(set(expected) - set(got))
-            raise ValueError(f"tensor names differ from the run's model (unexpected {extra[:5]}, missing {missing[:5]})")
-        for k, sig in expected.items():
-            if got[k] != sig:
-                raise ValueError(f"tensor {k!r} is {got[k]}, the run's model has {sig}")
-        for k, t in state.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise ValueError(f"tensor {k!r} holds NaN or Inf")
+        check_state(wire.decode_state(data), self._spec(a))
 
     # -- the worker ---------------------------------------------------------------------------------
     def _start_worker(self, run: Run) -> None:
@@ -390,7 +472,8 @@ class PeerNode:
         deadline = time.monotonic() + self.send_deadline
         for delay in backoff_delays():
             try:
-                sent = send_model(to.address, header, path)
+                # Under TLS the receiver's certificate must name the site we mean to reach.
+                sent = send_model(to.address, header, path, transport=self.transport, expect=to.name)
                 break
             except grpc.RpcError as exc:
                 if exc.code() not in RETRYABLE or time.monotonic() + delay > deadline:
@@ -399,6 +482,8 @@ class PeerNode:
                             wire.status_message(exc), delay)
                 if self.stop.wait(delay):
                     raise RuntimeError("daemon stopping") from exc
+        if sent.receipt.duplicate:  # a retry of a transfer that had arrived: acknowledged, no effect
+            log.info("run %s: %s already held this model (sha256 %s)", run.run_id, to.name, header.sha256[:12])
         purpose = header.purpose
         self._report("ReportHop", cpb.HopReport(
             run_id=run.run_id, hop=header.hop, purpose=purpose, sender=self.name, receiver=to.name,
@@ -457,9 +542,10 @@ class PeerNode:
             self._tensors[key] = self.data.tensors(split, list(class_index))
         return self._tensors[key]
 
-    def _set_state(self, run: Run, state: str, detail: str) -> None:
+    def _set_state(self, run: Run, state: str, detail: str, persist: bool = True) -> None:
         run.state, run.detail = state, detail
-        run.save()
+        if persist:
+            run.save()
         log.info("run %s: %s%s", run.run_id, state, f" ({detail})" if detail else "")
         self._report_state(run)
 

@@ -2,6 +2,11 @@
 
 Every refusal is a gRPC status with a one-line reason; an exception in one call never stops the
 daemon from serving the next.
+
+Authorization under mutual TLS (identity = the caller's certificate name): Assign, Evaluate,
+GetStatus and FetchModel only from the ``coordinator`` identity; Handoff only from the run's
+assigned predecessor or last site (checked in ``PeerNode.handoff``). Refusals are
+PERMISSION_DENIED. A plaintext daemon has no identities (only the name checks apply).
 """
 
 from __future__ import annotations
@@ -22,7 +27,16 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     def __init__(self, node: PeerNode):
         self.node = node
 
+    @staticmethod
+    def _from_coordinator(context) -> None:
+        who = wire.caller_identity(context)
+        if who is not None and who != wire.COORDINATOR_IDENTITY:
+            log.warning("refused a coordinator call from %r", who)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"only the coordinator may call this; the caller's certificate names {who!r}")
+
     def Assign(self, request: peer_pb2.Assignment, context) -> peer_pb2.AssignReply:
+        self._from_coordinator(context)
         try:
             state = self.node.assign(request)
         except ValueError as exc:
@@ -31,7 +45,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
     def Handoff(self, request_iterator, context) -> peer_pb2.HandoffReceipt:
         try:
-            return self.node.handoff(request_iterator)
+            return self.node.handoff(request_iterator, caller=wire.caller_identity(context))
         except TransferError as exc:
             log.warning("handoff refused (%s): %s", exc.code.name, exc.message)
             context.abort(exc.code, exc.message)
@@ -40,15 +54,18 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot store the model: {exc}")
 
     def GetStatus(self, request, context) -> peer_pb2.PeerStatus:
+        self._from_coordinator(context)
         return self.node.status()
 
     def Evaluate(self, request: peer_pb2.EvaluateRequest, context) -> peer_pb2.EvaluateReply:
+        self._from_coordinator(context)
         try:
             return self.node.evaluate(request.run_id, request.sha256)
         except LookupError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]))
 
     def FetchModel(self, request: peer_pb2.FetchModelRequest, context):
+        self._from_coordinator(context)
         try:
             path = self.node.final_model_path(request.run_id, request.sha256)
         except LookupError as exc:

@@ -1,5 +1,6 @@
 """A real chain: a coordinator and 3 peer daemons as separate processes on loopback, driven
-through the CLI, on tiny synthetic data."""
+through the CLI, on tiny synthetic data, over mutual TLS with a PKI made by the CLI (and once in
+plaintext, with --insecure)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def start(trial, seed: int, *extra: str) -> dict:
 def test_one_shot_chain_end_to_end(trial):
     run = start(trial, 7)
     assert run["status"] == "finished" and run["strategy"] == "fedelmy"
+    assert run["insecure"] is False  # a TLS coordinator records the run as secure
     assert sorted(run["order"]) == trial.names
     m = run["model_bytes"]
     assert m > 0
@@ -98,7 +100,7 @@ def test_start_without_wait_returns_the_run_id_and_show_works_while_running(tria
 def trial_watch(trial, run_id):
     from fedrelay.coordinator.client import OperatorClient
 
-    with OperatorClient(trial.coordinator) as c:
+    with OperatorClient(trial.coordinator, trial.transport()) as c:
         yield from c.watch(run_id)
 
 
@@ -112,15 +114,33 @@ def test_bad_requests_get_clear_errors(trial):
 
 
 def test_unreachable_peer_is_named_and_no_run_starts(trial):
+    from fedrelay import wire
+    from fedrelay.coordinator import pki
     from fedrelay.coordinator.client import OperatorClient
     from fedrelay.v1 import coordinator_pb2 as cpb
 
-    with OperatorClient(trial.coordinator) as c:
+    # An enrolled site "ghost" registers an address where nothing listens.
+    ghost = wire.Transport.from_dir(pki.enroll("ghost", trial.pki, trial.workdir / "ghost.pki"))
+    with OperatorClient(trial.coordinator, ghost) as c:
         c.stub.Register(cpb.RegisterRequest(name="ghost", address="127.0.0.1:9", channels=1, height=28, width=28,
                                             classes=[cpb.ClassCount(name="Bag", train=20, test=2)]), timeout=10)
+    with OperatorClient(trial.coordinator, trial.transport()) as c:
         before = len(c.runs())
     res = trial.cli("start-chain", "--seed", "1", "--peers", "site-00,ghost", capture_output=True, text=True,
                     timeout=120)
     assert res.returncode == 1 and "ghost" in res.stderr and "not reachable" in res.stderr
-    with OperatorClient(trial.coordinator) as c:
+    with OperatorClient(trial.coordinator, trial.transport()) as c:
         assert len(c.runs()) == before
+
+
+def test_insecure_trial_still_runs_and_is_recorded_insecure(three_sites, tmp_path):
+    """Scripts that pass --insecure keep working; the ledger marks their runs insecure."""
+    with local_trial.LocalTrial(tmp_path, three_sites, insecure=True) as t:
+        res = t.cli("start-chain", "--seed", "3", "--wait", "--json", "--strategy", "fedseq", "-S", "1", "-E", "1",
+                    "--warmup-epochs", "1", "--batch-size", "32", capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "warning" in res.stderr and "--insecure" in res.stderr
+        run = json.loads(res.stdout)
+        assert run["status"] == "finished" and run["insecure"] is True
+        db = sqlite3.connect(t.workdir / "ledger.sqlite")
+        assert db.execute("SELECT insecure FROM runs WHERE run_id = ?", (run["run_id"],)).fetchone() == (1,)

@@ -42,7 +42,7 @@ def peer(three_sites, tmp_path_factory):
     node = PeerNode("site-b", address, load_site(three_sites[0]), state, "cpu", None, start_workers=False)
     peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
     server.start()
-    channel = wire.insecure_channel(address)
+    channel = wire.INSECURE.channel(address)
     stub = peer_pb2_grpc.PeerStub(channel)
     for run_id in ("ok", "bad"):
         stub.Assign(assignment(run_id), timeout=10)
