@@ -12,7 +12,8 @@ from fedrelay import __version__, wire
 from fedrelay.peer.data import SiteData, load_site
 from fedrelay.peer.node import DEFAULT_STALL_TIMEOUT, CoordinatorLink, PeerNode, backoff_delays
 from fedrelay.peer.servicer import PeerServicer
-from fedrelay.v1 import coordinator_pb2 as cpb, peer_pb2_grpc
+from fedrelay.peer.transfer import add_peer_servicer
+from fedrelay.v1 import coordinator_pb2 as cpb
 
 log = logging.getLogger("fedrelay.peer")
 
@@ -93,7 +94,7 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     link = CoordinatorLink(coordinator, transport)
     node = PeerNode(name, address, data, Path(state_dir), device, link, transport=transport,
                     stall_timeout=stall_timeout)
-    peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
+    add_peer_servicer(PeerServicer(node), server)
     server.start()
     log.info("peer %s (%s) listening on %s (%s), state dir %s, device %s", name, __version__, address,
              "mutual TLS" if transport.secure else "INSECURE plaintext", state_dir, device)

@@ -16,7 +16,7 @@ from fedrelay.peer.data import load_site
 from fedrelay.peer.models import ModelSpec, build_model
 from fedrelay.peer.node import PeerNode
 from fedrelay.peer.servicer import PeerServicer
-from fedrelay.peer.transfer import send_model
+from fedrelay.peer.transfer import add_peer_servicer, send_model
 from fedrelay.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 SPEC = ModelSpec("cnn", 1, (28, 28), 10)
@@ -40,7 +40,7 @@ def peer(three_sites, tmp_path_factory):
     server, port = wire.make_server("127.0.0.1:0")
     address = f"127.0.0.1:{port}"
     node = PeerNode("site-b", address, load_site(three_sites[0]), state, "cpu", None, start_workers=False)
-    peer_pb2_grpc.add_PeerServicer_to_server(PeerServicer(node), server)
+    add_peer_servicer(PeerServicer(node), server)
     server.start()
     channel = wire.INSECURE.channel(address)
     stub = peer_pb2_grpc.PeerStub(channel)
