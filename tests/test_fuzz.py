@@ -1,0 +1,228 @@
+"""Property-based fuzzing of a running peer over mutual TLS: thousands of generated malformed
+safetensors payloads and malformed handoff streams, each of which must be answered with an
+error status, leave nothing on disk, and leave the daemon healthy."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import grpc
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from safetensors.torch import load, save
+
+from fedrelay import wire
+from fedrelay.v1 import common_pb2, peer_pb2
+
+from test_security import GOOD, header, ids, peer, snapshot, stub  # noqa: F401 - fixtures
+
+PAYLOAD_EXAMPLES = 1800
+STREAM_EXAMPLES = 1500
+def fuzz_settings(examples: int) -> settings:
+    return settings(max_examples=examples, deadline=None, database=None, derandomize=True, print_blob=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                           HealthCheck.data_too_large, HealthCheck.filter_too_much])
+
+REFERENCE = load(GOOD)
+NAMES = sorted(REFERENCE)
+HEADER_LEN = struct.unpack("<Q", GOOD[:8])[0]
+ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.OUT_OF_RANGE,
+          grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED,
+          grpc.StatusCode.FAILED_PRECONDITION}
+
+
+def is_the_runs_model(data: bytes) -> bool:
+    """The test's own oracle: safetensors with exactly the reference names, shapes and dtypes,
+    all finite. (A mutation can, rarely, produce such a payload; those are not malformed.)"""
+    try:
+        state = load(data)
+    except BaseException:  # noqa: BLE001 - any parser failure means malformed
+        return False
+    if sorted(state) != NAMES:
+        return False
+    return all(state[k].shape == REFERENCE[k].shape and state[k].dtype == REFERENCE[k].dtype
+               and (not state[k].is_floating_point() or bool(torch.isfinite(state[k]).all())) for k in NAMES)
+
+
+DTYPES = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "X", ""]
+
+
+@st.composite
+def random_header_payload(draw) -> bytes:
+    """A hand-made safetensors file: a JSON header of random entries (any dtype, shape, offsets,
+    also nonsense types), a random body, and a length prefix that may lie."""
+    entries = {}
+    for i in range(draw(st.integers(0, 4))):
+        name = draw(st.sampled_from(NAMES + ["x", "", "__metadata__", "../../etc/passwd"]))
+        entries[name] = {
+            "dtype": draw(st.sampled_from(DTYPES)),
+            "shape": draw(st.lists(st.integers(-2, 70000), max_size=4)),
+            "data_offsets": draw(st.lists(st.integers(-1, 1 << 20), min_size=0, max_size=3)),
+        }
+        if draw(st.booleans()):
+            entries[name] = draw(st.sampled_from([None, 1, "x", [], {"dtype": "F32"}]))
+    text = json.dumps(entries).encode()
+    if draw(st.booleans()):
+        text = text + b" " * draw(st.integers(0, 16))
+    body = draw(st.binary(max_size=512))
+    declared = draw(st.one_of(st.just(len(text)), st.integers(0, (1 << 64) - 1)))
+    return struct.pack("<Q", declared) + text + body
+
+
+@st.composite
+def mutated_model(draw) -> bytes:
+    """The run's real model bytes, damaged: cut, length prefix changed, header bytes overwritten
+    or inserted, or one tensor value made NaN/Inf."""
+    kind = draw(st.sampled_from(["cut", "prefix", "overwrite-header", "insert-header", "poison"]))
+    data = bytearray(GOOD)
+    if kind == "cut":
+        return bytes(data[: draw(st.integers(1, len(GOOD) - 1))])
+    if kind == "prefix":
+        n = draw(st.integers(0, (1 << 64) - 1).filter(lambda n: n != HEADER_LEN))
+        return struct.pack("<Q", n) + bytes(data[8:])
+    if kind == "overwrite-header":
+        pos = draw(st.integers(0, 8 + HEADER_LEN - 1))
+        new = draw(st.binary(min_size=1, max_size=8))
+        data[pos:pos + len(new)] = new
+        return bytes(data)
+    if kind == "insert-header":
+        pos = draw(st.integers(8, 8 + HEADER_LEN))
+        return bytes(data[:pos]) + draw(st.binary(min_size=1, max_size=8)) + bytes(data[pos:])
+    name = draw(st.sampled_from([k for k in NAMES if REFERENCE[k].is_floating_point() and REFERENCE[k].numel()]))
+    state = {k: v.clone() for k, v in REFERENCE.items()}
+    state[name].view(-1)[draw(st.integers(0, state[name].numel() - 1))] = draw(
+        st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+    return save(state, metadata={"format": "pt"})
+
+
+@st.composite
+def wrong_tensors(draw) -> bytes:
+    """Valid safetensors whose tensors are not the run's model: other names, shapes, dtypes."""
+    state = {}
+    for _ in range(draw(st.integers(1, 4))):
+        name = draw(st.sampled_from(NAMES + ["evil", "a.b", "features"]))
+        shape = draw(st.lists(st.integers(0, 5), max_size=3))
+        dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.int64, torch.uint8, torch.float64]))
+        state[name] = torch.zeros(shape, dtype=dtype)
+    return save(state)
+
+
+PAYLOADS = st.one_of(st.binary(min_size=1, max_size=4096), random_header_payload(), mutated_model(),
+                     wrong_tensors())
+
+
+def refused(stub_, messages) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        stub_.Handoff(iter(messages), timeout=30)
+    return err.value
+
+
+def chunked(data: bytes, size: int) -> list[common_pb2.ModelChunk]:
+    return [common_pb2.ModelChunk(data=data[i:i + size]) for i in range(0, len(data), size)]
+
+
+def test_fuzz_malformed_payloads(peer, ids):  # noqa: F811 - fixtures
+    node, address = peer
+    sender = stub(ids["site-a"], address)
+    before = snapshot(node, "fuzz")
+    seen = []
+
+    @fuzz_settings(PAYLOAD_EXAMPLES)
+    @given(data=PAYLOADS, chunk=st.sampled_from([1 << 16, 1 << 20]))
+    def one(data, chunk):
+        assume(not is_the_runs_model(data))
+        err = refused(sender, [common_pb2.ModelChunk(header=header("fuzz", data))] + chunked(data, chunk))
+        assert err.code() in ERRORS, (err.code(), err.details())
+        assert err.details()
+        seen.append(err.code())
+
+    one()
+    assert len(seen) >= PAYLOAD_EXAMPLES * 0.9
+    assert snapshot(node, "fuzz") == before
+    assert stub(ids["coordinator"], address).GetStatus(peer_pb2.StatusRequest(), timeout=5).name == "site-b"
+
+
+@st.composite
+def bad_stream(draw) -> list:
+    """A handoff stream of the run's real model with one thing wrong."""
+    size = draw(st.sampled_from([1 << 16, 1 << 18, 1 << 20]))
+    chunks = chunked(GOOD, size)
+    h = header("fuzz", GOOD)
+    kind = draw(st.sampled_from(["no-header", "header-late", "second-header", "truncate", "extend", "swap",
+                                 "drop-chunk", "duplicate-chunk", "sha", "size", "over-cap", "hop", "run",
+                                 "purpose", "sender", "header-only", "flip"]))
+    if kind == "no-header":
+        return chunks
+    if kind == "header-late":
+        i = draw(st.integers(1, len(chunks)))
+        return chunks[:i] + [common_pb2.ModelChunk(header=h)] + chunks[i:]
+    if kind == "second-header":
+        i = draw(st.integers(0, len(chunks)))
+        return [common_pb2.ModelChunk(header=h)] + chunks[:i] + [common_pb2.ModelChunk(header=h)] + chunks[i:]
+    if kind == "truncate":
+        cut = draw(st.integers(1, len(GOOD)))
+        return [common_pb2.ModelChunk(header=h)] + chunked(GOOD[:-cut], size)
+    if kind == "extend":
+        return [common_pb2.ModelChunk(header=h)] + chunks + [common_pb2.ModelChunk(data=draw(st.binary(min_size=1, max_size=64)))]
+    if kind in ("swap", "drop-chunk", "duplicate-chunk"):
+        assume(len(chunks) >= 2)
+        i, j = draw(st.integers(0, len(chunks) - 1)), draw(st.integers(0, len(chunks) - 1))
+        body = list(chunks)
+        if kind == "swap":
+            assume(chunks[i].data != chunks[j].data)
+            body[i], body[j] = body[j], body[i]
+        elif kind == "drop-chunk":
+            del body[i]
+        else:
+            body.insert(j, chunks[i])
+        return [common_pb2.ModelChunk(header=h)] + body
+    if kind == "flip":
+        pos = draw(st.integers(0, len(GOOD) - 1))
+        data = bytearray(GOOD)
+        data[pos] ^= draw(st.integers(1, 255))
+        return [common_pb2.ModelChunk(header=h)] + chunked(bytes(data), size)
+    if kind == "header-only":
+        return [common_pb2.ModelChunk(header=h)]
+    if kind == "sha":
+        h.sha256 = draw(st.one_of(st.text(max_size=70), st.binary(min_size=32, max_size=32).map(bytes.hex)))
+        assume(h.sha256 != hashlib.sha256(GOOD).hexdigest())
+    elif kind == "size":
+        h.total_bytes = draw(st.integers(0, 5 * len(GOOD)).filter(lambda n: n != len(GOOD)))
+    elif kind == "over-cap":
+        h.total_bytes = draw(st.integers(5 * len(GOOD) + (1 << 20), (1 << 64) - 1))
+    elif kind == "hop":
+        h.hop = draw(st.integers(0, (1 << 32) - 1).filter(lambda n: n != 1))
+    elif kind == "run":
+        h.run_id = draw(st.text(max_size=40).filter(lambda s: s not in ("fuzz", "replay", "bad", "final", "after", "stall")))
+    elif kind == "purpose":
+        h.purpose = draw(st.sampled_from([common_pb2.PURPOSE_UNSPECIFIED, common_pb2.FINAL_MODEL, 7]))
+    elif kind == "sender":
+        h.sender = draw(st.text(max_size=20).filter(lambda s: s != "site-a"))
+    return [common_pb2.ModelChunk(header=h)] + chunks
+
+
+def test_fuzz_malformed_handoff_streams(peer, ids):  # noqa: F811 - fixtures
+    node, address = peer
+    sender = stub(ids["site-a"], address)
+    before = snapshot(node, "fuzz")
+    seen = []
+
+    @fuzz_settings(STREAM_EXAMPLES)
+    @given(messages=bad_stream())
+    def one(messages):
+        err = refused(sender, messages)
+        assert err.code() in ERRORS, (err.code(), err.details())
+        assert err.details()
+        seen.append(err.code())
+
+    one()
+    assert len(seen) >= STREAM_EXAMPLES * 0.9
+    assert snapshot(node, "fuzz") == before
+    # Still healthy: status answers, and the predecessor's real model is then accepted.
+    assert stub(ids["coordinator"], address).GetStatus(peer_pb2.StatusRequest(), timeout=5).name == "site-b"
+    receipt = sender.Handoff(iter([common_pb2.ModelChunk(header=header("after", GOOD))] + chunked(GOOD, 1 << 20)),
+                             timeout=30)
+    assert not receipt.duplicate and (node.state_dir / "runs" / "after" / "received.safetensors").read_bytes() == GOOD
