@@ -9,7 +9,7 @@ SEED ?= 0
 DIRICHLET ?= 0.5
 CHAIN_ARGS ?= --models-per-site 5 --local-epochs 2 --warmup-epochs 2
 
-.PHONY: setup demo test proto clean
+.PHONY: setup demo test bench proto clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m bench.transfer
+	$(PY) -m bench.training
+	$(PY) -m bench.chain
 
 proto: setup
 	$(PY) -m fedrelay.protogen

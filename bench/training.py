@@ -1,0 +1,145 @@
+"""Study 4a, training speed (a single component: the peer's training code, no network).
+
+On one site's data, in one process, with the same model, data, batch size and thread count:
+
+- **plain loop**: a hand-written PyTorch loop (shuffle, forward, cross-entropy, backward, Adam
+  step), the reference;
+- **FedSeq**: ``fedrelay.peer.training.train_fedseq`` (what a peer runs for ``--strategy
+  fedseq``), including its per-epoch validation and best-epoch copy;
+- **FedELMY pool only** (α = β = 0) and **FedELMY** (α = β = 1), S models via ``train_pool``.
+
+Images per second count training images only (validation passes are overhead the plain loop
+does not have). The regulariser's cost is FedELMY's time over pool-only's time, minus 1.
+
+    python -m bench.training            # a real Fashion-MNIST site (demo split), S = 5, E = 2
+    python -m bench.training --quick    # synthetic data, tiny (the test suite's smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from bench.common import record
+
+
+def plain_loop(spec, train, epochs: int, batch_size: int, lr: float, weight_decay: float, seed: int) -> float:
+    """Seconds for ``epochs`` epochs of a textbook PyTorch training loop."""
+    import torch
+    from torch.nn import functional as F
+
+    from fedrelay.peer.models import build_model
+
+    torch.manual_seed(seed)
+    model = build_model(spec)
+    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+    x_all, y_all = train
+    g = torch.Generator().manual_seed(seed)
+    started = time.perf_counter()
+    model.train()
+    for _ in range(epochs):
+        order = torch.randperm(len(y_all), generator=g)
+        for i in range(0, len(order), batch_size):
+            idx = order[i:i + batch_size]
+            x = x_all[idx].float().div_(255)
+            loss = F.cross_entropy(model(x), y_all[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    return time.perf_counter() - started
+
+
+def site_data(quick: bool, sites_dir: Path | None):
+    import torch
+
+    from fedrelay.peer.data import load_site, train_val_split
+
+    if quick or sites_dir is None or not (sites_dir / "site-00").exists():
+        g = torch.Generator().manual_seed(0)
+        n = 512 if quick else 6000
+        y = torch.randint(0, 10, (n,), generator=g)
+        x = torch.randint(0, 60, (n, 1, 28, 28), generator=g, dtype=torch.uint8)
+        for i in range(n):
+            r, c = divmod(int(y[i]), 4)
+            x[i, 0, r * 9:r * 9 + 7, c * 6:c * 6 + 7] = 220
+        return train_val_split(x, y, seed=0), "synthetic"
+    site = load_site(sites_dir / "site-00")
+    classes = sorted(site.class_names)
+    x, y = site.tensors("train", classes)
+    return train_val_split(x, y, seed=0), str(sites_dir / "site-00")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description="Training speed against a plain PyTorch loop (bench study 4a)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sites", type=Path, default=Path("demo/sites"), help="split made by make demo")
+    ap.add_argument("--models-per-site", "-S", type=int, default=5)
+    ap.add_argument("--local-epochs", "-E", type=int, default=2)
+    ap.add_argument("--results", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from fedrelay.peer.models import ModelSpec, build_model
+    from fedrelay.peer.training import TrainConfig, train_fedseq, train_pool
+
+    S, E = (2, 1) if args.quick else (args.models_per_site, args.local_epochs)
+    (train, val), source = site_data(args.quick, args.sites)
+    n_train = len(train[1])
+    spec = ModelSpec("cnn", 1, (28, 28), 10)
+    base = dict(models_per_site=S, local_epochs=E, warmup_epochs=0, lr=1e-3, batch_size=128, weight_decay=1e-4)
+    torch.manual_seed(1)
+    m0 = build_model(spec).state_dict()
+    images = S * E * n_train
+
+    def timed(fn):
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    plain_loop(spec, (train[0][:1024], train[1][:1024]), 1, 128, 1e-3, 1e-4, seed=1)  # warm-up: kernels, threads
+    t_plain = plain_loop(spec, train, S * E, 128, 1e-3, 1e-4, seed=1)
+    t_fedseq = timed(lambda: train_fedseq(m0, spec, train, val, TrainConfig(strategy="fedseq", **base), 1, "cpu"))
+    t_pool = timed(lambda: train_pool(m0, spec, train, val, TrainConfig(alpha=0.0, beta=0.0, **base), 1, "cpu"))
+    t_elmy = timed(lambda: train_pool(m0, spec, train, val, TrainConfig(alpha=1.0, beta=1.0, **base), 1, "cpu"))
+    # The validation passes (10% of the site, once per epoch) are part of a peer's cost; report
+    # them separately so that the loop itself is compared like for like.
+    from fedrelay.peer.training import evaluate
+
+    model = build_model(spec)
+    t_val = timed(lambda: [evaluate(model, *val) for _ in range(S * E)])
+    ips = {k: images / t for k, t in
+           {"plain_loop": t_plain, "fedseq": t_fedseq, "fedelmy_pool_only": t_pool, "fedelmy": t_elmy}.items()}
+    figures = {
+        "source": source, "train_images": n_train, "S": S, "E": E, "threads": torch.get_num_threads(),
+        "seconds": {"plain_loop": t_plain, "fedseq": t_fedseq, "fedelmy_pool_only": t_pool, "fedelmy": t_elmy,
+                    "validation_passes": t_val},
+        "images_per_second": ips,
+        "fedseq_vs_plain_loop": t_plain / t_fedseq,
+        "fedseq_vs_plain_loop_excluding_validation": t_plain / max(1e-9, t_fedseq - t_val),
+        "fedelmy_regulariser_overhead": t_elmy / t_pool - 1.0,
+        "quick": args.quick,
+        "summary": f"{S} x {E} epochs over {n_train} training images ({source}), small CNN, batch 128, "
+                   f"{torch.get_num_threads()} threads. Targets: FedSeq >= 0.95x the plain loop; FedELMY's "
+                   "regulariser <= 10% extra time.",
+        "tables": [{"title": "training throughput (same model, data, batch, threads)",
+                    "columns": ["loop", "seconds", "train images/s"],
+                    "rows": [[k, round(v, 2), round(ips[k], 0)] for k, v in
+                             {"plain_loop": t_plain, "fedseq": t_fedseq, "fedelmy_pool_only": t_pool,
+                              "fedelmy": t_elmy}.items()]}],
+        "notes": [f"FedSeq / plain loop speed: {t_plain / t_fedseq:.3f} (with its per-epoch validation, "
+                  f"{t_val:.2f} s of it); without the validation passes: {t_plain / max(1e-9, t_fedseq - t_val):.3f}",
+                  f"FedELMY regulariser overhead over pool-only: {100 * (t_elmy / t_pool - 1):.1f}%"],
+    }
+    for k, v in figures["seconds"].items():
+        print(f"{k}: {v:.2f} s" + (f" ({ips[k]:.0f} img/s)" if k in ips else ""), flush=True)
+    print(f"fedseq vs plain loop: {figures['fedseq_vs_plain_loop']:.3f}; regulariser overhead "
+          f"{100 * figures['fedelmy_regulariser_overhead']:.1f}%")
+    kw = {"results": args.results} if args.results else {}
+    record("training", figures, **kw)
+    return figures
+
+
+if __name__ == "__main__":
+    main()
