@@ -42,3 +42,25 @@ def test_chain_study_smoke(tmp_path, idx_source):
     assert len(matrix) == 3 and all(matrix[i][i] == 0 for i in range(3)) and matrix[0][1] > 0
     assert (tmp_path / "plots" / "pool_heatmap.png").stat().st_size > 1000
     assert (tmp_path / "plots" / "bytes_per_hop.png").stat().st_size > 1000
+
+
+def test_accuracy_study_smoke(tmp_path, idx_source):
+    from bench import accuracy
+
+    accuracy.main(["--quick", "--source", str(idx_source), "--workdir", str(tmp_path / "w"),
+                   "--results", str(tmp_path / "r.json"), "--plots", str(tmp_path / "plots")])
+    a = json.loads((tmp_path / "r.json").read_text())["accuracy"]
+    assert not a["failures"]
+    for method in accuracy.METHODS:
+        cell = a["dir0_5"][method]
+        assert 0.0 <= cell["mean"] <= 1.0 and cell["std"] >= 0.0 and set(cell["per_seed"]) == {"0"}
+    for method in ("fedelmy", "fedseq_best_val"):
+        cell = a["domain_shift"][method]
+        assert 0.0 <= cell["mean"] <= 1.0 and cell["std"] >= 0.0 and len(cell["per_seed"]) == 1
+    assert (tmp_path / "plots" / "accuracy.png").stat().st_size > 1000
+    assert (tmp_path / "plots" / "accuracy_domain_shift.png").stat().st_size > 1000
+    assert "## accuracy" in (tmp_path / "RESULTS.md").read_text()
+    # a rerun finds every cell in the cache and trains nothing
+    again = accuracy.main(["--quick", "--source", str(idx_source), "--workdir", str(tmp_path / "w"),
+                           "--results", str(tmp_path / "r2.json"), "--plots", str(tmp_path / "plots")])
+    assert again["dir0_5"]["fedelmy"] == a["dir0_5"]["fedelmy"] and again["wall_seconds_this_run"] < 30
