@@ -640,10 +640,11 @@ def parse(argv):
     args = ap.parse_args(argv)
     args.resume_command = "nice -n 15 python -m bench.accuracy " + " ".join(shlex.quote(a) for a in (argv or []))
     finish = [a for a in (argv or [])]
-    if "--seeds" in finish:
-        i = finish.index("--seeds")
-        del finish[i:i + 2]
-    finish = [a for a in finish if not a.startswith("--seeds=")]
+    for flag in ("--seeds", "--workdir", "--results", "--plots", "--note"):  # paths: the defaults hold the cache
+        while flag in finish:
+            i = finish.index(flag)
+            del finish[i:i + 2]
+        finish = [a for a in finish if not a.startswith(flag + "=")]
     args.finish_command = ("nice -n 15 python -m bench.accuracy --seeds "
                            + ",".join(map(str, range(args.target_seeds))) + " "
                            + " ".join(shlex.quote(a) for a in finish)).strip()
