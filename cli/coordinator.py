@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -127,21 +128,40 @@ def start_chain(
         raise typer.Exit(1)
 
 
+WATCH_RECONNECT = 600.0  # seconds --wait keeps trying to reach a coordinator that went away
+
+
 def _follow(client, run_id: str, total_epochs: int, out) -> None:
     """Show the run's events: a progress bar over all epochs of the chain, a line per hop."""
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("epochs"),
                   TimeElapsedColumn(), console=out, transient=False) as progress:
         task = progress.add_task("chain", total=total_epochs)
-        for ev in client.watch(run_id):
-            if ev.kind == "epoch":
-                progress.advance(task)
-                progress.update(task, description=f"{ev.site}")
-            elif ev.kind in ("hop", "final", "failed", "finished", "warning"):
-                progress.console.print(f"{ev.message}", highlight=False)
-            elif ev.kind == "state" and ev.message.endswith(": training"):
-                progress.console.print(ev.message, highlight=False)
-            if ev.kind in ("finished", "failed"):
-                break
+        seq, lost_since = 0, None
+        while True:
+            try:
+                for ev in client.watch(run_id, after_seq=seq):
+                    seq, lost_since = ev.seq, None
+                    if ev.kind == "epoch":
+                        progress.advance(task)
+                        progress.update(task, description=f"{ev.site}")
+                    elif ev.kind in ("hop", "final", "failed", "finished", "warning"):
+                        progress.console.print(f"{ev.message}", highlight=False)
+                    elif ev.kind == "state" and (ev.message.endswith(": training") or "restarted" in ev.message):
+                        progress.console.print(ev.message, highlight=False)
+                    if ev.kind in ("finished", "failed"):
+                        return
+                return  # the stream ended: the run is over
+            except grpc.RpcError as exc:
+                # The coordinator restarted or the link dropped: the run goes on; follow it again
+                # from the last event seen, for up to WATCH_RECONNECT seconds.
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    raise
+                lost_since = lost_since or time.monotonic()
+                if time.monotonic() - lost_since > WATCH_RECONNECT:
+                    raise
+                progress.console.print(f"coordinator unreachable ({exc.code().name}); reconnecting ...",
+                                       highlight=False)
+                time.sleep(2.0)
 
 
 def _fmt_bytes(n: int | None) -> str:

@@ -67,6 +67,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.transport = transport
         self.insecure = not transport.secure
         self.peer_timeout = peer_timeout
+        self.eval_retry = 300.0  # seconds an evaluation waits for an unreachable site
         self._eval_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="evaluate")
         self._run_locks: dict[str, threading.Lock] = {}
 
@@ -197,6 +198,37 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.ledger.add_event(run_id, "failed", f"run failed: {error}", site=site, error=error)
 
     # -- final evaluation -----------------------------------------------------------------------
+    def _call_peer(self, site: dict, method: str, request, *, timeout: float):
+        """One call to a site's peer daemon, retried with backoff while the site is unreachable
+        (a restarting daemon, a dropped link) for up to ``self.eval_retry`` seconds."""
+        deadline = time.monotonic() + self.eval_retry
+        delay = 0.5
+        while True:
+            try:
+                with self._peer_channel(site) as ch:
+                    return getattr(peer_pb2_grpc.PeerStub(ch), method)(request, timeout=timeout)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("%s unreachable for %s (%s); retrying", site["name"], method, wire.status_message(exc))
+                time.sleep(delay)
+                delay = min(15.0, delay * 2)
+
+    def recover(self) -> list[str]:
+        """After a restart: finish what the ledger says was under way. Runs whose final model was
+        reported but not yet evaluated are evaluated now; the other running runs carry on by
+        themselves (peers retry their reports until the coordinator answers). Returns the ids of
+        the runs picked up."""
+        picked = []
+        for run_id in self.ledger.run_ids():
+            run = self.ledger.run(run_id)
+            if run["status"] == "running":
+                picked.append(run_id)
+                self.ledger.add_event(run_id, "state", "coordinator restarted: run picked up from the ledger")
+                if run["final_sha256"]:
+                    self._eval_pool.submit(self._evaluate_run, run_id)
+        return picked
+
     def _evaluate_run(self, run_id: str) -> None:
         run = self.ledger.run(run_id)
         sha = run["final_sha256"]
@@ -204,9 +236,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
         def one(site: dict) -> None:
             try:
-                with self._peer_channel(site) as ch:
-                    reply = peer_pb2_grpc.PeerStub(ch).Evaluate(
-                        peer_pb2.EvaluateRequest(run_id=run_id, sha256=sha), timeout=wire.EVALUATE_TIMEOUT)
+                reply = self._call_peer(site, "Evaluate", peer_pb2.EvaluateRequest(run_id=run_id, sha256=sha),
+                                        timeout=wire.EVALUATE_TIMEOUT)
                 results[site["name"]] = reply
                 self.ledger.record_evaluation(run_id, site["name"], sha, reply.correct, reply.test_samples,
                                               reply.accuracy, reply.seconds)
@@ -390,6 +421,9 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
     server.start()
     log.info("coordinator %s listening on %s (%s), ledger %s", __version__, wire.with_port(listen, port),
              "mutual TLS" if transport.secure else "INSECURE plaintext", db)
+    picked = service.recover()
+    if picked:
+        log.info("picked up %d running run(s) from the ledger: %s", len(picked), ", ".join(picked))
     if ready is not None:
         ready.set()
     stop = stop or threading.Event()

@@ -91,7 +91,10 @@ class LocalTrial:
         self.device = device
         self.env = {**os.environ, **(env or {})}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.argv: dict[str, list[str]] = {}
         self.coordinator = f"127.0.0.1:{free_port()}"
+        # Fixed ports, so that a daemon restarted with the same command is found where it was.
+        self.ports = {d.name: free_port() for d in site_dirs}
         self.logs = self.workdir / "logs"
 
     @property
@@ -124,10 +127,23 @@ class LocalTrial:
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
+        self.argv[name] = argv
         log = open(self.logs / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                             start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
+
+    def kill(self, name: str) -> None:
+        """``kill -9`` one daemon (a site or ``coordinator``) and reap it."""
+        p = self.procs[name]
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+
+    def restart(self, name: str) -> None:
+        """Start a killed daemon again with the same command (same port, state dir, ledger)."""
+        if self.procs[name].poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        self._spawn(name, self.argv[name])
 
     def start(self, timeout: float = 180.0) -> None:
         for sub in ("state",):
@@ -142,7 +158,7 @@ class LocalTrial:
         for d in self.site_dirs:
             sec = ["--insecure"] if self.insecure else ["--tls", str(self.site_tls(d.name))]
             self._spawn(d.name, [_tool("peer"), "serve", "--data", str(d), "--name", d.name,
-                                 "--listen", "127.0.0.1:0", "--coordinator", self.coordinator,
+                                 "--listen", f"127.0.0.1:{self.ports[d.name]}", "--coordinator", self.coordinator,
                                  "--state-dir", str(self.workdir / "state" / d.name),
                                  "--device", self.device, *sec, *self.peer_args])
         self.wait_registered(timeout)

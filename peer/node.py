@@ -6,6 +6,7 @@ folder in the state dir::
     runs/<run_id>/assignment.pb        the coordinator's Assignment (protobuf, our own message)
     runs/<run_id>/state.json           state, detail, transfers done, final digest
     runs/<run_id>/received.safetensors the predecessor's pool average (m0), once verified
+    runs/<run_id>/warmup.safetensors   the first site's warm-up model (its m0)
     runs/<run_id>/pool/model-<j>.safetensors  each finished pool model
     runs/<run_id>/outgoing.safetensors the pool average to send (the final model at the last site)
 
@@ -439,6 +440,8 @@ class PeerNode:
             m0 = None
             if a.position > 0:
                 m0 = wire.decode_state(run.path("received.safetensors").read_bytes())
+            elif run.path("warmup.safetensors").exists():  # a restarted first site: no second warm-up
+                m0 = wire.decode_state(run.path("warmup.safetensors").read_bytes())
             pool_dir = run.path("pool")
             finished = []
             n_models = cfg.models_per_site if cfg.strategy == "fedelmy" else 1
@@ -461,7 +464,9 @@ class PeerNode:
             seed = derive_seed(a.seed, "site", a.position)
             started = time.time()
             send, pool = run_site(m0, spec, train, val, cfg, seed, self.device, finished=finished,
-                                  on_epoch=on_epoch, on_model=on_model)
+                                  on_epoch=on_epoch, on_model=on_model,
+                                  on_warmup=lambda state: wire.atomic_write(run.path("warmup.safetensors"),
+                                                                            wire.encode_state(state)))
             wire.atomic_write(outgoing, wire.encode_state(send))
             log.info("run %s: trained %d pool models in %.1f s", run.run_id, len(pool) - 1, time.time() - started)
 

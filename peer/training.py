@@ -760,8 +760,12 @@ def run_site(
     finished: Sequence[Mapping[str, Tensor]] = (),
     on_epoch: EpochCallback | None = None,
     on_model: ModelCallback | None = None,
+    on_warmup: Callable[[State], None] | None = None,
 ) -> tuple[State, list[State]]:
     """Everything one site does (paper Algorithm 1, one iteration of the client loop).
+
+    ``on_warmup(m0)`` is called with the first site's warm-up state as soon as it exists, so a
+    daemon can persist it and, after a restart, pass it back as ``m0`` (same result).
 
     If ``m0`` is None (the first site): ``torch.manual_seed(derive_seed(seed,
     "init"))``, build the model and :func:`warm_up` it; the warm-up state is m0.  The
@@ -799,6 +803,8 @@ def run_site(
         model = _build_seeded(spec, derive_seed(seed, "init"))
         m0 = warm_up(model, train, val, cfg, seed, device, on_epoch=on_epoch)
         del model
+        if on_warmup is not None:
+            on_warmup(m0)
     if cfg.strategy == "fedelmy":
         return train_pool(m0, spec, train, val, cfg, seed, device,
                           finished=finished, on_epoch=on_epoch, on_model=on_model)

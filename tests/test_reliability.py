@@ -1,0 +1,126 @@
+"""Faults during a real chain (coordinator and 3 peer daemons as processes, mutual TLS, loopback):
+a peer killed with SIGKILL in the middle of its training, a successor that is down when its
+predecessor wants to send, and the coordinator killed mid-run. Each daemon is restarted with
+the same command; each run must finish with the same final model as the undisturbed run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from conftest import REPO, write_fashion_like
+
+spec = importlib.util.spec_from_file_location("local_trial", REPO / "deploy" / "local_trial.py")
+local_trial = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(local_trial)
+
+# Slow enough (a few seconds per site) to be caught in the middle of training.
+CHAIN = ["--models-per-site", "3", "--local-epochs", "3", "--warmup-epochs", "1", "--batch-size", "32"]
+SEED = "4"
+
+
+@pytest.fixture(scope="module")
+def trial(tmp_path_factory):
+    from fedrelay.coordinator.split import split_dataset
+
+    base = tmp_path_factory.mktemp("reliability")
+    split_dataset("fashion-mnist", sites=3, dirichlet=0.5, seed=1, out=base / "sites",
+                  source=write_fashion_like(base / "idx", n_train=1800, n_test=150, seed=5))
+    sites = sorted(p for p in (base / "sites").iterdir() if p.is_dir() and p.name.startswith("site-"))
+    with local_trial.LocalTrial(base / "trial", sites) as t:
+        yield t
+
+
+@pytest.fixture(scope="module")
+def undisturbed(trial) -> dict:
+    res = trial.cli("start-chain", "--seed", SEED, "--wait", "--json", *CHAIN, capture_output=True, text=True,
+                    timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    run = json.loads(res.stdout)
+    assert run["status"] == "finished"
+    return run
+
+
+def start(trial) -> dict:
+    res = trial.cli("start-chain", "--seed", SEED, "--json", *CHAIN, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return show(trial, json.loads(res.stdout)["run_id"])
+
+
+def show(trial, run_id: str) -> dict:
+    from fedrelay.coordinator.client import OperatorClient
+
+    with OperatorClient(trial.coordinator, trial.transport()) as c:
+        return c.run(run_id)
+
+
+def wait_until(predicate, timeout: float = 300, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except (grpc.RpcError, OSError, ValueError, KeyError):
+            value = None
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def finished(trial, run_id: str) -> dict:
+    run = wait_until(lambda: (r := show(trial, run_id))["status"] != "running" and r, what=f"run {run_id} to end")
+    assert run["status"] == "finished", run["error"]
+    return run
+
+
+def run_dir(trial, site: str, run_id: str) -> Path:
+    return trial.workdir / "state" / site / "runs" / run_id
+
+
+def test_peers_killed_mid_run_resume_from_their_last_step(trial, undisturbed):
+    """The first site killed right after its warm-up, the second in the middle of its pool:
+    neither redoes finished work, and the final model is the undisturbed one."""
+    run = start(trial)
+    first, second = run["order"][0], run["order"][1]
+    warm = run_dir(trial, first, run["run_id"]) / "warmup.safetensors"
+    wait_until(warm.exists, what="the warm-up model")
+    warm_stamp = warm.stat().st_mtime_ns
+    trial.kill(first)
+    trial.restart(first)
+    pool1 = run_dir(trial, second, run["run_id"]) / "pool" / "model-1.safetensors"
+    wait_until(pool1.exists, what=f"{second}'s first pool model")
+    pool_stamp = pool1.stat().st_mtime_ns
+    state = json.loads((run_dir(trial, second, run["run_id"]) / "state.json").read_text())["state"]
+    trial.kill(second)
+    assert state == "training"
+    trial.restart(second)
+    done = finished(trial, run["run_id"])
+    assert warm.stat().st_mtime_ns == warm_stamp  # no second warm-up
+    assert pool1.stat().st_mtime_ns == pool_stamp  # the finished pool model was not trained again
+    assert done["final"]["sha256"] == undisturbed["final"]["sha256"]
+    assert [h["sha256"] for h in done["hops"]] == [h["sha256"] for h in undisturbed["hops"]]
+
+
+def test_successor_and_coordinator_down_mid_run(trial, undisturbed):
+    """The last site is down when its predecessor's model is ready, and the coordinator is killed
+    while the predecessor retries: both come back with the same commands and the run finishes
+    with the undisturbed final model and no extra hop in the ledger."""
+    run = start(trial)
+    sender, receiver = run["order"][1], run["order"][2]
+    trial.kill(receiver)
+    state_file = run_dir(trial, sender, run["run_id"]) / "state.json"
+    wait_until(lambda: json.loads(state_file.read_text())["state"] == "sending", what=f"{sender} to try sending")
+    assert len(show(trial, run["run_id"])["hops"]) == 1
+    trial.kill("coordinator")
+    time.sleep(1.5)  # a few failed delivery attempts with backoff
+    trial.restart(receiver)
+    trial.restart("coordinator")
+    done = finished(trial, run["run_id"])
+    assert done["final"]["sha256"] == undisturbed["final"]["sha256"]
+    assert len(done["hops"]) == 2
+    assert set(done["final"]["per_site"]) == set(trial.names)
