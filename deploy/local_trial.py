@@ -92,10 +92,24 @@ class LocalTrial:
         self.env = {**os.environ, **(env or {})}
         self.procs: dict[str, subprocess.Popen] = {}
         self.argv: dict[str, list[str]] = {}
-        self.coordinator = f"127.0.0.1:{free_port()}"
-        # Fixed ports, so that a daemon restarted with the same command is found where it was.
-        self.ports = {d.name: free_port() for d in site_dirs}
+        # Fixed addresses, so that a daemon restarted with the same command is found where it was.
+        self.addresses = self.plan_addresses()
+        self.coordinator = self.addresses["coordinator"]
         self.logs = self.workdir / "logs"
+
+    def plan_addresses(self) -> dict[str, str]:
+        """HOST:PORT of every daemon (``coordinator`` and each site): free ports on 127.0.0.1."""
+        return {name: f"127.0.0.1:{free_port()}" for name in ["coordinator", *self.names]}
+
+    def host_prefix(self, name: str) -> list[str]:
+        """What a daemon's command runs under (a network namespace in subclasses; nothing here)."""
+        return []
+
+    def setup_network(self) -> None:
+        """Build the hosts the daemons run on (nothing on loopback)."""
+
+    def teardown_network(self) -> None:
+        """Remove what ``setup_network`` built."""
 
     @property
     def names(self) -> list[str]:
@@ -118,8 +132,12 @@ class LocalTrial:
     def make_pki(self) -> None:
         """A fresh CA and identities, through the real CLI (init-ca, enroll per site)."""
         shutil.rmtree(self.pki, ignore_errors=True)
-        steps = [["init-ca", "--out", str(self.pki)]]
-        steps += [["enroll", n, "--ca", str(self.pki), "--out", str(self.site_tls(n))] for n in self.names]
+        def hosts(name: str) -> list[str]:
+            names = dict.fromkeys(("localhost", "127.0.0.1", self.addresses[name].rsplit(":", 1)[0]))
+            return [arg for h in names for arg in ("--host", h)]
+
+        steps = [["init-ca", "--out", str(self.pki), *hosts("coordinator")]]
+        steps += [["enroll", n, "--ca", str(self.pki), "--out", str(self.site_tls(n)), *hosts(n)] for n in self.names]
         for step in steps:
             res = subprocess.run([_tool("coordinator"), *step], env=self.env, capture_output=True, text=True)
             if res.returncode != 0:
@@ -127,6 +145,7 @@ class LocalTrial:
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
+        argv = [*self.host_prefix(name), *argv]
         self.argv[name] = argv
         log = open(self.logs / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
@@ -143,7 +162,7 @@ class LocalTrial:
         """Start a killed daemon again with the same command (same port, state dir, ledger)."""
         if self.procs[name].poll() is None:
             raise RuntimeError(f"{name} is still running")
-        self._spawn(name, self.argv[name])
+        self._spawn(name, self.argv[name][len(self.host_prefix(name)):])
 
     def start(self, timeout: float = 180.0) -> None:
         for sub in ("state",):
@@ -153,12 +172,13 @@ class LocalTrial:
         shutil.rmtree(self.logs, ignore_errors=True)
         if not self.insecure:
             self.make_pki()
+        self.setup_network()
         self._spawn("coordinator", [_tool("coordinator"), "serve", "--listen", self.coordinator,
                                     "--db", str(self.workdir / "ledger.sqlite"), *self.security_args("coordinator")])
         for d in self.site_dirs:
             sec = ["--insecure"] if self.insecure else ["--tls", str(self.site_tls(d.name))]
             self._spawn(d.name, [_tool("peer"), "serve", "--data", str(d), "--name", d.name,
-                                 "--listen", f"127.0.0.1:{self.ports[d.name]}", "--coordinator", self.coordinator,
+                                 "--listen", self.addresses[d.name], "--coordinator", self.coordinator,
                                  "--state-dir", str(self.workdir / "state" / d.name),
                                  "--device", self.device, *sec, *self.peer_args])
         self.wait_registered(timeout)
@@ -231,6 +251,7 @@ class LocalTrial:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self.teardown_network()
 
     def __enter__(self):
         try:
