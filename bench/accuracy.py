@@ -51,7 +51,7 @@ import time
 from itertools import permutations
 from pathlib import Path
 
-from bench.common import PLOTS, REPO, record, tool
+from bench.common import PLOTS, REPO, meta, record, tool
 
 CHAIN_METHODS = ("fedelmy", "fedseq_best_val", "fedseq_last_epoch", "pool_only", "pool_d1", "pool_d2")
 REF_METHODS = ("local_only", "centralized")
@@ -287,6 +287,7 @@ def run_chain(trial, method: str, cfg: Config, seed: int, extra: list[str] = ())
     if run.get("status") != "finished" or not run.get("final"):
         raise RuntimeError(f"{method} chain ended {run.get('status')}: {run.get('error')}")
     return {"method": method, "accuracy": run["final"]["accuracy"], "sha256": run["final"]["sha256"],
+            "commit": meta()["commit"],
             "per_site": {k: v["accuracy"] for k, v in run["final"]["per_site"].items()}, "order": run["order"],
             "run_id": run["run_id"], "seconds": seconds, "params": run.get("params"), "insecure": run.get("insecure"),
             "how": "daemon chain (coordinator start-chain, mutual TLS on loopback)"}
@@ -334,6 +335,7 @@ def run_references(dirs: list[Path], cfg: Config, seed: int, methods: list[str])
             state, _ = run_site(None, spec, train, val, tcfg, derive_seed(seed, "local", d.name), "cpu")
             per_site[d.name] = accuracy(state)
         out["local_only"] = {"method": "local_only", "accuracy": statistics.fmean(per_site.values()),
+                             "commit": meta()["commit"],
                              "per_site_model": per_site, "seconds": time.monotonic() - started,
                              "epochs": cfg.Ew + cfg.S * cfg.E,
                              "how": "in-process (fedrelay.peer.training.run_site, fedseq, best-val), not a daemon run"}
@@ -343,6 +345,7 @@ def run_references(dirs: list[Path], cfg: Config, seed: int, methods: list[str])
         val = (torch.cat([s[1][0] for s in splits]), torch.cat([s[1][1] for s in splits]))
         state, _ = run_site(None, spec, train, val, tcfg, derive_seed(seed, "centralized"), "cpu")
         out["centralized"] = {"method": "centralized", "accuracy": accuracy(state), "train_samples": int(train[1].numel()),
+                              "commit": meta()["commit"],
                               "seconds": time.monotonic() - started, "epochs": cfg.Ew + cfg.S * cfg.E,
                               "how": "in-process (fedrelay.peer.training.run_site, fedseq, best-val), not a daemon run"}
     return out
@@ -404,7 +407,29 @@ def aggregate(cache: Cache, cfg: Config) -> dict:
             block["fedseq"] = block[best]
             if "fedelmy" in block:
                 block["fedelmy_minus_fedseq"] = block["fedelmy"]["mean"] - block[best]["mean"]
+        block["paired"] = paired_differences(block)
     return figures
+
+
+PAIRS = (("fedelmy", "fedseq_best_val"), ("fedelmy", "fedseq_last_epoch"), ("fedelmy", "pool_only"),
+         ("pool_d1", "pool_only"), ("pool_d2", "pool_only"), ("fedelmy", "pool_d2"), ("fedelmy", "pool_d1"))
+
+
+def paired_differences(block: dict) -> dict:
+    """a − b on the same seed (or order), in accuracy units: mean, sample std, per seed. Seeds move
+    every method together (the split and the order change), so these are what the ranking rests on."""
+    out = {}
+    for a, b in PAIRS:
+        if a not in block or b not in block:
+            continue
+        common = [k for k in block[a]["per_seed"] if k in block[b]["per_seed"]]
+        if not common:
+            continue
+        diffs = {k: block[a]["per_seed"][k] - block[b]["per_seed"][k] for k in common}
+        mean, std = _stats(list(diffs.values()))
+        out[f"{a}_minus_{b}"] = {"mean": mean, "std": std, "per_seed": diffs, "n": len(diffs),
+                                 "positive": sum(1 for v in diffs.values() if v > 0)}
+    return out
 
 
 def plot(figures: dict, path_skew: Path, path_domain: Path) -> list[str]:
@@ -570,6 +595,19 @@ def publish(cache: Cache, cfg: Config, args, started: float, failures: list[str]
                    if m not in block or str(s) not in block[m]["per_seed"]]
         block["seeds_finished"] = seeds
         block["cells_missing_for_5_seeds"] = missing
+    prows = []
+    for key in [k for k in figures if k.startswith("dir")] + (["domain_shift"] if "domain_shift" in figures else []):
+        b = figures[key]
+        where = f"Dirichlet({b['dirichlet']:g})" if key.startswith("dir") else "domain shift (per order)"
+        for name, d in b.get("paired", {}).items():
+            a_, b_ = name.split("_minus_")
+            prows.append([where, f"{LABELS[a_]} − {LABELS[b_]}", f"{100 * d['mean']:+.2f} ± {100 * d['std']:.2f}",
+                          f"{d['positive']} of {d['n']}",
+                          ", ".join(f"{k}: {100 * v:+.2f}" for k, v in d["per_seed"].items())])
+    if prows:
+        tables.append({"title": "paired differences, same seed (or order): points, mean ± sample std",
+                       "columns": ["setting", "difference", "points", "positive in", "per seed (or order)"],
+                       "rows": prows})
     dom = figures.get("domain_shift")
     if dom:
         ms = [m for m in DOMAIN_METHODS if m in dom]
@@ -599,6 +637,14 @@ def publish(cache: Cache, cfg: Config, args, started: float, failures: list[str]
                "training code in-process (not daemon runs). Mean ± sample std over the seeds finished so far "
                "(column 'seeds').")
     notes += method_notes(cfg, args) + target_notes(figures, cfg) + progress_notes(figures, cfg, args)
+    commits: dict = {}
+    cells = [c for by_seed in cache.label_skew(cfg).values() for ms in by_seed.values() for c in ms.values()]
+    cells += [c for ms in cache.domain(cfg).values() for c in ms.values()]
+    for c in cells:
+        commits[c.get("commit", "not recorded")] = commits.get(c.get("commit", "not recorded"), 0) + 1
+    if commits:
+        notes.append("Commit each cached cell was computed at (cells: count): "
+                     + ", ".join(f"{k}: {v}" for k, v in sorted(commits.items())) + ".")
     if not args.quick:
         notes += DISCUSSION
     notes += args.notes
