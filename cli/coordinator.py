@@ -49,6 +49,9 @@ def serve(
     db: Path = typer.Option(Path("fedrelay-ledger.sqlite"), "--db", help="SQLite ledger file."),
     tls: Path = typer.Option(None, "--tls", help=TLS_HELP + " Here: PKI/coordinator.", file_okay=False),
     insecure: bool = INSECURE,
+    peer_timeout: float = typer.Option(120.0, "--peer-timeout",
+                                       help="Seconds a site of a running chain may go without a heartbeat "
+                                            "before the chain is routed around it."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Run the coordinator (ledger: SQLite at --db)."""
@@ -58,7 +61,7 @@ def serve(
     from fedrelay.coordinator.service import serve as run_service
 
     try:
-        run_service(listen, db, transport=transport)
+        run_service(listen, db, transport=transport, peer_timeout=peer_timeout)
     except (RuntimeError, ValueError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -144,7 +147,7 @@ def _follow(client, run_id: str, total_epochs: int, out) -> None:
                     if ev.kind == "epoch":
                         progress.advance(task)
                         progress.update(task, description=f"{ev.site}")
-                    elif ev.kind in ("hop", "final", "failed", "finished", "warning"):
+                    elif ev.kind in ("hop", "final", "failed", "finished", "warning", "skip"):
                         progress.console.print(f"{ev.message}", highlight=False)
                     elif ev.kind == "state" and (ev.message.endswith(": training") or "restarted" in ev.message):
                         progress.console.print(ev.message, highlight=False)
@@ -200,6 +203,9 @@ def render_summary(s: dict) -> None:
         t.add_row("[bold]global[/]", f"[bold]{f['accuracy']:.4f}[/]",
                   str(sum(v["test_samples"] for v in f["per_site"].values())))
         console.print(t)
+    if s.get("skipped"):
+        console.print(f"[yellow]routed around (down past --peer-timeout):[/] {', '.join(s['skipped'])}; "
+                      f"the final model holds the training of {', '.join(s['contributors'])}", highlight=False)
     if s["error"]:
         console.print(f"[red]error:[/] {s['error']}", highlight=False)
     for w in s["warnings"]:

@@ -21,7 +21,9 @@ def summary_dict(s: cpb.RunSummary) -> dict:
     wire_bytes, sha256, seconds), total_bytes (sum of the hops' payload bytes),
     expected_total_bytes ((N-1)*M), final (null until the run has finished: sha256, accuracy,
     per_site: site -> {accuracy, test_samples}), final_transfers, params, seed, arch,
-    class_index, warnings, error, insecure, created, ended (unix seconds).
+    class_index, warnings, error, insecure, created, ended (unix seconds), skipped (sites routed
+    around because they stayed down) and contributors (the sites whose training is in the final
+    model, in chain order).
     """
     def hop(h):
         return {"hop": h.hop, "sender": h.sender, "receiver": h.receiver, "payload_bytes": h.payload_bytes,
@@ -42,6 +44,7 @@ def summary_dict(s: cpb.RunSummary) -> dict:
                    "batch_size": p.batch_size, "weight_decay": p.weight_decay, "selection": p.selection},
         "seed": s.seed, "arch": s.arch, "class_index": list(s.class_index), "warnings": list(s.warnings),
         "error": s.error or None, "insecure": s.insecure, "created": s.created, "ended": s.ended or None,
+        "skipped": list(s.skipped), "contributors": list(s.contributors),
     }
     if s.HasField("final"):
         out["final"] = {

@@ -71,6 +71,11 @@ CREATE TABLE IF NOT EXISTS events (
     message TEXT NOT NULL, data TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS events_run ON events (run_id, seq);
+CREATE TABLE IF NOT EXISTS skips (
+    run_id TEXT NOT NULL, site TEXT NOT NULL,
+    time REAL NOT NULL, reason TEXT NOT NULL,
+    PRIMARY KEY (run_id, site)
+);
 """
 
 TERMINAL = ("finished", "failed")
@@ -144,6 +149,9 @@ class Ledger:
             r[key] = json.loads(r[key])
         return r
 
+    def running_run_ids(self) -> list[str]:
+        return [r["run_id"] for r in self._all("SELECT run_id FROM runs WHERE status = 'running' ORDER BY created")]
+
     def run_ids(self) -> list[str]:
         return [r["run_id"] for r in self._all("SELECT run_id FROM runs ORDER BY created")]
 
@@ -182,6 +190,17 @@ class Ledger:
         return self._all(
             "SELECT * FROM hops WHERE run_id = ? AND purpose = ? ORDER BY hop, receiver", (run_id, purpose)
         )
+
+    # -- routing around sites that stayed down -----------------------------------------------------
+    def add_skip(self, run_id: str, site: str, reason: str) -> bool:
+        """Record that ``site`` was routed around in ``run_id``. False if it already was."""
+        with self._lock:
+            cur = self._db.execute("INSERT OR IGNORE INTO skips (run_id, site, time, reason) VALUES (?, ?, ?, ?)",
+                                   (run_id, site, time.time(), reason))
+            return cur.rowcount == 1
+
+    def skips(self, run_id: str) -> list[dict[str, Any]]:
+        return self._all("SELECT * FROM skips WHERE run_id = ? ORDER BY time", (run_id,))
 
     # -- evaluations and metrics -----------------------------------------------------------------
     def record_evaluation(self, run_id: str, site: str, sha256: str, correct: int, test_samples: int,

@@ -32,6 +32,7 @@ from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
 log = logging.getLogger("fedrelay.coordinator")
 
 HEARTBEAT_SECONDS = 10
+DEFAULT_PEER_TIMEOUT = 120.0  # seconds a site may go without a heartbeat before it is routed around
 PURPOSES = {common_pb2.CHAIN_HOP: "chain", common_pb2.FINAL_MODEL: "final"}
 STRATEGIES = ("fedelmy", "fedseq")
 SELECTIONS = ("best-val", "last-epoch")
@@ -62,11 +63,17 @@ def check_params(p: common_pb2.TrainingParams) -> None:
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, ledger: Ledger, *, transport: wire.Transport = wire.INSECURE, peer_timeout: float = 10.0):
+    def __init__(self, ledger: Ledger, *, transport: wire.Transport = wire.INSECURE,
+                 peer_timeout: float = DEFAULT_PEER_TIMEOUT, probe_timeout: float = 10.0):
         self.ledger = ledger
         self.transport = transport
         self.insecure = not transport.secure
-        self.peer_timeout = peer_timeout
+        if peer_timeout <= 0:
+            raise ValueError("--peer-timeout must be > 0 seconds")
+        self.peer_timeout = peer_timeout  # seconds without a heartbeat before a site is routed around
+        self.probe_timeout = probe_timeout
+        self.heartbeat_seconds = max(1, min(HEARTBEAT_SECONDS, int(peer_timeout / 4)))
+        self._pending: dict[tuple[str, str], peer_pb2.RerouteRequest] = {}
         self.eval_retry = 300.0  # seconds an evaluation waits for an unreachable site
         self._eval_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="evaluate")
         self._run_locks: dict[str, threading.Lock] = {}
@@ -107,7 +114,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.ledger.upsert_peer(request.name, request.address, classes,
                                 (request.channels, request.height, request.width),
                                 request.device, request.version)
-        return cpb.RegisterReply(version=__version__, heartbeat_seconds=HEARTBEAT_SECONDS)
+        return cpb.RegisterReply(version=__version__, heartbeat_seconds=self.heartbeat_seconds)
 
     def _running_run(self, run_id: str, context) -> dict:
         run = self.ledger.run(run_id)
@@ -119,10 +126,22 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if site not in [s["name"] for s in run["chain"]]:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{site!r} is not a site of run {run['run_id']}")
 
+    def _skipped(self, run_id: str) -> set[str]:
+        return {k["site"] for k in self.ledger.skips(run_id)}
+
+    def _live_order(self, run: dict) -> list[dict]:
+        """The run's sites in chain order, without those routed around."""
+        skipped = self._skipped(run["run_id"])
+        return [c for c in run["chain"] if c["name"] not in skipped]
+
     def ReportHop(self, request: cpb.HopReport, context) -> cpb.ReportReply:
         self._as_site(context, request.sender)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.sender, context)
+        if request.sender in self._skipped(request.run_id):  # a site routed around, back too late
+            self.ledger.add_event(request.run_id, "state", f"ignored a hop report from {request.sender} "
+                                  "(routed around)", site=request.sender)
+            return cpb.ReportReply(duplicate=True)
         purpose = PURPOSES.get(request.purpose)
         if purpose is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "purpose must be CHAIN_HOP or FINAL_MODEL")
@@ -172,7 +191,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def ReportFinal(self, request: cpb.FinalReport, context) -> cpb.ReportReply:
         self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
-        last = run["chain"][-1]["name"]
+        last = self._live_order(run)[-1]["name"]
         if request.site != last:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"only the last site ({last}) reports the final model")
         if run["final_sha256"]:
@@ -190,12 +209,122 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.site, context)
+        if request.site in self._skipped(request.run_id):
+            self.ledger.add_event(request.run_id, "state", f"ignored a failure of {request.site} (routed around): "
+                                  f"{request.error}", site=request.site)
+            return cpb.ReportReply(duplicate=True)
         self._fail(request.run_id, f"{request.site}: {request.error}", site=request.site)
         return cpb.ReportReply()
 
     def _fail(self, run_id: str, error: str, site: str = "") -> None:
         if self.ledger.finish_run(run_id, "failed", error=error):
             self.ledger.add_event(run_id, "failed", f"run failed: {error}", site=site, error=error)
+
+    # -- routing around a site that stayed down ---------------------------------------------------
+    def start_monitor(self, stop: threading.Event, interval: float = 1.0) -> None:
+        """Watch running chains every ``interval`` seconds and route around sites whose last
+        heartbeat is older than ``peer_timeout`` (see ``check_route``)."""
+        def loop() -> None:
+            while not stop.wait(interval):
+                for run_id in self.ledger.running_run_ids():
+                    try:
+                        self.check_route(run_id)
+                    except Exception:  # noqa: BLE001 - one bad run must not stop the monitor
+                        log.exception("route check of run %s failed", run_id)
+                self._send_reroutes()
+
+        threading.Thread(target=loop, name="route-monitor", daemon=True).start()
+
+    def _dead(self, names: list[str]) -> set[str]:
+        now = time.time()
+        seen = {p["name"]: p["last_seen"] or 0 for p in self.ledger.peers()}
+        return {n for n in names if now - seen.get(n, 0) > self.peer_timeout}
+
+    def check_route(self, run_id: str) -> list[str]:
+        """Route a running chain around sites that stayed down; returns the sites newly skipped.
+
+        The model of a one-shot chain sits at one site at a time: the receiver of the latest
+        hop (or the first site). If that site is down past ``peer_timeout``, its model is lost
+        with it: the latest live site that sent a model before it sends its model again, to
+        the next live site, and every site in between is skipped (their training is not in the
+        final model). If the site that should receive next is down, it is skipped and the
+        holder sends past it. A first site that dies before sending makes the next live site
+        the first (it warms up a fresh model). Skips are recorded in the ledger and shown in the
+        run's summary (``skipped``, ``contributors``); every site whose neighbours change gets a
+        ``Peer.Reroute``.
+        """
+        run = self.ledger.run(run_id)
+        if run is None or run["status"] != "running" or run["final_sha256"]:
+            return []
+        live = [c["name"] for c in self._live_order(run)]
+        dead = self._dead(live)
+        if not dead:
+            return []
+        hops = [h for h in self.ledger.hops(run_id) if h["receiver"] in live]
+        holder = hops[-1]["receiver"] if hops else live[0]
+        skip: list[str] = []
+        if holder in dead:
+            senders = [h["sender"] for h in hops if h["sender"] in live and h["sender"] not in dead]
+            source = senders[-1] if senders else None
+            start = live.index(source) + 1 if source else 0
+            skip = [n for n in live[start:live.index(holder) + 1]]
+        else:
+            after = live[live.index(holder) + 1:]
+            if after and after[0] in dead:
+                skip = [after[0]]
+        if not skip:
+            return []
+        if len(skip) >= len(live):
+            self._fail(run_id, "every site of the chain is unreachable")
+            return []
+        for name in skip:
+            if self.ledger.add_skip(run_id, name, f"no heartbeat for more than {self.peer_timeout:.0f} s"):
+                self.ledger.add_event(run_id, "skip", f"{name} unreachable for more than {self.peer_timeout:.0f} s: "
+                                      "routed around it", site=name)
+        self._plan_reroutes(run, live)
+        return skip
+
+    @staticmethod
+    def _route(names: list[str]) -> tuple[dict[str, tuple[str | None, str | None]], str, tuple[str, ...]]:
+        """(site -> (predecessor, successor), last site, final recipients) of a chain order."""
+        neighbours = {n: (names[i - 1] if i else None, names[i + 1] if i + 1 < len(names) else None)
+                      for i, n in enumerate(names)}
+        return neighbours, names[-1], tuple(names[:-1])
+
+    def _plan_reroutes(self, run: dict, old_live: list[str]) -> None:
+        """Queue a Reroute for every live site whose neighbours (or, for the last, recipients) changed."""
+        new_live = [c["name"] for c in self._live_order(run)]
+        (old, old_last, old_rec), (new, last, rec) = self._route(old_live), self._route(new_live)
+        address = {c["name"]: c["address"] for c in run["chain"]}
+        version = len(self.ledger.skips(run["run_id"]))
+        skipped = sorted(self._skipped(run["run_id"]))
+        # The last site goes last, so that the others know it before it copies the final model.
+        for n in sorted(new_live, key=lambda m: m == last):
+            if old.get(n) == new[n] and old_last == last and not (n == last and old_rec != rec):
+                continue
+            pred, succ = new[n]
+            r = peer_pb2.RerouteRequest(run_id=run["run_id"], last_site=last, skipped=skipped, route_version=version)
+            if pred:
+                r.predecessor.CopyFrom(common_pb2.SiteRef(name=pred, address=address[pred]))
+            if succ:
+                r.successor.CopyFrom(common_pb2.SiteRef(name=succ, address=address[succ]))
+            else:
+                r.final_recipients.extend(common_pb2.SiteRef(name=m, address=address[m]) for m in rec)
+            self._pending[(run["run_id"], n)] = r
+
+    def _send_reroutes(self) -> None:
+        for (run_id, site), request in list(self._pending.items()):
+            run = self.ledger.run(run_id)
+            address = next(c["address"] for c in run["chain"] if c["name"] == site)
+            try:
+                with self._peer_channel({"name": site, "address": address}) as ch:
+                    peer_pb2_grpc.PeerStub(ch).Reroute(request, timeout=wire.CONTROL_TIMEOUT)
+                self._pending.pop((run_id, site), None)
+                self.ledger.add_event(run_id, "state", f"{site}: rerouted (predecessor "
+                                      f"{request.predecessor.name or 'none'}, successor {request.successor.name or 'none'})",
+                                      site=site)
+            except grpc.RpcError as exc:
+                log.warning("reroute of %s in run %s not delivered yet: %s", site, run_id, wire.status_message(exc))
 
     # -- final evaluation -----------------------------------------------------------------------
     def _call_peer(self, site: dict, method: str, request, *, timeout: float):
@@ -249,7 +378,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 errors.append(f"{site['name']}: {wire.status_message(exc)}")
 
         with ThreadPoolExecutor(max_workers=4) as pool:
-            list(pool.map(one, run["chain"]))
+            list(pool.map(one, self._live_order(run)))
         if errors:
             self._fail(run_id, "evaluation failed at " + "; ".join(errors))
             return
@@ -280,7 +409,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         for p in plan.order:
             try:
                 with self._peer_channel(p) as ch:
-                    st = peer_pb2_grpc.PeerStub(ch).GetStatus(peer_pb2.StatusRequest(), timeout=self.peer_timeout)
+                    st = peer_pb2_grpc.PeerStub(ch).GetStatus(peer_pb2.StatusRequest(), timeout=self.probe_timeout)
                 if st.name != p.name:
                     unreachable.append(f"{p.name} at {p.address} answers as {st.name!r}")
             except grpc.RpcError as exc:
@@ -392,6 +521,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             created=run["created"], ended=run["ended"] or 0, insecure=bool(run["insecure"]),
             params=common_pb2.TrainingParams(**run["params"]),
         )
+        skipped = self._skipped(run_id)
+        s.skipped.extend(c["name"] for c in run["chain"] if c["name"] in skipped)
+        s.contributors.extend(c["name"] for c in run["chain"] if c["name"] not in skipped)
         for purpose, field in (("chain", s.hops), ("final", s.final_transfers)):
             for h in self.ledger.hops(run_id, purpose):
                 field.add(hop=h["hop"], sender=h["sender"], receiver=h["receiver"],
@@ -407,7 +539,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
 
 def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: threading.Event | None = None,
-          stop: threading.Event | None = None) -> None:
+          stop: threading.Event | None = None, peer_timeout: float = DEFAULT_PEER_TIMEOUT) -> None:
     """Run the coordinator until ``stop`` is set (or forever), with mutual TLS unless ``transport``
     is insecure (then every run it starts is recorded as insecure). Raises ``RuntimeError`` if it
     cannot bind, ``ValueError`` if a TLS identity is not the coordinator's."""
@@ -415,7 +547,7 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
         raise ValueError(f"--tls {transport.source}: this is the identity {transport.identity!r}, "
                          f"not {wire.COORDINATOR_IDENTITY!r} (use PKI/coordinator from `coordinator init-ca`)")
     ledger = Ledger(db)
-    service = CoordinatorService(ledger, transport=transport)
+    service = CoordinatorService(ledger, transport=transport, peer_timeout=peer_timeout)
     server, port = wire.make_server(listen, transport=transport)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     server.start()
@@ -427,6 +559,7 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
     if ready is not None:
         ready.set()
     stop = stop or threading.Event()
+    service.start_monitor(stop)
     try:
         while not stop.wait(1.0):
             pass

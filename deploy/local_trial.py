@@ -45,14 +45,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGTERM if the launcher dies, even by SIGKILL."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _die_with_parent() -> list[str]:
+    """A command prefix that gives the child SIGTERM if the launcher dies, even by SIGKILL
+    (Linux ``setpriv --pdeathsig``; nothing where setpriv is missing). Not a ``preexec_fn``:
+    Python code between fork and exec runs grpc's fork handlers in the child, which can abort
+    it ("epoll_wait error: Bad file descriptor")."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM"] if setpriv else []
 
 
 def ensure_fashion_mnist(source: Path | None) -> None:
@@ -82,9 +81,11 @@ class LocalTrial:
     """A coordinator and peers as subprocesses on 127.0.0.1. Use as a context manager."""
 
     def __init__(self, workdir: Path, site_dirs: list[Path], *, device: str = "cpu", env: dict | None = None,
-                 insecure: bool = False, peer_args: list[str] | None = None):
+                 insecure: bool = False, peer_args: list[str] | None = None,
+                 coordinator_args: list[str] | None = None):
         self.insecure = insecure
         self.peer_args = list(peer_args or [])
+        self.coordinator_args = list(coordinator_args or [])
         self.pki = Path(workdir) / "pki"
         self.workdir = Path(workdir)
         self.site_dirs = site_dirs
@@ -148,8 +149,8 @@ class LocalTrial:
         argv = [*self.host_prefix(name), *argv]
         self.argv[name] = argv
         log = open(self.logs / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            start_new_session=True, preexec_fn=_die_with_parent)
+        self.procs[name] = subprocess.Popen([*_die_with_parent(), *argv], stdout=log, stderr=subprocess.STDOUT,
+                                            env=self.env, start_new_session=True)
         log.close()
 
     def kill(self, name: str) -> None:
@@ -157,6 +158,24 @@ class LocalTrial:
         p = self.procs[name]
         p.send_signal(signal.SIGKILL)
         p.wait()
+
+    def wait_ready(self, name: str, timeout: float = 120.0) -> None:
+        """Wait until a (restarted) peer daemon answers a status call."""
+        import grpc
+
+        from fedrelay.v1 import peer_pb2, peer_pb2_grpc
+
+        transport = self.transport("coordinator")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with transport.channel(self.addresses[name], expect=name) as ch:
+                    peer_pb2_grpc.PeerStub(ch).GetStatus(peer_pb2.StatusRequest(), timeout=5)
+                return
+            except grpc.RpcError:
+                if time.monotonic() > deadline or self.procs[name].poll() is not None:
+                    raise RuntimeError(f"{name} did not come up: " + "; ".join(self.dead()))
+                time.sleep(0.3)
 
     def restart(self, name: str) -> None:
         """Start a killed daemon again with the same command (same port, state dir, ledger)."""
@@ -174,7 +193,8 @@ class LocalTrial:
             self.make_pki()
         self.setup_network()
         self._spawn("coordinator", [_tool("coordinator"), "serve", "--listen", self.coordinator,
-                                    "--db", str(self.workdir / "ledger.sqlite"), *self.security_args("coordinator")])
+                                    "--db", str(self.workdir / "ledger.sqlite"), *self.security_args("coordinator"),
+                                    *self.coordinator_args])
         for d in self.site_dirs:
             sec = ["--insecure"] if self.insecure else ["--tls", str(self.site_tls(d.name))]
             self._spawn(d.name, [_tool("peer"), "serve", "--data", str(d), "--name", d.name,

@@ -11,8 +11,9 @@ the same seed, and the time each fault cost. Faults:
 
 - ``kill-peer``: SIGKILL the second site of the chain in the middle of its training (after its
   first pool model), then start it again with the same command;
-- ``link-down``: take the last site's link down while its predecessor trains, keep it down for
-  ``--link-down-seconds`` (the predecessor's delivery retries meanwhile), bring it back;
+- ``link-down``: take the last site's link down once its predecessor starts training, keep it
+  down for ``--link-down-seconds`` (the hop into it meets the outage and is retried), bring it
+  back;
 - ``kill-coordinator``: SIGKILL the coordinator after the first hop, start it again.
 
 Addresses: 10.77.<n>.0/24 (``--subnet``), coordinator .1, sites .11 on; the machine itself
@@ -152,9 +153,13 @@ def run_chain(trial: NetnsTrial, seed: int, chain_args: list[str], faults: list[
         done.append(f"kill -9 {victim} after its first pool model, at {time.monotonic() - started:.1f} s")
         trial.restart(victim)
     if "link-down" in faults:
-        victim = order[-1]
+        # Cut the last site off while its predecessor trains, so that the hop into it meets the outage.
+        victim, sender = order[-1], order[-2]
+        wait_until(lambda: json.loads((state(sender) / "state.json").read_text())["state"] == "training", 1800,
+                   f"{sender} to train")
         trial.link(victim, up=False)
-        done.append(f"link of {victim} down at {time.monotonic() - started:.1f} s for {link_down:.0f} s")
+        done.append(f"link of {victim} down at {time.monotonic() - started:.1f} s for {link_down:.0f} s, "
+                    f"while {sender} trained and then sent")
         time.sleep(link_down)
         trial.link(victim, up=True)
     if "kill-coordinator" in faults:

@@ -88,6 +88,7 @@ class Run:
     sent: list[str] = field(default_factory=list)   # receivers already holding our model
     final_sha256: str = ""
     received: threading.Event = field(default_factory=threading.Event)
+    rerouted: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -95,8 +96,18 @@ class Run:
         return self.assignment.run_id
 
     @property
+    def is_first(self) -> bool:
+        """No predecessor: this site warms up the chain's first model (also after a reroute)."""
+        return not self.assignment.HasField("predecessor")
+
+    @property
     def is_last(self) -> bool:
-        return self.assignment.position == self.assignment.chain_length - 1
+        """No successor: this site's pool average is the final model (also after a reroute)."""
+        return not self.assignment.HasField("successor")
+
+    @property
+    def last_site(self) -> str:
+        return self.assignment.last_site or self.assignment.order[-1]
 
     def path(self, name: str) -> Path:
         return self.folder / name
@@ -132,6 +143,7 @@ class PeerNode:
         self.runs: dict[str, Run] = {}
         self._lock = threading.Lock()
         self._train_lock = threading.Lock()  # one training at a time on this site's hardware
+        self._route_lock = threading.Lock()
         self._tensors: dict[tuple, tuple] = {}
         self.stop = threading.Event()
         self._load_runs()
@@ -147,7 +159,7 @@ class PeerNode:
                 continue
             run = Run(a, folder, doc.get("state", "assigned"), doc.get("detail", ""),
                       doc.get("sent", []), doc.get("final_sha256", ""))
-            if run.path("received.safetensors").exists() or a.position == 0:
+            if run.path("received.safetensors").exists() or run.is_first:
                 run.received.set()
             self.runs[a.run_id] = run
 
@@ -179,14 +191,14 @@ class PeerNode:
         with self._lock:
             run = self.runs.get(a.run_id)
             if run is not None:
-                if run.assignment != a:
+                if run.assignment.route_version == 0 and run.assignment != a:
                     raise ValueError(f"run {a.run_id} was already assigned differently")
                 return run.state
             folder = self.state_dir / "runs" / a.run_id
             folder.mkdir(parents=True, exist_ok=True)
             wire.atomic_write(folder / "assignment.pb", a.SerializeToString())
             run = Run(a, folder)
-            if a.position == 0:
+            if run.is_first:
                 run.received.set()
             run.save()
             self.runs[a.run_id] = run
@@ -239,8 +251,8 @@ class PeerNode:
                 raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"no assignment for run {h.run_id!r} (yet)")
             a = run.assignment
             if caller is not None:
-                expected = a.predecessor.name if h.purpose == common_pb2.CHAIN_HOP else a.order[-1]
-                if h.purpose == common_pb2.CHAIN_HOP and a.position == 0:
+                expected = a.predecessor.name if h.purpose == common_pb2.CHAIN_HOP else run.last_site
+                if h.purpose == common_pb2.CHAIN_HOP and run.is_first:
                     expected = None
                 if caller != expected:
                     what = "predecessor" if h.purpose == common_pb2.CHAIN_HOP else "last site"
@@ -250,7 +262,7 @@ class PeerNode:
                     raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
                                         f"header.sender {h.sender!r} is not the certificate identity {caller!r}")
             if h.purpose == common_pb2.CHAIN_HOP:
-                if a.position == 0 or h.sender != a.predecessor.name:
+                if run.is_first or h.sender != a.predecessor.name:
                     raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
                                         f"{h.sender!r} is not this site's predecessor in run {h.run_id}")
                 if h.hop != a.position:
@@ -258,7 +270,7 @@ class PeerNode:
                                         f"hop {h.hop} does not end at this site (expected hop {a.position})")
                 dest = run.path("received.safetensors")
             elif h.purpose == common_pb2.FINAL_MODEL:
-                if h.sender != a.order[-1] or h.hop != 0:
+                if h.sender != run.last_site or h.hop != 0:
                     raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
                                         f"{h.sender!r} is not the last site of run {h.run_id}")
                 dest = run.path("final.safetensors")
@@ -404,27 +416,34 @@ class PeerNode:
                     log.error("could not report the failure: %s", wire.status_message(rpc_exc))
 
     def _work_steps(self, run: Run) -> None:
-        a = run.assignment
         outgoing = run.path("outgoing.safetensors")
         if not outgoing.exists():
-            if a.position > 0 and not run.received.is_set():
-                self._set_state(run, "assigned", f"waiting for the model from {a.predecessor.name}")
-                while not run.received.wait(1.0):
+            if not run.is_first and not run.received.is_set():
+                self._set_state(run, "assigned", f"waiting for the model from {run.assignment.predecessor.name}")
+                # A reroute may make this site the first (its predecessors stayed down).
+                while not run.received.wait(1.0) and not run.is_first:
                     if self.stop.is_set():
                         return
             self._train(run, outgoing)
         sha = wire.sha256_file(outgoing)
         size = outgoing.stat().st_size
-        if not a.HasField("successor"):
-            run.final_sha256 = sha
-            run.save()
-            self._distribute(run, outgoing, sha, size)
-            self._report("ReportFinal", cpb.FinalReport(run_id=run.run_id, site=self.name, sha256=sha, model_bytes=size))
-        else:
-            header = common_pb2.TransferHeader(run_id=run.run_id, hop=a.position + 1, sender=self.name,
+        while True:  # a reroute while delivering changes the successor, or makes this site the last
+            a = run.assignment
+            if run.is_last:
+                run.final_sha256 = sha
+                run.save()
+                if not self._distribute(run, outgoing, sha, size):
+                    continue
+                self._report("ReportFinal", cpb.FinalReport(run_id=run.run_id, site=self.name, sha256=sha,
+                                                            model_bytes=size))
+                break
+            # Hop h ends at the site in position h of the order (skipped positions have no hop).
+            hop = list(a.order).index(a.successor.name)
+            header = common_pb2.TransferHeader(run_id=run.run_id, hop=hop, sender=self.name,
                                                total_bytes=size, sha256=sha, purpose=common_pb2.CHAIN_HOP)
-            self._set_state(run, "sending", f"hop {a.position + 1} to {a.successor.name}")
-            self._deliver(run, a.successor, header, outgoing)
+            self._set_state(run, "sending", f"hop {hop} to {a.successor.name}")
+            if self._deliver(run, a.successor, header, outgoing):
+                break
         self._set_state(run, "done", "")
 
     def _train(self, run: Run, outgoing: Path) -> None:
@@ -438,7 +457,7 @@ class PeerNode:
             images, labels = self._site_tensors("train", a.class_index)
             train, val = train_val_split(images, labels, seed=derive_seed(a.seed, "split", self.name))
             m0 = None
-            if a.position > 0:
+            if run.path("received.safetensors").exists():
                 m0 = wire.decode_state(run.path("received.safetensors").read_bytes())
             elif run.path("warmup.safetensors").exists():  # a restarted first site: no second warm-up
                 m0 = wire.decode_state(run.path("warmup.safetensors").read_bytes())
@@ -470,23 +489,37 @@ class PeerNode:
             wire.atomic_write(outgoing, wire.encode_state(send))
             log.info("run %s: trained %d pool models in %.1f s", run.run_id, len(pool) - 1, time.time() - started)
 
-    def _deliver(self, run: Run, to: common_pb2.SiteRef, header: common_pb2.TransferHeader, path: Path) -> None:
-        """Send ``path`` to ``to`` with retries (exponential backoff and jitter), then report it."""
-        if to.name in run.sent:
-            return
+    def _deliver(self, run: Run, to: common_pb2.SiteRef, header: common_pb2.TransferHeader, path: Path) -> bool:
+        """Send ``path`` to ``to`` with retries (exponential backoff and jitter), then report it.
+
+        Returns False, having sent nothing, when a reroute took ``to`` off this site's route
+        meanwhile; True once delivered (or delivered before)."""
+        key = to.name if header.purpose == common_pb2.CHAIN_HOP else f"final:{to.name}"
+        if key in run.sent or (header.purpose == common_pb2.CHAIN_HOP and to.name in run.sent):
+            return True
+        version = run.assignment.route_version
         deadline = time.monotonic() + self.send_deadline
         for delay in backoff_delays():
+            if run.assignment.route_version != version and not self._still_routed(run, to, header):
+                log.info("run %s: %s is no longer on this site's route; not sending to it", run.run_id, to.name)
+                return False
             try:
                 # Under TLS the receiver's certificate must name the site we mean to reach.
                 sent = send_model(to.address, header, path, transport=self.transport, expect=to.name)
                 break
             except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE or time.monotonic() + delay > deadline:
+                # A recipient of the final model may not know yet that a reroute made this site the
+                # last: its refusal is retried for a while (the route reaches it within seconds).
+                rerouting = (exc.code() == grpc.StatusCode.PERMISSION_DENIED and run.assignment.route_version > 0
+                             and time.monotonic() < deadline - self.send_deadline + 120)
+                if (exc.code() not in RETRYABLE and not rerouting) or time.monotonic() + delay > deadline:
                     raise RuntimeError(f"cannot deliver to {to.name} at {to.address}: {wire.status_message(exc)}") from exc
                 log.warning("run %s: delivery to %s failed (%s); retrying in %.1f s", run.run_id, to.name,
                             wire.status_message(exc), delay)
-                if self.stop.wait(delay):
-                    raise RuntimeError("daemon stopping") from exc
+                if self.stop.wait(delay) or run.rerouted.wait(0):
+                    if self.stop.is_set():
+                        raise RuntimeError("daemon stopping") from exc
+                    run.rerouted.clear()
         if sent.receipt.duplicate:  # a retry of a transfer that had arrived: acknowledged, no effect
             log.info("run %s: %s already held this model (sha256 %s)", run.run_id, to.name, header.sha256[:12])
         purpose = header.purpose
@@ -494,16 +527,74 @@ class PeerNode:
             run_id=run.run_id, hop=header.hop, purpose=purpose, sender=self.name, receiver=to.name,
             payload_bytes=sent.payload_bytes, wire_bytes=sent.wire_bytes, sha256=header.sha256,
             started=sent.started, ended=sent.ended))
-        run.sent.append(to.name)
+        run.sent.append(key)
         run.save()
+        return True
 
-    def _distribute(self, run: Run, path: Path, sha: str, size: int) -> None:
-        """Last site: copy the final model to every other site of the chain, for evaluation."""
+    @staticmethod
+    def _still_routed(run: Run, to: common_pb2.SiteRef, header: common_pb2.TransferHeader) -> bool:
+        a = run.assignment
+        if header.purpose == common_pb2.CHAIN_HOP:
+            return a.HasField("successor") and a.successor.name == to.name
+        return run.is_last and any(r.name == to.name for r in a.final_recipients)
+
+    def _distribute(self, run: Run, path: Path, sha: str, size: int) -> bool:
+        """Last site: copy the final model to every other site of the chain, for evaluation.
+        False when a reroute changed the route meanwhile (the caller looks again)."""
         self._set_state(run, "distributing", "final model to every site")
         header = common_pb2.TransferHeader(run_id=run.run_id, hop=0, sender=self.name, total_bytes=size,
                                            sha256=sha, purpose=common_pb2.FINAL_MODEL)
-        for ref in run.assignment.final_recipients:
-            self._deliver(run, ref, header, path)
+        for ref in list(run.assignment.final_recipients):
+            if not self._deliver(run, ref, header, path) and not run.is_last:
+                return False
+        return run.is_last
+
+    # -- rerouting --------------------------------------------------------------------------------------
+    def reroute(self, r: peer_pb2.RerouteRequest) -> str:
+        """Take a new route for a run from the coordinator (idempotent per route version).
+
+        The assignment's predecessor, successor, final recipients and last site are replaced
+        and persisted. A site that had finished (its model delivered to a site that then stayed
+        down) starts again from its outgoing model, which it still holds. Raises
+        ``LookupError`` (unknown run) or ``ValueError`` (a stale or inconsistent route).
+        """
+        run = self.runs.get(r.run_id)
+        if run is None:
+            raise LookupError(f"unknown run {r.run_id!r}")
+        with self._route_lock:
+            a = run.assignment
+            if r.route_version <= a.route_version:
+                return run.state  # already applied
+            order = set(a.order)
+            for ref in [*([r.predecessor] if r.HasField("predecessor") else []),
+                        *([r.successor] if r.HasField("successor") else []), *r.final_recipients]:
+                if ref.name not in order or ref.name == self.name:
+                    raise ValueError(f"{ref.name!r} cannot be a neighbour of {self.name} in run {r.run_id}")
+            new = peer_pb2.Assignment()
+            new.CopyFrom(a)
+            new.ClearField("predecessor")
+            new.ClearField("successor")
+            del new.final_recipients[:]
+            if r.HasField("predecessor"):
+                new.predecessor.CopyFrom(r.predecessor)
+            if r.HasField("successor"):
+                new.successor.CopyFrom(r.successor)
+            new.final_recipients.extend(r.final_recipients)
+            new.last_site = r.last_site
+            new.route_version = r.route_version
+            wire.atomic_write(run.path("assignment.pb"), new.SerializeToString())
+            run.assignment = new
+            log.info("run %s: rerouted (v%d): predecessor %s, successor %s; skipped %s", r.run_id, r.route_version,
+                     new.predecessor.name or "none (first)", new.successor.name or "none (last)",
+                     ", ".join(r.skipped) or "none")
+            run.rerouted.set()
+            if run.is_first:
+                run.received.set()
+            restart = run.state in ("done", "failed") and run.path("outgoing.safetensors").exists()
+        if restart:
+            self._set_state(run, "sending", "rerouted")
+            self._start_worker(run)
+        return run.state
 
     # -- evaluation and status ------------------------------------------------------------------------
     def final_model_path(self, run_id: str, sha256: str) -> Path:

@@ -64,6 +64,16 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         except LookupError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]))
 
+    def Reroute(self, request: peer_pb2.RerouteRequest, context) -> peer_pb2.RerouteReply:
+        self._from_coordinator(context)
+        try:
+            state = self.node.reroute(request)
+        except LookupError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reroute refused: {exc}")
+        return peer_pb2.RerouteReply(run_id=request.run_id, state=state)
+
     def FetchModel(self, request: peer_pb2.FetchModelRequest, context):
         self._from_coordinator(context)
         try:

@@ -113,6 +113,9 @@ def add_peer_servicer(servicer, server) -> None:
         "FetchModel": grpc.unary_stream_rpc_method_handler(
             servicer.FetchModel, request_deserializer=peer_pb2.FetchModelRequest.FromString,
             response_serializer=common_pb2.ModelChunk.SerializeToString),
+        "Reroute": grpc.unary_unary_rpc_method_handler(
+            servicer.Reroute, request_deserializer=peer_pb2.RerouteRequest.FromString,
+            response_serializer=peer_pb2.RerouteReply.SerializeToString),
     }
     missing = set(peer_pb2.DESCRIPTOR.services_by_name["Peer"].methods_by_name) - set(handlers)
     if missing:  # the .proto grew a method: register it here too

@@ -228,7 +228,7 @@ class FinalResult(_message.Message):
     def __init__(self, sha256: _Optional[str] = ..., accuracy: _Optional[float] = ..., per_site: _Optional[_Mapping[str, SiteAccuracy]] = ...) -> None: ...
 
 class RunSummary(_message.Message):
-    __slots__ = ("run_id", "strategy", "order", "model_bytes", "hops", "final", "status", "params", "seed", "arch", "class_index", "warnings", "error", "created", "ended", "final_transfers", "insecure")
+    __slots__ = ("run_id", "strategy", "order", "model_bytes", "hops", "final", "status", "params", "seed", "arch", "class_index", "warnings", "error", "created", "ended", "final_transfers", "insecure", "skipped", "contributors")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,8 @@ class RunSummary(_message.Message):
     ENDED_FIELD_NUMBER: _ClassVar[int]
     FINAL_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     INSECURE_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     strategy: str
     order: _containers.RepeatedScalarFieldContainer[str]
@@ -263,7 +265,9 @@ class RunSummary(_message.Message):
     ended: float
     final_transfers: _containers.RepeatedCompositeFieldContainer[HopRecord]
     insecure: bool
-    def __init__(self, run_id: _Optional[str] = ..., strategy: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., model_bytes: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., final: _Optional[_Union[FinalResult, _Mapping]] = ..., status: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., seed: _Optional[int] = ..., arch: _Optional[str] = ..., class_index: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., created: _Optional[float] = ..., ended: _Optional[float] = ..., final_transfers: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., insecure: _Optional[bool] = ...) -> None: ...
+    skipped: _containers.RepeatedScalarFieldContainer[str]
+    contributors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., strategy: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., model_bytes: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., final: _Optional[_Union[FinalResult, _Mapping]] = ..., status: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., seed: _Optional[int] = ..., arch: _Optional[str] = ..., class_index: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., created: _Optional[float] = ..., ended: _Optional[float] = ..., final_transfers: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., insecure: _Optional[bool] = ..., skipped: _Optional[_Iterable[str]] = ..., contributors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListRunsRequest(_message.Message):
     __slots__ = ()

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Assignment(_message.Message):
-    __slots__ = ("run_id", "position", "chain_length", "predecessor", "successor", "final_recipients", "seed", "params", "model", "class_index", "site", "order")
+    __slots__ = ("run_id", "position", "chain_length", "predecessor", "successor", "final_recipients", "seed", "params", "model", "class_index", "site", "order", "last_site", "route_version")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     CHAIN_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,8 @@ class Assignment(_message.Message):
     CLASS_INDEX_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
+    LAST_SITE_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_VERSION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     position: int
     chain_length: int
@@ -33,7 +35,35 @@ class Assignment(_message.Message):
     class_index: _containers.RepeatedScalarFieldContainer[str]
     site: str
     order: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., position: _Optional[int] = ..., chain_length: _Optional[int] = ..., predecessor: _Optional[_Union[_common_pb2.SiteRef, _Mapping]] = ..., successor: _Optional[_Union[_common_pb2.SiteRef, _Mapping]] = ..., final_recipients: _Optional[_Iterable[_Union[_common_pb2.SiteRef, _Mapping]]] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., model: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., class_index: _Optional[_Iterable[str]] = ..., site: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ...) -> None: ...
+    last_site: str
+    route_version: int
+    def __init__(self, run_id: _Optional[str] = ..., position: _Optional[int] = ..., chain_length: _Optional[int] = ..., predecessor: _Optional[_Union[_common_pb2.SiteRef, _Mapping]] = ..., successor: _Optional[_Union[_common_pb2.SiteRef, _Mapping]] = ..., final_recipients: _Optional[_Iterable[_Union[_common_pb2.SiteRef, _Mapping]]] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., model: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., class_index: _Optional[_Iterable[str]] = ..., site: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., last_site: _Optional[str] = ..., route_version: _Optional[int] = ...) -> None: ...
+
+class RerouteRequest(_message.Message):
+    __slots__ = ("run_id", "predecessor", "successor", "final_recipients", "last_site", "skipped", "route_version")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PREDECESSOR_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSOR_FIELD_NUMBER: _ClassVar[int]
+    FINAL_RECIPIENTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SITE_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    predecessor: _common_pb2.SiteRef
+    successor: _common_pb2.SiteRef
+    final_recipients: _containers.RepeatedCompositeFieldContainer[_common_pb2.SiteRef]
+    last_site: str
+    skipped: _containers.RepeatedScalarFieldContainer[str]
+    route_version: int
+    def __init__(self, run_id: _Optional[str] = ..., predecessor: _Optional[_Union[_common_pb2.SiteRef, _Mapping]] = ..., successor: _Optional[_Union[_common_pb2.SiteRef, _Mapping]] = ..., final_recipients: _Optional[_Iterable[_Union[_common_pb2.SiteRef, _Mapping]]] = ..., last_site: _Optional[str] = ..., skipped: _Optional[_Iterable[str]] = ..., route_version: _Optional[int] = ...) -> None: ...
+
+class RerouteReply(_message.Message):
+    __slots__ = ("run_id", "state")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    state: str
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
 
 class AssignReply(_message.Message):
     __slots__ = ("run_id", "state")

@@ -60,6 +60,11 @@ class PeerStub:
                 request_serializer=fedrelay_dot_v1_dot_peer__pb2.FetchModelRequest.SerializeToString,
                 response_deserializer=fedrelay_dot_v1_dot_common__pb2.ModelChunk.FromString,
                 _registered_method=True)
+        self.Reroute = channel.unary_unary(
+                '/fedrelay.v1.Peer/Reroute',
+                request_serializer=fedrelay_dot_v1_dot_peer__pb2.RerouteRequest.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_peer__pb2.RerouteReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -101,6 +106,14 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reroute(self, request, context):
+        """The coordinator changes this site's neighbours in a run, to route around a site that
+        stayed down. Idempotent for the same route version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +141,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.FetchModel,
                     request_deserializer=fedrelay_dot_v1_dot_peer__pb2.FetchModelRequest.FromString,
                     response_serializer=fedrelay_dot_v1_dot_common__pb2.ModelChunk.SerializeToString,
+            ),
+            'Reroute': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reroute,
+                    request_deserializer=fedrelay_dot_v1_dot_peer__pb2.RerouteRequest.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_peer__pb2.RerouteReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +283,33 @@ class Peer:
             '/fedrelay.v1.Peer/FetchModel',
             fedrelay_dot_v1_dot_peer__pb2.FetchModelRequest.SerializeToString,
             fedrelay_dot_v1_dot_common__pb2.ModelChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reroute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Peer/Reroute',
+            fedrelay_dot_v1_dot_peer__pb2.RerouteRequest.SerializeToString,
+            fedrelay_dot_v1_dot_peer__pb2.RerouteReply.FromString,
             options,
             channel_credentials,
             insecure,

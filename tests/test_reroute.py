@@ -1,0 +1,86 @@
+"""Routing around a site that stays down (coordinator --peer-timeout): the chain goes on without
+it, the ledger and the run's summary say which site was skipped and which contributed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+
+import pytest
+
+from conftest import REPO, write_fashion_like
+
+spec = importlib.util.spec_from_file_location("local_trial", REPO / "deploy" / "local_trial.py")
+local_trial = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(local_trial)
+
+CHAIN = ["--models-per-site", "2", "--local-epochs", "2", "--warmup-epochs", "1", "--batch-size", "32"]
+
+
+@pytest.fixture(scope="module")
+def trial(tmp_path_factory):
+    from fedrelay.coordinator.split import split_dataset
+
+    base = tmp_path_factory.mktemp("reroute")
+    split_dataset("fashion-mnist", sites=4, dirichlet=1.0, seed=2, out=base / "sites",
+                  source=write_fashion_like(base / "idx", n_train=1600, n_test=200, seed=9))
+    sites = sorted(p for p in (base / "sites").iterdir() if p.is_dir() and p.name.startswith("site-"))
+    with local_trial.LocalTrial(base / "trial", sites, coordinator_args=["--peer-timeout", "3"]) as t:
+        yield t
+
+
+def start(trial, seed: int) -> dict:
+    res = trial.cli("start-chain", "--seed", str(seed), "--json", *CHAIN, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return show(trial, json.loads(res.stdout)["run_id"])
+
+
+def show(trial, run_id: str) -> dict:
+    from fedrelay.coordinator.client import OperatorClient
+
+    with OperatorClient(trial.coordinator, trial.transport()) as c:
+        return c.run(run_id)
+
+
+def wait_for(trial, run_id: str, predicate, timeout: float = 300) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = show(trial, run_id)
+        if predicate(run):
+            return run
+        time.sleep(0.2)
+    raise AssertionError(f"timed out; last summary: {run}")
+
+
+def test_a_site_down_before_its_hop_is_routed_around(trial):
+    run = start(trial, 1)
+    a, b, c, d = run["order"]
+    trial.kill(b)  # down for good, before the model reaches it
+    done = wait_for(trial, run["run_id"], lambda r: r["status"] != "running")
+    assert done["status"] == "finished", done["error"]
+    assert done["skipped"] == [b]
+    assert done["contributors"] == [a, c, d]
+    assert [(h["sender"], h["receiver"]) for h in done["hops"]] == [(a, c), (c, d)]
+    assert done["total_bytes"] == 2 * done["model_bytes"]
+    assert set(done["final"]["per_site"]) == {a, c, d}  # evaluated where the sites are up
+    trial.restart(b)  # the next test needs every peer reachable
+    trial.wait_ready(b)
+
+
+def test_the_last_site_down_after_receiving_makes_its_predecessor_last(trial):
+    run = start(trial, 2)
+    a, b, c, d = run["order"]
+    wait_for(trial, run["run_id"], lambda r: len(r["hops"]) == 3)  # the model has reached d
+    trial.kill(d)
+    done = wait_for(trial, run["run_id"], lambda r: r["status"] != "running")
+    assert done["status"] == "finished", done["error"]
+    assert done["skipped"] == [d]
+    assert done["contributors"] == [a, b, c]
+    last = trial.workdir / "state" / c / "runs" / run["run_id"] / "outgoing.safetensors"
+    import hashlib
+
+    assert hashlib.sha256(last.read_bytes()).hexdigest() == done["final"]["sha256"]  # c's pool average
+    assert set(done["final"]["per_site"]) == {a, b, c}
+    trial.restart(d)
+    trial.wait_ready(d)
