@@ -245,8 +245,13 @@ def main(argv=None) -> dict:
                   f"{wall / sum(spent.values()):.3f}x (target <= 1.05x)",
                   f"final accuracy: FedELMY {elmy['final']['accuracy']:.4f}, FedSeq "
                   f"{runs['fedseq']['final']['accuracy']:.4f} (one seed; see the accuracy study for means)",
-                  "the loopback counter is an upper bound, not a per-hop count: per-hop kernel counts need "
-                  "one network namespace per site (deploy/ issue)"],
+                  "the loopback counter is an upper bound, not a per-hop count: it holds every process's "
+                  "loopback traffic during the run (other work on the machine included); per-hop kernel "
+                  "counts need one network namespace per site (deploy/netns_trial.py builds them; not yet "
+                  "wired into this study)",
+                  f"peak RSS over the bound: worst {worst:.2f}x. The bound counts the site's data once and "
+                  "(S+3) models; a peer also holds the train/validation copies of its data made per run, "
+                  "PyTorch's allocator cache and gRPC/TLS buffers (not yet profiled)"],
         "plots": ["bytes_per_hop.png", "pool_heatmap.png"],
     }
     print(json.dumps({k: figures[k] for k in ("communication", "memory", "chain_overhead", "accuracy")}, indent=1))
