@@ -30,6 +30,8 @@ bench: setup
 	$(PY) -m bench.transfer
 	$(PY) -m bench.training
 	$(PY) -m bench.chain
+	nice -n 15 $(PY) -m bench.accuracy --seeds 0,1,2,3,4 --dirichlets 0.5,0.1 --max-train-per-site 600 \
+		--domain-shift --domain-max-train-per-site 1500
 
 proto: setup
 	$(PY) -m fedrelay.protogen
