@@ -38,7 +38,9 @@ def meta() -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                 text=True, check=True).stdout.strip()
-        if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+        # Dirty = code that ran differs from the commit; the studies' own outputs do not count.
+        if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                           ":!bench/results.json", ":!bench/RESULTS.md", ":!bench/plots"], cwd=REPO,
                           capture_output=True, text=True).stdout.strip():
             commit += "+dirty"
     except (OSError, subprocess.CalledProcessError):
