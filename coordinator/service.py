@@ -14,7 +14,6 @@ each site to evaluate it on its own test split, and records per-site and global 
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import threading
@@ -76,7 +75,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._pending: dict[tuple[str, str], peer_pb2.RerouteRequest] = {}
         self.eval_retry = 300.0  # seconds an evaluation waits for an unreachable site
         self._eval_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="evaluate")
-        self._run_locks: dict[str, threading.Lock] = {}
 
     # -- authorization ---------------------------------------------------------------------------
     def _as_site(self, context, claimed: str) -> None:

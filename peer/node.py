@@ -25,7 +25,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import grpc
 
@@ -37,6 +36,7 @@ from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
 log = logging.getLogger("fedrelay.peer")
 
 DEFAULT_STALL_TIMEOUT = 60.0  # seconds
+REROUTE_GRACE = 120.0  # seconds a final-model copy retries a refusal after a reroute (see _deliver)
 ACTIVE = ("assigned", "receiving", "training", "sending", "distributing")
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
              grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -495,10 +495,11 @@ class PeerNode:
         Returns False, having sent nothing, when a reroute took ``to`` off this site's route
         meanwhile; True once delivered (or delivered before)."""
         key = to.name if header.purpose == common_pb2.CHAIN_HOP else f"final:{to.name}"
-        if key in run.sent or (header.purpose == common_pb2.CHAIN_HOP and to.name in run.sent):
+        if key in run.sent:
             return True
         version = run.assignment.route_version
-        deadline = time.monotonic() + self.send_deadline
+        started = time.monotonic()
+        deadline = started + self.send_deadline
         for delay in backoff_delays():
             if run.assignment.route_version != version and not self._still_routed(run, to, header):
                 log.info("run %s: %s is no longer on this site's route; not sending to it", run.run_id, to.name)
@@ -511,7 +512,7 @@ class PeerNode:
                 # A recipient of the final model may not know yet that a reroute made this site the
                 # last: its refusal is retried for a while (the route reaches it within seconds).
                 rerouting = (exc.code() == grpc.StatusCode.PERMISSION_DENIED and run.assignment.route_version > 0
-                             and time.monotonic() < deadline - self.send_deadline + 120)
+                             and time.monotonic() - started < REROUTE_GRACE)
                 if (exc.code() not in RETRYABLE and not rerouting) or time.monotonic() + delay > deadline:
                     raise RuntimeError(f"cannot deliver to {to.name} at {to.address}: {wire.status_message(exc)}") from exc
                 log.warning("run %s: delivery to %s failed (%s); retrying in %.1f s", run.run_id, to.name,
