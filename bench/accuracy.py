@@ -37,13 +37,11 @@ every position once and every ordered pair of domains is adjacent once), all wit
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import os
 import shlex
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -88,33 +86,10 @@ def dir_key(a: float) -> str:
 
 
 def write_synthetic_idx(folder: Path, n_train: int = 900, n_test: int = 300, seed: int = 0) -> Path:
-    """Tiny learnable Fashion-MNIST-format IDX files (as tests/conftest.py makes): class k is a
-    bright 7x7 square at a class-specific place, on noise."""
-    import numpy as np
+    """Tiny learnable Fashion-MNIST-format IDX files (``bench.synthetic``)."""
+    from bench.synthetic import write_fashion_like
 
-    def images(n, s):
-        rng = np.random.default_rng(s)
-        labels = (np.arange(n) % 10).astype(np.uint8)
-        rng.shuffle(labels)
-        x = rng.integers(0, 70, size=(n, 28, 28), dtype=np.uint8)
-        for i, k in enumerate(labels):
-            r, c = divmod(int(k), 4)
-            y0, x0 = 1 + r * 9 + rng.integers(0, 2), 1 + c * 6 + rng.integers(0, 2)
-            x[i, y0:y0 + 7, x0:x0 + 7] = rng.integers(190, 256, size=(7, 7))
-        return x, labels
-
-    def write(path, arr):
-        header = struct.pack(">HBB", 0, 0x08, arr.ndim) + b"".join(struct.pack(">I", d) for d in arr.shape)
-        path.write_bytes(gzip.compress(header + arr.astype(np.uint8).tobytes()))
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tx, ty = images(n_train, seed)
-    vx, vy = images(n_test, seed + 1)
-    write(folder / "train-images-idx3-ubyte.gz", tx)
-    write(folder / "train-labels-idx1-ubyte.gz", ty)
-    write(folder / "t10k-images-idx3-ubyte.gz", vx)
-    write(folder / "t10k-labels-idx1-ubyte.gz", vy)
-    return folder
+    return write_fashion_like(folder, n_train=n_train, n_test=n_test, seed=seed)
 
 
 def site_dirs(root: Path) -> list[Path]:

@@ -25,11 +25,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from bench.common import PLOTS, REPO, record, tool

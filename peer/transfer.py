@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Iterator
 import grpc
 
 from fedrelay import wire
-from fedrelay.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+from fedrelay.v1 import common_pb2, peer_pb2
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 GRPC_FRAME_BYTES = 5  # gRPC length-prefixed message framing: 1 flag byte + 4 length bytes
