@@ -175,11 +175,12 @@ def render_summary(s: dict) -> None:
                   highlight=False)
     console.print("chain order: " + " -> ".join(s["order"]), highlight=False)
     t = Table(title="hops (chain transfers)")
-    for col in ("hop", "sender → receiver", "payload bytes", "wire bytes", "SHA-256", "seconds"):
-        t.add_column(col, justify="right" if "bytes" in col or col in ("hop", "seconds") else "left")
+    for col in ("hop", "sender → receiver", "payload bytes", "wire bytes", "SHA-256", "seconds", "attempts"):
+        t.add_column(col, justify="right" if "bytes" in col or col in ("hop", "seconds", "attempts") else "left")
     for h in s["hops"]:
+        tries = str(h["attempts"]) + (f" (resumed at {_fmt_bytes(h['resumed_from'])})" if h["resumed_from"] else "")
         t.add_row(str(h["hop"]), f"{h['sender']} → {h['receiver']}", _fmt_bytes(h["payload_bytes"]),
-                  _fmt_bytes(h["wire_bytes"]), h["sha256"][:16] + "…", f"{h['seconds']:.3f}")
+                  _fmt_bytes(h["wire_bytes"]), h["sha256"][:16] + "…", f"{h['seconds']:.3f}", tries)
     console.print(t)
     n = len(s["order"])
     exp = s["expected_total_bytes"]

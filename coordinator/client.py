@@ -18,7 +18,8 @@ def summary_dict(s: cpb.RunSummary) -> dict:
 
     Keys: run_id, strategy, status (running|finished|failed), order (site names), model_bytes
     (M, bytes; null before the first hop), hops (chain transfers: sender, receiver, payload_bytes,
-    wire_bytes, sha256, seconds), total_bytes (sum of the hops' payload bytes),
+    wire_bytes (every attempt's), sha256, seconds, attempts, resumed_from (bytes the receiver
+    already held when the last attempt began)), total_bytes (sum of the hops' payload bytes),
     expected_total_bytes ((N-1)*M), final (null until the run has finished: sha256, accuracy,
     per_site: site -> {accuracy, test_samples}), final_transfers, params, seed, arch,
     class_index, warnings, error, insecure, created, ended (unix seconds), skipped (sites routed
@@ -28,7 +29,7 @@ def summary_dict(s: cpb.RunSummary) -> dict:
     def hop(h):
         return {"hop": h.hop, "sender": h.sender, "receiver": h.receiver, "payload_bytes": h.payload_bytes,
                 "wire_bytes": h.wire_bytes, "sha256": h.sha256, "seconds": round(h.ended - h.started, 6),
-                "started": h.started, "ended": h.ended}
+                "started": h.started, "ended": h.ended, "attempts": h.attempts, "resumed_from": h.resumed_from}
 
     p = s.params
     out = {

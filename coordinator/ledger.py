@@ -50,6 +50,8 @@ CREATE TABLE IF NOT EXISTS hops (
     payload_bytes INTEGER NOT NULL, wire_bytes INTEGER NOT NULL,
     sha256 TEXT NOT NULL,
     started REAL NOT NULL, ended REAL NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 1,      -- streams the transfer took
+    resumed_from INTEGER NOT NULL DEFAULT 0,  -- bytes the receiver held when the last stream began
     PRIMARY KEY (run_id, purpose, hop, receiver)
 );
 CREATE TABLE IF NOT EXISTS evaluations (
@@ -95,6 +97,14 @@ class Ledger:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(SCHEMA)
+            self._migrate()
+
+    def _migrate(self) -> None:
+        """Bring a ledger written by an older fedrelay up to this schema (columns added since)."""
+        have = {r["name"] for r in self._db.execute("PRAGMA table_info(hops)")}
+        for column in ("attempts INTEGER NOT NULL DEFAULT 1", "resumed_from INTEGER NOT NULL DEFAULT 0"):
+            if column.split()[0] not in have:
+                self._db.execute(f"ALTER TABLE hops ADD COLUMN {column}")
 
     def close(self) -> None:
         with self._lock:
@@ -121,6 +131,10 @@ class Ledger:
                    device=excluded.device, version=excluded.version, last_seen=excluded.last_seen""",
             (name, address, json.dumps(classes), *shape, device, version, now, now),
         )
+
+    def peer(self, name: str) -> dict[str, Any] | None:
+        rows = self._all("SELECT name, address, last_seen FROM peers WHERE name = ?", (name,))
+        return rows[0] if rows else None
 
     def peers(self) -> list[dict[str, Any]]:
         rows = self._all("SELECT * FROM peers ORDER BY name")
@@ -175,14 +189,17 @@ class Ledger:
     # -- hops ----------------------------------------------------------------------------------
     def record_hop(self, run_id: str, purpose: str, hop: int, sender: str, receiver: str,
                    payload_bytes: int, wire_bytes: int, sha256: str, started: float,
-                   ended: float) -> bool:
-        """Record one transfer. Returns False when it was already recorded (a retried report)."""
+                   ended: float, attempts: int = 1, resumed_from: int = 0) -> bool:
+        """Record one transfer (sizes in bytes, times in unix seconds; ``wire_bytes`` counts every
+        attempt, ``resumed_from`` the bytes the receiver held when the last one began). Returns
+        False when it was already recorded (a retried report)."""
         with self._lock:
             cur = self._db.execute(
                 """INSERT OR IGNORE INTO hops (run_id, purpose, hop, sender, receiver, payload_bytes,
-                                              wire_bytes, sha256, started, ended)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-                (run_id, purpose, hop, sender, receiver, payload_bytes, wire_bytes, sha256, started, ended),
+                                              wire_bytes, sha256, started, ended, attempts, resumed_from)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                (run_id, purpose, hop, sender, receiver, payload_bytes, wire_bytes, sha256, started, ended,
+                 max(1, attempts), resumed_from),
             )
             return cur.rowcount == 1
 

@@ -96,8 +96,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                           f"{who!r} is a site identity; only the operator may call this")
 
     def _peer_channel(self, site: dict | PeerInfo | common_pb2.SiteRef) -> grpc.Channel:
+        """A channel to a site's daemon at its latest registered address (a daemon restarted
+        elsewhere re-registers), else the address given."""
         name, address = (site["name"], site["address"]) if isinstance(site, dict) else (site.name, site.address)
-        return self.transport.channel(address, expect=name)
+        return self.transport.channel(self._address(name, address), expect=name)
+
+    def _address(self, name: str, fallback: str = "") -> str:
+        """The address ``name`` last registered with, else ``fallback``."""
+        peer = self.ledger.peer(name)
+        return peer["address"] if peer else fallback
 
     # -- peers' calls ----------------------------------------------------------------------------
     def Register(self, request: cpb.RegisterRequest, context) -> cpb.RegisterReply:
@@ -113,6 +120,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                 (request.channels, request.height, request.width),
                                 request.device, request.version)
         return cpb.RegisterReply(version=__version__, heartbeat_seconds=self.heartbeat_seconds)
+
+    def ResolveSite(self, request: cpb.ResolveSiteRequest, context) -> common_pb2.SiteRef:
+        """The address a site last registered with. Any authenticated caller (under TLS every
+        certificate is this trial's) may ask: a sender re-resolves a receiver that stopped
+        answering, in case it came back elsewhere."""
+        peer = self.ledger.peer(request.name)
+        if peer is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no site {request.name!r} has registered")
+        return common_pb2.SiteRef(name=peer["name"], address=peer["address"])
 
     def _running_run(self, run_id: str, context) -> dict:
         run = self.ledger.run(run_id)
@@ -145,19 +161,22 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "purpose must be CHAIN_HOP or FINAL_MODEL")
         new = self.ledger.record_hop(request.run_id, purpose, request.hop, request.sender, request.receiver,
                                      request.payload_bytes, request.wire_bytes, request.sha256,
-                                     request.started, request.ended)
+                                     request.started, request.ended, request.attempts, request.resumed_from)
         if new:
             if purpose == "chain" and not run["model_bytes"]:
                 self.ledger.update_run(request.run_id, model_bytes=request.payload_bytes)
             seconds = request.ended - request.started
             what = f"hop {request.hop}" if purpose == "chain" else "final model"
+            retried = (f", {request.attempts} attempts" if request.attempts > 1 else "") + (
+                f", resumed at byte {request.resumed_from}" if request.resumed_from else "")
             self.ledger.add_event(
                 request.run_id, "hop" if purpose == "chain" else "final_copy",
                 f"{what}: {request.sender} -> {request.receiver}, {request.payload_bytes} bytes, "
-                f"sha256 {request.sha256[:12]}, {seconds:.2f} s",
+                f"sha256 {request.sha256[:12]}, {seconds:.2f} s{retried}",
                 site=request.sender, hop=request.hop, sender=request.sender, receiver=request.receiver,
                 payload_bytes=request.payload_bytes, wire_bytes=request.wire_bytes,
-                sha256=request.sha256, seconds=seconds,
+                sha256=request.sha256, seconds=seconds, attempts=max(1, request.attempts),
+                resumed_from=request.resumed_from,
             )
         return cpb.ReportReply(duplicate=not new)
 
@@ -293,7 +312,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """Queue a Reroute for every live site whose neighbours (or, for the last, recipients) changed."""
         new_live = [c["name"] for c in self._live_order(run)]
         (old, old_last, old_rec), (new, last, rec) = self._route(old_live), self._route(new_live)
-        address = {c["name"]: c["address"] for c in run["chain"]}
+        address = {c["name"]: self._address(c["name"], c["address"]) for c in run["chain"]}
         version = len(self.ledger.skips(run["run_id"]))
         skipped = sorted(self._skipped(run["run_id"]))
         # The last site goes last, so that the others know it before it copies the final model.
@@ -344,8 +363,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def recover(self) -> list[str]:
         """After a restart: finish what the ledger says was under way. Runs whose final model was
         reported but not yet evaluated are evaluated now; the other running runs carry on by
-        themselves (peers retry their reports until the coordinator answers). Returns the ids of
-        the runs picked up."""
+        themselves (peers retry their reports until the coordinator answers). Reroutes are
+        recomputed from the ledger's skips and sent again to every site whose route differs from
+        the original order (peers apply a route version once: those that had it ignore it), so
+        a restart between recording a skip and reaching the sites loses nothing. Returns the
+        ids of the runs picked up."""
         picked = []
         for run_id in self.ledger.run_ids():
             run = self.ledger.run(run_id)
@@ -354,6 +376,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self.ledger.add_event(run_id, "state", "coordinator restarted: run picked up from the ledger")
                 if run["final_sha256"]:
                     self._eval_pool.submit(self._evaluate_run, run_id)
+                elif self.ledger.skips(run_id):
+                    self._plan_reroutes(run, [c["name"] for c in run["chain"]])
         return picked
 
     def _evaluate_run(self, run_id: str) -> None:
@@ -526,7 +550,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             for h in self.ledger.hops(run_id, purpose):
                 field.add(hop=h["hop"], sender=h["sender"], receiver=h["receiver"],
                           payload_bytes=h["payload_bytes"], wire_bytes=h["wire_bytes"], sha256=h["sha256"],
-                          started=h["started"], ended=h["ended"])
+                          started=h["started"], ended=h["ended"], attempts=h["attempts"],
+                          resumed_from=h["resumed_from"])
         if run["status"] == "finished":
             s.final.sha256 = run["final_sha256"] or ""
             s.final.accuracy = run["accuracy"] or 0.0

@@ -177,11 +177,16 @@ class LocalTrial:
                     raise RuntimeError(f"{name} did not come up: " + "; ".join(self.dead()))
                 time.sleep(0.3)
 
-    def restart(self, name: str) -> None:
-        """Start a killed daemon again with the same command (same port, state dir, ledger)."""
+    def restart(self, name: str, listen: str | None = None) -> None:
+        """Start a killed daemon again with the same command (same port, state dir, ledger), or
+        with ``--listen`` changed to ``listen`` (a peer that comes back on another address)."""
         if self.procs[name].poll() is None:
             raise RuntimeError(f"{name} is still running")
-        self._spawn(name, self.argv[name][len(self.host_prefix(name)):])
+        argv = self.argv[name][len(self.host_prefix(name)):]
+        if listen is not None:
+            argv[argv.index("--listen") + 1] = listen
+            self.addresses[name] = listen
+        self._spawn(name, argv)
 
     def start(self, timeout: float = 180.0) -> None:
         for sub in ("state",):

@@ -264,9 +264,10 @@ def atomic_write(path: str | Path, data: bytes) -> None:
         raise
 
 
-def iter_file_chunks(path: str | Path, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """The bytes of a file in pieces of at most ``chunk`` bytes."""
+def iter_file_chunks(path: str | Path, chunk: int = CHUNK_BYTES, start: int = 0) -> Iterator[bytes]:
+    """The bytes of a file from byte ``start`` on, in pieces of at most ``chunk`` bytes."""
     with open(path, "rb") as f:
+        f.seek(start)
         while block := f.read(chunk):
             yield block
 

@@ -21,6 +21,7 @@ import json
 import logging
 import queue
 import random
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,13 +31,14 @@ import grpc
 
 from fedrelay import __version__, wire
 from fedrelay.peer.data import SiteData
-from fedrelay.peer.transfer import TransferError, receive_model, send_model
+from fedrelay.peer.transfer import TransferError, held_bytes, receive_model, send_model
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2
 
 log = logging.getLogger("fedrelay.peer")
 
 DEFAULT_STALL_TIMEOUT = 60.0  # seconds
 REROUTE_GRACE = 120.0  # seconds a final-model copy retries a refusal after a reroute (see _deliver)
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 ACTIVE = ("assigned", "receiving", "training", "sending", "distributing")
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
              grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -144,6 +146,7 @@ class PeerNode:
         self._lock = threading.Lock()
         self._train_lock = threading.Lock()  # one training at a time on this site's hardware
         self._route_lock = threading.Lock()
+        self._streams: dict[Path, _Stream] = {}  # destination -> the Handoff stream writing it
         self._tensors: dict[tuple, tuple] = {}
         self.stop = threading.Event()
         self._load_runs()
@@ -231,8 +234,12 @@ class PeerNode:
         Accepted only from the run's assigned predecessor (CHAIN_HOP, hop = this site's
         position) or its last site (FINAL_MODEL), whose certificate name must also be the
         header's ``sender``. A stream that sends nothing for ``stall_timeout`` seconds, or runs
-        past ``wire.transfer_timeout`` of its declared size, is dropped (DEADLINE_EXCEEDED) and
-        its partial file removed.
+        past ``wire.transfer_timeout`` of its declared size, is dropped (DEADLINE_EXCEEDED).
+
+        Resume (issue #5): the bytes of a stream from that legitimate sender that broke, stalled
+        or was superseded stay in the run folder (``transfer.partial_path``, one per
+        destination), and a later stream with ``header.offset`` carries on from them
+        (``transfer_offset`` tells the sender where); a refused stream leaves nothing.
 
         Replays: a transfer is taken once per (run, hop, SHA-256). The same transfer again (a
         retry by the legitimate sender, whose first receipt was lost) has no effect: nothing is
@@ -244,49 +251,16 @@ class PeerNode:
         Raises ``TransferError`` (with the status to answer).
         """
         holder: dict = {}
+        mine = _Stream()
 
         def check_header(h: common_pb2.TransferHeader) -> Path:
-            run = self.runs.get(h.run_id)
-            if run is None:
-                raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"no assignment for run {h.run_id!r} (yet)")
-            a = run.assignment
-            if caller is not None:
-                expected = a.predecessor.name if h.purpose == common_pb2.CHAIN_HOP else run.last_site
-                if h.purpose == common_pb2.CHAIN_HOP and run.is_first:
-                    expected = None
-                if caller != expected:
-                    what = "predecessor" if h.purpose == common_pb2.CHAIN_HOP else "last site"
-                    raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
-                                        f"certificate identity {caller!r} is not this site's {what} in run {h.run_id}")
-                if h.sender != caller:
-                    raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
-                                        f"header.sender {h.sender!r} is not the certificate identity {caller!r}")
-            if h.purpose == common_pb2.CHAIN_HOP:
-                if run.is_first or h.sender != a.predecessor.name:
-                    raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
-                                        f"{h.sender!r} is not this site's predecessor in run {h.run_id}")
-                if h.hop != a.position:
-                    raise TransferError(grpc.StatusCode.INVALID_ARGUMENT,
-                                        f"hop {h.hop} does not end at this site (expected hop {a.position})")
-                dest = run.path("received.safetensors")
-            elif h.purpose == common_pb2.FINAL_MODEL:
-                if h.sender != run.last_site or h.hop != 0:
-                    raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
-                                        f"{h.sender!r} is not the last site of run {h.run_id}")
-                dest = run.path("final.safetensors")
-            else:
-                raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "unknown transfer purpose")
-            cap = self._payload_cap(a)
-            if h.total_bytes > cap:
-                raise TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"declared size {h.total_bytes} bytes exceeds this run's cap of {cap} bytes")
-            if dest.exists():
-                have = wire.sha256_file(dest)
-                if have == h.sha256:
-                    holder["duplicate"] = (run, dest, have, h.hop)
-                    raise _Duplicate()
-                raise TransferError(grpc.StatusCode.ALREADY_EXISTS,
-                                    f"a different model was already accepted for this transfer (sha256 {have})")
+            try:
+                run, dest = self._check_transfer(h, caller)
+            except _Duplicate as dup:
+                holder["duplicate"] = dup.args
+                raise
+            self._claim(dest, mine)
+            holder["dest"] = dest
             holder["run"] = run
             if h.purpose == common_pb2.CHAIN_HOP:
                 # In memory only: a refused stream leaves nothing changed on disk.
@@ -297,9 +271,9 @@ class PeerNode:
         def check_payload(data: bytes) -> None:
             self._check_model_bytes(holder["run"].assignment, data)
 
-        watched = self._watched(chunks)
+        watched = self._watched(chunks, mine.cancel)
         try:
-            got = receive_model(watched, Path("/nonexistent"), check_header, check_payload)
+            got = receive_model(watched, Path("/nonexistent"), check_header, check_payload, resumable=True)
         except _Duplicate:
             run, dest, sha, hop = holder["duplicate"]
             return peer_pb2.HandoffReceipt(run_id=run.run_id, hop=hop, receiver=self.name,
@@ -311,6 +285,7 @@ class PeerNode:
             raise
         finally:
             watched.close()
+            self._release(mine)
         run = holder["run"]
         h = got.header
         if h.purpose == common_pb2.CHAIN_HOP:
@@ -323,10 +298,101 @@ class PeerNode:
         return peer_pb2.HandoffReceipt(run_id=run.run_id, hop=h.hop, receiver=self.name,
                                        received_bytes=got.size, sha256=got.sha256)
 
-    def _watched(self, chunks):
+    def _check_transfer(self, h: common_pb2.TransferHeader, caller: str | None) -> tuple[Run, Path]:
+        """The checks of a transfer's header (see ``handoff``): returns (run, destination).
+        Raises ``TransferError``, or ``_Duplicate(run, dest, sha256, hop)`` when this exact
+        payload was already accepted."""
+        if not _SHA256.match(h.sha256) or h.total_bytes == 0:
+            raise TransferError(grpc.StatusCode.INVALID_ARGUMENT,
+                                "header.sha256 must be 64 lowercase hex digits and total_bytes > 0")
+        run = self.runs.get(h.run_id)
+        if run is None:
+            raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"no assignment for run {h.run_id!r} (yet)")
+        a = run.assignment
+        if caller is not None:
+            expected = a.predecessor.name if h.purpose == common_pb2.CHAIN_HOP else run.last_site
+            if h.purpose == common_pb2.CHAIN_HOP and run.is_first:
+                expected = None
+            if caller != expected:
+                what = "predecessor" if h.purpose == common_pb2.CHAIN_HOP else "last site"
+                raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"certificate identity {caller!r} is not this site's {what} in run {h.run_id}")
+            if h.sender != caller:
+                raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"header.sender {h.sender!r} is not the certificate identity {caller!r}")
+        if h.purpose == common_pb2.CHAIN_HOP:
+            if run.is_first or h.sender != a.predecessor.name:
+                raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"{h.sender!r} is not this site's predecessor in run {h.run_id}")
+            if h.hop != a.position:
+                raise TransferError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"hop {h.hop} does not end at this site (expected hop {a.position})")
+            dest = run.path("received.safetensors")
+        elif h.purpose == common_pb2.FINAL_MODEL:
+            if h.sender != run.last_site or h.hop != 0:
+                raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"{h.sender!r} is not the last site of run {h.run_id}")
+            dest = run.path("final.safetensors")
+        else:
+            raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "unknown transfer purpose")
+        cap = self._payload_cap(a)
+        if h.total_bytes > cap:
+            raise TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"declared size {h.total_bytes} bytes exceeds this run's cap of {cap} bytes")
+        if dest.exists():
+            have = wire.sha256_file(dest)
+            if have == h.sha256:
+                raise _Duplicate(run, dest, have, h.hop)
+            raise TransferError(grpc.StatusCode.ALREADY_EXISTS,
+                                f"a different model was already accepted for this transfer (sha256 {have})")
+        return run, dest
+
+    def transfer_offset(self, h: common_pb2.TransferHeader, caller: str | None = None) -> peer_pb2.TransferOffsetReply:
+        """How many bytes of the payload ``h`` describes this site holds from a broken stream.
+
+        The same checks as ``handoff`` (only the legitimate sender gets an answer). Asking ends
+        an older stream of the same transfer still open here (its sender has given up on it),
+        so that the answer is final. Raises ``TransferError``.
+        """
+        try:
+            _, dest = self._check_transfer(h, caller)
+        except _Duplicate:
+            return peer_pb2.TransferOffsetReply(offset=h.total_bytes, complete=True)
+        self._end_stream(dest)
+        return peer_pb2.TransferOffsetReply(offset=min(held_bytes(dest, h.sha256), h.total_bytes))
+
+    def _end_stream(self, dest: Path, wait: float = 10.0) -> None:
+        """Close the stream into ``dest`` still open here, if any; its bytes are kept. Raises
+        ``TransferError`` (ABORTED: retry) when it does not close within ``wait`` seconds."""
+        with self._lock:
+            old = self._streams.get(dest)
+        if old is not None:
+            old.cancel.set()
+            if not old.done.wait(wait):
+                raise TransferError(grpc.StatusCode.ABORTED, "an older stream of this transfer is still closing; retry")
+
+    def _claim(self, dest: Path, mine: "_Stream") -> None:
+        """Make ``mine`` the one stream writing into ``dest``: an older one (its sender gave up on
+        it, e.g. after a link dropped) is ended first, keeping its bytes."""
+        while True:
+            self._end_stream(dest)
+            with self._lock:
+                if dest not in self._streams:
+                    self._streams[dest] = mine
+                    mine.dest = dest
+                    return
+
+    def _release(self, mine: "_Stream") -> None:
+        with self._lock:
+            if mine.dest is not None and self._streams.get(mine.dest) is mine:
+                del self._streams[mine.dest]
+        mine.done.set()
+
+    def _watched(self, chunks, cancel: threading.Event | None = None):
         """``chunks``, read by a helper thread, with a watchdog: raises ``TransferError``
         (DEADLINE_EXCEEDED) when no message comes for ``stall_timeout`` seconds, or when the
-        stream runs past ``wire.transfer_timeout`` of its declared size."""
+        stream runs past ``wire.transfer_timeout`` of its declared size; ABORTED soon after
+        ``cancel`` is set (a newer stream of the same transfer took over)."""
         q: queue.Queue = queue.Queue(maxsize=4)
         done = threading.Event()
         end = object()
@@ -354,19 +420,24 @@ class PeerNode:
 
         threading.Thread(target=pump, name="handoff-reader", daemon=True).start()
         deadline = None
+        last = time.monotonic()
         try:
             while True:
-                wait = self.stall_timeout
-                if deadline is not None:
-                    wait = min(wait, deadline - time.monotonic())
-                try:
-                    item = q.get(timeout=max(0.0, wait))
-                except queue.Empty:
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                            "stream dropped: slower than the transfer deadline") from None
+                if cancel is not None and cancel.is_set():
+                    raise TransferError(grpc.StatusCode.ABORTED, "stream ended: a newer stream of this transfer took over")
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
                     raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        f"stream dropped: the sender stalled (nothing for {self.stall_timeout:g} s)") from None
+                                        "stream dropped: slower than the transfer deadline")
+                if now >= last + self.stall_timeout:
+                    raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"stream dropped: the sender stalled (nothing for {self.stall_timeout:g} s)")
+                limit = last + self.stall_timeout if deadline is None else min(deadline, last + self.stall_timeout)
+                try:
+                    item = q.get(timeout=max(0.0, min(0.25, limit - now)))
+                except queue.Empty:
+                    continue
+                last = time.monotonic()
                 if item is end:
                     return
                 if isinstance(item, BaseException):
@@ -500,15 +571,20 @@ class PeerNode:
         version = run.assignment.route_version
         started = time.monotonic()
         deadline = started + self.send_deadline
+        counter, attempts = [0], 0  # bytes put on the wire by every attempt; streams begun
         for delay in backoff_delays():
             if run.assignment.route_version != version and not self._still_routed(run, to, header):
                 log.info("run %s: %s is no longer on this site's route; not sending to it", run.run_id, to.name)
                 return False
             try:
                 # Under TLS the receiver's certificate must name the site we mean to reach.
-                sent = send_model(to.address, header, path, transport=self.transport, expect=to.name)
+                attempts += 1
+                sent = send_model(to.address, header, path, transport=self.transport, expect=to.name,
+                                  counter=counter)
                 break
             except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    to = self._resolve(to)
                 # A recipient of the final model may not know yet that a reroute made this site the
                 # last: its refusal is retried for a while (the route reaches it within seconds).
                 rerouting = (exc.code() == grpc.StatusCode.PERMISSION_DENIED and run.assignment.route_version > 0
@@ -523,14 +599,33 @@ class PeerNode:
                     run.rerouted.clear()
         if sent.receipt.duplicate:  # a retry of a transfer that had arrived: acknowledged, no effect
             log.info("run %s: %s already held this model (sha256 %s)", run.run_id, to.name, header.sha256[:12])
+        if sent.resumed_from:
+            log.info("run %s: resumed the transfer to %s at byte %d of %d", run.run_id, to.name,
+                     sent.resumed_from, sent.payload_bytes)
         purpose = header.purpose
         self._report("ReportHop", cpb.HopReport(
             run_id=run.run_id, hop=header.hop, purpose=purpose, sender=self.name, receiver=to.name,
-            payload_bytes=sent.payload_bytes, wire_bytes=sent.wire_bytes, sha256=header.sha256,
-            started=sent.started, ended=sent.ended))
+            payload_bytes=sent.payload_bytes, wire_bytes=counter[0], sha256=header.sha256,
+            started=sent.started, ended=sent.ended, attempts=attempts, resumed_from=sent.resumed_from))
         run.sent.append(key)
         run.save()
         return True
+
+    def _resolve(self, to: common_pb2.SiteRef) -> common_pb2.SiteRef:
+        """``to`` at the address its daemon last registered with the coordinator (it may have
+        come back elsewhere); ``to`` itself when the coordinator cannot say. Under TLS the
+        receiver's certificate must still name ``to.name``: a wrong address cannot impersonate."""
+        if self.coordinator is None:
+            return to
+        try:
+            now = self.coordinator.stub.ResolveSite(cpb.ResolveSiteRequest(name=to.name), timeout=wire.CONTROL_TIMEOUT)
+        except grpc.RpcError as exc:
+            log.debug("could not resolve %s: %s", to.name, wire.status_message(exc))
+            return to
+        if now.address and now.address != to.address:
+            log.info("%s moved from %s to %s", to.name, to.address, now.address)
+            return common_pb2.SiteRef(name=to.name, address=now.address)
+        return to
 
     @staticmethod
     def _still_routed(run: Run, to: common_pb2.SiteRef, header: common_pb2.TransferHeader) -> bool:
@@ -666,5 +761,15 @@ class PeerNode:
 
 
 class _Duplicate(Exception):
-    pass
+    """This exact payload was already accepted: args are (run, dest, sha256, hop)."""
+
+
+class _Stream:
+    """One open Handoff stream into a destination: ``cancel`` asks it to end (keeping its
+    bytes); ``done`` is set once it has."""
+
+    def __init__(self):
+        self.cancel = threading.Event()
+        self.done = threading.Event()
+        self.dest: Path | None = None
 

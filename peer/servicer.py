@@ -5,7 +5,7 @@ daemon from serving the next.
 
 Authorization under mutual TLS (identity = the caller's certificate name): Assign, Evaluate,
 GetStatus and FetchModel only from the ``coordinator`` identity; Handoff only from the run's
-assigned predecessor or last site (checked in ``PeerNode.handoff``). Refusals are
+assigned predecessor or last site (checked in ``PeerNode.handoff``), TransferOffset likewise. Refusals are
 PERMISSION_DENIED. A plaintext daemon has no identities (only the name checks apply).
 """
 
@@ -52,6 +52,13 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         except OSError as exc:  # e.g. a full disk: nothing was kept
             log.error("handoff failed: %s", exc)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot store the model: {exc}")
+
+    def TransferOffset(self, request: common_pb2.TransferHeader, context) -> peer_pb2.TransferOffsetReply:
+        try:
+            return self.node.transfer_offset(request, caller=wire.caller_identity(context))
+        except TransferError as exc:
+            log.warning("offset query refused (%s): %s", exc.code.name, exc.message)
+            context.abort(exc.code, exc.message)
 
     def GetStatus(self, request, context) -> peer_pb2.PeerStatus:
         self._from_coordinator(context)

@@ -17,6 +17,16 @@ pre-serialized (``encoded_model_stream``); the wire format is the one ``proto/``
 
 Any refusal removes the temporary file: nothing is left on disk. Refusals are ``TransferError``
 carrying the gRPC status code to answer with.
+
+Resuming (issue #5): with ``resumable=True`` the temporary file has a fixed name per
+(destination, SHA-256), :func:`partial_path`. A stream that *breaks* after its header was
+accepted (the call was cancelled or cut, the sender stalled, or a newer stream of the same
+transfer superseded it) leaves that file in place, fsynced; the sender asks how much is held
+(``Peer.TransferOffset``, :func:`held_bytes`) and sends the rest with ``TransferHeader.offset``.
+The receiver re-hashes the bytes it holds, so the SHA-256 check still covers the whole payload.
+A refused stream (a bad header, more bytes than declared, a clean end short of the declared
+size, a digest mismatch, a payload that is not the run's model) still leaves nothing. At most
+one partial file exists per destination: a stream for another digest removes the older one.
 """
 
 from __future__ import annotations
@@ -113,6 +123,9 @@ def add_peer_servicer(servicer, server) -> None:
         "FetchModel": grpc.unary_stream_rpc_method_handler(
             servicer.FetchModel, request_deserializer=peer_pb2.FetchModelRequest.FromString,
             response_serializer=common_pb2.ModelChunk.SerializeToString),
+        "TransferOffset": grpc.unary_unary_rpc_method_handler(
+            servicer.TransferOffset, request_deserializer=common_pb2.TransferHeader.FromString,
+            response_serializer=peer_pb2.TransferOffsetReply.SerializeToString),
         "Reroute": grpc.unary_unary_rpc_method_handler(
             servicer.Reroute, request_deserializer=peer_pb2.RerouteRequest.FromString,
             response_serializer=peer_pb2.RerouteReply.SerializeToString),
@@ -137,8 +150,28 @@ class TransferError(Exception):
 class Received:
     header: common_pb2.TransferHeader
     path: Path
-    size: int  # bytes
+    size: int  # payload bytes (the whole payload, also when the stream resumed at an offset)
     sha256: str
+
+
+def partial_path(dest: Path, sha256: str) -> Path:
+    """Where a resumable transfer of the payload ``sha256`` into ``dest`` keeps its bytes."""
+    return dest.parent / f".{dest.name}.{sha256}.part"
+
+
+def held_bytes(dest: Path, sha256: str) -> int:
+    """Bytes of the payload ``sha256`` already held for ``dest`` from a broken stream (0: none)."""
+    try:
+        return partial_path(dest, sha256).stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _broken(exc: BaseException) -> bool:
+    """Did the stream break (worth resuming), rather than get refused?"""
+    if isinstance(exc, TransferError):
+        return exc.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED)
+    return isinstance(exc, (grpc.RpcError, KeyboardInterrupt, SystemExit))
 
 
 def receive_model(
@@ -146,14 +179,19 @@ def receive_model(
     dest: Path,
     check_header: Callable[[common_pb2.TransferHeader], Path | None],
     check_payload: Callable[[bytes], None],
+    *,
+    resumable: bool = False,
 ) -> Received:
     """Receive a model stream into ``dest`` (or where ``check_header`` says).
 
     ``check_header(header)`` raises ``TransferError`` to refuse before any byte is written; it
     may return another destination path. ``check_payload(data)`` raises ``ValueError`` when the
-    safetensors content does not fit the run. Raises ``TransferError``:
-    INVALID_ARGUMENT (no header first, a second header, malformed payload), OUT_OF_RANGE (longer
-    than declared), DATA_LOSS (truncated, SHA-256 mismatch), or whatever ``check_header`` raises.
+    safetensors content does not fit the run. ``resumable``: keep the bytes of a broken stream
+    for a later stream with ``header.offset`` (module docstring); without it a header with an
+    offset is refused. Raises ``TransferError``: INVALID_ARGUMENT (no header first, a second
+    header, malformed payload), OUT_OF_RANGE (longer than declared), DATA_LOSS (truncated,
+    SHA-256 mismatch), FAILED_PRECONDITION (an offset beyond the bytes held), or whatever
+    ``check_header`` raises.
     """
     it = iter(chunks)
     try:
@@ -167,26 +205,55 @@ def receive_model(
         raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "header.sha256 must be 64 lowercase hex digits")
     if header.total_bytes == 0:
         raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "header.total_bytes must be > 0")
+    if header.offset > header.total_bytes:
+        raise TransferError(grpc.StatusCode.OUT_OF_RANGE, "header.offset is beyond header.total_bytes")
+    if header.offset and not resumable:
+        raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "this receiver does not resume transfers (offset > 0)")
     dest = check_header(header) or dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
-    tmp = Path(tmp_name)
+    h = hashlib.sha256()
+    size = header.offset
+    if resumable:
+        tmp = partial_path(dest, header.sha256)
+        for other in dest.parent.glob(f".{dest.name}.*.part"):
+            if other != tmp:
+                other.unlink(missing_ok=True)  # one partial per destination: the newest digest wins
+        if size and held_bytes(dest, header.sha256) < size:
+            raise TransferError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"only {held_bytes(dest, header.sha256)} bytes are held, not {size}: ask the offset again")
+        f = open(tmp, "r+b" if size else "wb")
+        try:
+            f.truncate(size)
+            while f.tell() < size:  # re-hash the bytes held: the digest covers the whole payload
+                h.update(f.read(min(wire.CHUNK_BYTES, size - f.tell())))
+        except BaseException:
+            f.close()
+            raise
+    else:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+        tmp, f = Path(tmp_name), os.fdopen(fd, "wb")
+    kept = False  # the bytes of a broken stream stay for a resume
     try:
-        h = hashlib.sha256()
-        size = 0
         total = header.total_bytes
-        with os.fdopen(fd, "wb") as f:
-            for msg in it:
-                if msg.WhichOneof("kind") != "data":
-                    raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "a second header inside the stream")
-                data = msg.data
-                size += len(data)
-                if size > total:
-                    raise TransferError(
-                        grpc.StatusCode.OUT_OF_RANGE, f"stream longer than the declared {total} bytes"
-                    )
-                h.update(data)
-                f.write(data)
+        with f:
+            try:
+                for msg in it:
+                    if msg.WhichOneof("kind") != "data":
+                        raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "a second header inside the stream")
+                    data = msg.data
+                    size += len(data)
+                    if size > total:
+                        raise TransferError(
+                            grpc.StatusCode.OUT_OF_RANGE, f"stream longer than the declared {total} bytes"
+                        )
+                    h.update(data)
+                    f.write(data)
+            except BaseException as exc:
+                if resumable and _broken(exc):
+                    f.flush()
+                    os.fsync(f.fileno())
+                    kept = True
+                raise
             if size != total:
                 raise TransferError(
                     grpc.StatusCode.DATA_LOSS, f"truncated stream: {size} of {total} declared bytes"
@@ -210,7 +277,8 @@ def receive_model(
         os.replace(tmp, dest)
         return Received(header=header, path=dest, size=size, sha256=digest)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if not kept:
+            tmp.unlink(missing_ok=True)
         raise
 
 
@@ -233,42 +301,69 @@ def model_stream(header: common_pb2.TransferHeader, path: Path, counter: list[in
 
 def encoded_model_stream(header: common_pb2.TransferHeader, path: Path, counter: list[int]) -> Iterator[bytes]:
     """:func:`model_stream` already serialized (for an identity request serializer): the same
-    bytes on the wire without building a protobuf message per chunk. ``counter[0]`` accumulates
-    the bytes put on the wire (messages plus gRPC's 5-byte frame prefix each)."""
+    bytes on the wire without building a protobuf message per chunk, from ``header.offset`` on.
+    ``counter[0]`` accumulates the bytes put on the wire (messages plus gRPC's 5-byte frame
+    prefix each)."""
     raw = common_pb2.ModelChunk(header=header).SerializeToString()
     counter[0] += len(raw) + GRPC_FRAME_BYTES
     yield raw
-    for block in wire.iter_file_chunks(path):
+    for block in wire.iter_file_chunks(path, start=header.offset):
         raw = encode_data_chunk(block)
         counter[0] += len(raw) + GRPC_FRAME_BYTES
         yield raw
+
+
+OFFSET_METHOD = "/fedrelay.v1.Peer/TransferOffset"
 
 
 @dataclass
 class Sent:
     receipt: object  # peer_pb2.HandoffReceipt
     payload_bytes: int
-    wire_bytes: int
+    wire_bytes: int   # this call's bytes on the wire (the offset query included)
     started: float  # unix seconds
     ended: float
+    resumed_from: int = 0  # payload bytes the receiver already held: the stream began there
 
 
 def send_model(address: str, header: common_pb2.TransferHeader, path: Path, timeout: float | None = None,
-               *, transport=None, expect: str | None = None) -> Sent:
+               *, transport=None, expect: str | None = None, resume: bool = True,
+               counter: list[int] | None = None) -> Sent:
     """Stream the model file at ``path`` to the peer at ``address`` (Peer.Handoff).
 
     ``header.total_bytes`` and ``header.sha256`` must describe the file. ``transport`` (a
     ``fedrelay.wire.Transport``; default plaintext) makes the channel, and with TLS ``expect``
     names the identity the receiver's certificate must carry. ``timeout`` defaults to
-    ``wire.transfer_timeout(total_bytes)`` seconds. Raises ``grpc.RpcError`` when the receiver
-    refuses or cannot be reached.
+    ``wire.transfer_timeout(total_bytes)`` seconds. ``resume``: first ask the receiver how
+    many bytes of this payload it holds from a broken earlier stream (``Peer.TransferOffset``;
+    a receiver without that method counts as 0) and send only the rest. ``counter[0]``, when
+    given, accumulates the bytes put on the wire, also by a call that fails. Raises
+    ``grpc.RpcError`` when the receiver refuses or cannot be reached.
     """
-    counter = [0]
+    counter = counter if counter is not None else [0]
+    before = counter[0]
     timeout = timeout if timeout is not None else wire.transfer_timeout(header.total_bytes)
     started = time.time()
     channel = transport.channel(address, expect=expect) if transport is not None else wire.insecure_channel(address)
     with channel:
+        offset = 0
+        if resume:
+            query = channel.unary_unary(OFFSET_METHOD, request_serializer=common_pb2.TransferHeader.SerializeToString,
+                                        response_deserializer=peer_pb2.TransferOffsetReply.FromString)
+            counter[0] += header.ByteSize() + GRPC_FRAME_BYTES
+            try:
+                held = query(header, timeout=wire.CONTROL_TIMEOUT)
+                if not held.complete and 0 < held.offset <= header.total_bytes:
+                    offset = held.offset
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+        if offset:
+            resumed = common_pb2.TransferHeader()
+            resumed.CopyFrom(header)
+            resumed.offset = offset
+            header = resumed
         handoff = channel.stream_unary(HANDOFF_METHOD, request_serializer=None,
                                        response_deserializer=peer_pb2.HandoffReceipt.FromString)
         receipt = handoff(encoded_model_stream(header, path, counter), timeout=timeout)
-    return Sent(receipt, header.total_bytes, counter[0], started, time.time())
+    return Sent(receipt, header.total_bytes, counter[0] - before, started, time.time(), offset)

@@ -64,3 +64,47 @@ def test_ledger_records_each_hop_once_and_streams_events():
     assert led.finish_run("r", "finished", accuracy=0.5)
     assert not led.finish_run("r", "failed", error="late")  # an ended run stays ended
     assert led.run("r")["status"] == "finished"
+
+
+def _running(led: Ledger, names: list[str]) -> None:
+    led.create_run("r", strategy="fedelmy", arch="cnn", seed=1, params={},
+                   chain=[{"name": n, "address": f"127.0.0.1:{2000 + i}"} for i, n in enumerate(names)],
+                   class_index=["c"], model={}, warnings=[], insecure=True)
+
+
+def test_a_restarted_coordinator_recomputes_the_reroutes_from_the_ledger():
+    """Skips are in the ledger; the reroutes that tell the sites are recomputed at start-up (a
+    restart between recording a skip and reaching the sites loses nothing), for exactly the
+    sites whose route differs from the original order, at their latest registered address."""
+    from fedrelay.coordinator.service import CoordinatorService
+
+    led = Ledger(":memory:")
+    _running(led, ["a", "b", "c", "d", "e"])
+    led.upsert_peer("c", "10.0.0.3:7000", [], (1, 28, 28), "cpu", "x")  # c came back elsewhere
+    led.add_skip("r", "b", "down")
+    service = CoordinatorService(led)
+    assert service.recover() == ["r"]
+    pending = {site: r for (run, site), r in service._pending.items() if run == "r"}
+    assert sorted(pending) == ["a", "c", "e"]  # e: the last site copies the final model to fewer sites
+    assert pending["a"].successor.name == "c" and pending["a"].successor.address == "10.0.0.3:7000"
+    assert pending["c"].predecessor.name == "a" and pending["c"].successor.name == "d"
+    assert [r.name for r in pending["e"].final_recipients] == ["a", "c", "d"]
+    assert {r.route_version for r in pending.values()} == {1} and list(pending["a"].skipped) == ["b"]
+
+
+def test_an_old_ledger_gains_the_new_hop_columns(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.sqlite"
+    db = sqlite3.connect(path)
+    db.execute("""CREATE TABLE hops (run_id TEXT NOT NULL, purpose TEXT NOT NULL, hop INTEGER NOT NULL,
+                  sender TEXT NOT NULL, receiver TEXT NOT NULL, payload_bytes INTEGER NOT NULL,
+                  wire_bytes INTEGER NOT NULL, sha256 TEXT NOT NULL, started REAL NOT NULL, ended REAL NOT NULL,
+                  PRIMARY KEY (run_id, purpose, hop, receiver))""")
+    db.execute("INSERT INTO hops VALUES ('old', 'chain', 1, 'a', 'b', 10, 12, 'f', 1.0, 2.0)")
+    db.commit()
+    db.close()
+    led = Ledger(path)
+    assert led.hops("old")[0]["attempts"] == 1 and led.hops("old")[0]["resumed_from"] == 0
+    assert led.record_hop("new", "chain", 1, "a", "b", 10, 30, "f", 1.0, 2.0, attempts=3, resumed_from=4)
+    assert (led.hops("new")[0]["attempts"], led.hops("new")[0]["resumed_from"]) == (3, 4)

@@ -59,6 +59,13 @@ def show(trial, run_id: str) -> dict:
         return c.run(run_id)
 
 
+def peers(trial) -> list[dict]:
+    from fedrelay.coordinator.client import OperatorClient
+
+    with OperatorClient(trial.coordinator, trial.transport()) as c:
+        return c.peers()
+
+
 def wait_until(predicate, timeout: float = 300, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -108,8 +115,10 @@ def test_peers_killed_mid_run_resume_from_their_last_step(trial, undisturbed):
 
 def test_successor_and_coordinator_down_mid_run(trial, undisturbed):
     """The last site is down when its predecessor's model is ready, and the coordinator is killed
-    while the predecessor retries: both come back with the same commands and the run finishes
-    with the undisturbed final model and no extra hop in the ledger."""
+    while the predecessor retries. The coordinator comes back with the same command, the last
+    site on another port (a machine that came back with a new address): the predecessor finds
+    it through the coordinator, and the run finishes with the undisturbed final model and no
+    extra hop in the ledger."""
     run = start(trial)
     sender, receiver = run["order"][1], run["order"][2]
     trial.kill(receiver)
@@ -118,9 +127,11 @@ def test_successor_and_coordinator_down_mid_run(trial, undisturbed):
     assert len(show(trial, run["run_id"])["hops"]) == 1
     trial.kill("coordinator")
     time.sleep(1.5)  # a few failed delivery attempts with backoff
-    trial.restart(receiver)
+    moved = f"127.0.0.1:{local_trial.free_port()}"
+    trial.restart(receiver, listen=moved)
     trial.restart("coordinator")
     done = finished(trial, run["run_id"])
     assert done["final"]["sha256"] == undisturbed["final"]["sha256"]
     assert len(done["hops"]) == 2
-    assert set(done["final"]["per_site"]) == set(trial.names)
+    assert set(done["final"]["per_site"]) == set(trial.names)  # evaluated at its new address too
+    assert {p.name: p.address for p in peers(trial)}[receiver] == moved

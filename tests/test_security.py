@@ -25,7 +25,7 @@ from fedrelay.peer.data import load_site
 from fedrelay.peer.models import ModelSpec, build_model
 from fedrelay.peer.node import CoordinatorLink, PeerNode
 from fedrelay.peer.servicer import PeerServicer
-from fedrelay.peer.transfer import add_peer_servicer
+from fedrelay.peer.transfer import add_peer_servicer, send_model
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 
 from test_transfer import CLASSES, stream
@@ -72,7 +72,7 @@ def assignment(run_id: str) -> peer_pb2.Assignment:
         class_index=CLASSES)
 
 
-RUNS = ("replay", "bad", "fuzz", "final", "after", "stall")
+RUNS = ("replay", "bad", "fuzz", "final", "after", "stall", "cut")
 
 
 @pytest.fixture(scope="module")
@@ -340,9 +340,10 @@ def test_malformed_stream_is_refused_and_nothing_changes(peer, ids, case):
     healthy(ids, address)
 
 
-def test_stalled_sender_is_dropped_and_its_partial_file_removed(peer, ids):
+def test_stalled_sender_is_dropped_its_bytes_kept_and_the_transfer_resumes(peer, ids, tmp_path):
     node, address = peer
     half = threading.Event()
+    run_dir = node.state_dir / "runs" / "stall"
 
     def stalling():
         yield common_pb2.ModelChunk(header=header("stall", GOOD))
@@ -351,26 +352,82 @@ def test_stalled_sender_is_dropped_and_its_partial_file_removed(peer, ids):
         time.sleep(STALL * 4)  # then nothing: the receiver must give up after STALL seconds
         yield from _chunks(GOOD[len(GOOD) // 2:])
 
-    parts = []
-    watcher = threading.Thread(target=lambda: (half.wait(10), time.sleep(STALL / 3),
-                                               parts.extend((node.state_dir / "runs" / "stall").glob(".*.part"))))
-    watcher.start()
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
         stub(ids["site-a"], address).Handoff(stalling(), timeout=30)
-    watcher.join()
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "stalled" in err.value.details()
     assert time.monotonic() - started < STALL * 4  # dropped by the receiver, not by the sender's deadline
-    assert parts, "the partial file existed while the stream was open"
-    assert not list((node.state_dir / "runs" / "stall").glob(".*"))  # and it is gone
     assert node.runs["stall"].state == "assigned"
+    assert not (run_dir / "received.safetensors").exists()
+    # The legitimate sender's bytes stay, fsynced, for a resume (one partial file, no more).
+    parts = list(run_dir.glob(".*.part"))
+    assert [p.stat().st_size for p in parts] == [len(GOOD) // 2]
     healthy(ids, address)
-    # The predecessor can then deliver normally.
-    assert not stub(ids["site-a"], address).Handoff(stream(header("stall", GOOD), GOOD), timeout=10).duplicate
+    # Only that sender learns the offset.
+    for who in ("site-c", "operator"):
+        with pytest.raises(grpc.RpcError) as err:
+            stub(ids[who], address).TransferOffset(header("stall", GOOD, sender=who), timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    held = stub(ids["site-a"], address).TransferOffset(header("stall", GOOD), timeout=10)
+    assert (held.offset, held.complete) == (len(GOOD) // 2, False)
+    # Claiming more than is held is refused, and loses nothing.
+    with pytest.raises(grpc.RpcError) as err:
+        stub(ids["site-a"], address).Handoff(iter([common_pb2.ModelChunk(header=header(
+            "stall", GOOD, offset=len(GOOD) // 2 + 1))]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert [p.stat().st_size for p in run_dir.glob(".*.part")] == [len(GOOD) // 2]
+    # The sender's own code resumes there; the digest covers the whole payload.
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(GOOD)
+    sent = send_model(address, header("stall", GOOD), path, transport=ids["site-a"], expect="site-b")
+    assert sent.resumed_from == len(GOOD) // 2 and not sent.receipt.duplicate
+    assert sent.wire_bytes < len(GOOD) * 0.6
+    assert (run_dir / "received.safetensors").read_bytes() == GOOD
+    assert not list(run_dir.glob(".*.part"))
+    again = stub(ids["site-a"], address).TransferOffset(header("stall", GOOD), timeout=10)
+    assert again.complete
 
 
-# -- the coordinator's authorization ------------------------------------------------------------------
+def test_a_cut_stream_resumes_and_a_bad_resume_loses_the_partial(peer, ids):
+    """A stream cut by its sender (the call cancelled mid-way) keeps its bytes; a resumed stream
+    whose whole payload fails the digest is refused and its partial removed (the next try
+    starts from byte 0); a stream for another digest replaces an older partial."""
+    node, address = peer
+    run_dir = node.state_dir / "runs" / "cut"
+    other = model_bytes(seed=5)
+
+    def cut(data, n):
+        yield common_pb2.ModelChunk(header=header("cut", data))
+        yield from _chunks(data[:n])
+        raise RuntimeError("link lost")  # grpc cancels the call (and logs this exception)
+
+    with pytest.raises(grpc.RpcError) as err:
+        stub(ids["site-a"], address).Handoff(cut(other, 1 << 16), timeout=10)
+    assert err.value.code() in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED)  # the sender's side
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not list(run_dir.glob(".*.part")):
+        time.sleep(0.05)
+    with pytest.raises(grpc.RpcError):
+        stub(ids["site-a"], address).Handoff(cut(GOOD, 3 << 16), timeout=10)
+    # One partial, of the newest digest; the receiver may not have read every chunk sent.
+    held = stub(ids["site-a"], address).TransferOffset(header("cut", GOOD), timeout=10).offset
+    parts = list(run_dir.glob(".*.part"))
+    assert len(parts) == 1 and hashlib.sha256(GOOD).hexdigest() in parts[0].name
+    assert 0 < held <= 3 << 16 and held % (1 << 16) == 0
+    # A resume whose bytes do not add up to the declared digest: refused, partial gone.
+    tampered = bytearray(GOOD)
+    tampered[held + 10] ^= 0xFF
+    with pytest.raises(grpc.RpcError) as err:
+        stub(ids["site-a"], address).Handoff(iter([common_pb2.ModelChunk(header=header("cut", GOOD, offset=held)),
+                                                   *_chunks(bytes(tampered[held:]))]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert not list(run_dir.glob(".*.part"))
+    assert stub(ids["site-a"], address).TransferOffset(header("cut", GOOD), timeout=10).offset == 0
+    assert not (run_dir / "received.safetensors").exists()
+    healthy(ids, address)
+
+
 @pytest.fixture(scope="module")
 def coordinator(ids, tmp_path_factory):
     ledger = Ledger(tmp_path_factory.mktemp("ledger") / "l.sqlite")

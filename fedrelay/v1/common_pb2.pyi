@@ -62,20 +62,22 @@ class SiteRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
-    __slots__ = ("run_id", "hop", "sender", "total_bytes", "sha256", "purpose")
+    __slots__ = ("run_id", "hop", "sender", "total_bytes", "sha256", "purpose", "offset")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     HOP_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     PURPOSE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     hop: int
     sender: str
     total_bytes: int
     sha256: str
     purpose: Purpose
-    def __init__(self, run_id: _Optional[str] = ..., hop: _Optional[int] = ..., sender: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., purpose: _Optional[_Union[Purpose, str]] = ...) -> None: ...
+    offset: int
+    def __init__(self, run_id: _Optional[str] = ..., hop: _Optional[int] = ..., sender: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., purpose: _Optional[_Union[Purpose, str]] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class ModelChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -46,8 +46,14 @@ class RegisterReply(_message.Message):
     heartbeat_seconds: int
     def __init__(self, version: _Optional[str] = ..., heartbeat_seconds: _Optional[int] = ...) -> None: ...
 
+class ResolveSiteRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
 class HopReport(_message.Message):
-    __slots__ = ("run_id", "hop", "purpose", "sender", "receiver", "payload_bytes", "wire_bytes", "sha256", "started", "ended")
+    __slots__ = ("run_id", "hop", "purpose", "sender", "receiver", "payload_bytes", "wire_bytes", "sha256", "started", "ended", "attempts", "resumed_from")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     HOP_FIELD_NUMBER: _ClassVar[int]
     PURPOSE_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +64,8 @@ class HopReport(_message.Message):
     SHA256_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FROM_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     hop: int
     purpose: _common_pb2.Purpose
@@ -68,7 +76,9 @@ class HopReport(_message.Message):
     sha256: str
     started: float
     ended: float
-    def __init__(self, run_id: _Optional[str] = ..., hop: _Optional[int] = ..., purpose: _Optional[_Union[_common_pb2.Purpose, str]] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., started: _Optional[float] = ..., ended: _Optional[float] = ...) -> None: ...
+    attempts: int
+    resumed_from: int
+    def __init__(self, run_id: _Optional[str] = ..., hop: _Optional[int] = ..., purpose: _Optional[_Union[_common_pb2.Purpose, str]] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., started: _Optional[float] = ..., ended: _Optional[float] = ..., attempts: _Optional[int] = ..., resumed_from: _Optional[int] = ...) -> None: ...
 
 class ProgressReport(_message.Message):
     __slots__ = ("run_id", "site", "kind", "state", "detail", "stage", "model", "epoch", "epochs", "train_loss", "val_accuracy", "seconds")
@@ -183,7 +193,7 @@ class GetRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class HopRecord(_message.Message):
-    __slots__ = ("hop", "sender", "receiver", "payload_bytes", "wire_bytes", "sha256", "started", "ended")
+    __slots__ = ("hop", "sender", "receiver", "payload_bytes", "wire_bytes", "sha256", "started", "ended", "attempts", "resumed_from")
     HOP_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +202,8 @@ class HopRecord(_message.Message):
     SHA256_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FROM_FIELD_NUMBER: _ClassVar[int]
     hop: int
     sender: str
     receiver: str
@@ -200,7 +212,9 @@ class HopRecord(_message.Message):
     sha256: str
     started: float
     ended: float
-    def __init__(self, hop: _Optional[int] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., started: _Optional[float] = ..., ended: _Optional[float] = ...) -> None: ...
+    attempts: int
+    resumed_from: int
+    def __init__(self, hop: _Optional[int] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., started: _Optional[float] = ..., ended: _Optional[float] = ..., attempts: _Optional[int] = ..., resumed_from: _Optional[int] = ...) -> None: ...
 
 class SiteAccuracy(_message.Message):
     __slots__ = ("accuracy", "test_samples")

@@ -61,6 +61,11 @@ class CoordinatorStub:
                 request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.FailureReport.SerializeToString,
                 response_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.ReportReply.FromString,
                 _registered_method=True)
+        self.ResolveSite = channel.unary_unary(
+                '/fedrelay.v1.Coordinator/ResolveSite',
+                request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ResolveSiteRequest.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_common__pb2.SiteRef.FromString,
+                _registered_method=True)
         self.StartChain = channel.unary_unary(
                 '/fedrelay.v1.Coordinator/StartChain',
                 request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.StartChainRequest.SerializeToString,
@@ -130,6 +135,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResolveSite(self, request, context):
+        """Where a site is now (its latest registration): a sender whose receiver stopped answering
+        asks, in case the receiver came back on another address. Sites and the operator may ask.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StartChain(self, request, context):
         """Operator calls.
         """
@@ -195,6 +208,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReportFailure,
                     request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.FailureReport.FromString,
                     response_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ReportReply.SerializeToString,
+            ),
+            'ResolveSite': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveSite,
+                    request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.ResolveSiteRequest.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_common__pb2.SiteRef.SerializeToString,
             ),
             'StartChain': grpc.unary_unary_rpc_method_handler(
                     servicer.StartChain,
@@ -362,6 +380,33 @@ class Coordinator:
             '/fedrelay.v1.Coordinator/ReportFailure',
             fedrelay_dot_v1_dot_coordinator__pb2.FailureReport.SerializeToString,
             fedrelay_dot_v1_dot_coordinator__pb2.ReportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveSite(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Coordinator/ResolveSite',
+            fedrelay_dot_v1_dot_coordinator__pb2.ResolveSiteRequest.SerializeToString,
+            fedrelay_dot_v1_dot_common__pb2.SiteRef.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TransferOffsetReply(_message.Message):
+    __slots__ = ("offset", "complete")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    complete: bool
+    def __init__(self, offset: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+
 class Assignment(_message.Message):
     __slots__ = ("run_id", "position", "chain_length", "predecessor", "successor", "final_recipients", "seed", "params", "model", "class_index", "site", "order", "last_site", "route_version")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

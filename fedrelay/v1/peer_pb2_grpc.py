@@ -65,6 +65,11 @@ class PeerStub:
                 request_serializer=fedrelay_dot_v1_dot_peer__pb2.RerouteRequest.SerializeToString,
                 response_deserializer=fedrelay_dot_v1_dot_peer__pb2.RerouteReply.FromString,
                 _registered_method=True)
+        self.TransferOffset = channel.unary_unary(
+                '/fedrelay.v1.Peer/TransferOffset',
+                request_serializer=fedrelay_dot_v1_dot_common__pb2.TransferHeader.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_peer__pb2.TransferOffsetReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -114,6 +119,16 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TransferOffset(self, request, context):
+        """How many bytes of a transfer (run, hop, purpose, sha256) this peer already holds from an
+        earlier stream that broke, so that the sender resumes there (TransferHeader.offset). Asked
+        only by the transfer's legitimate sender (the same checks as Handoff); asking ends an older
+        stream of the same transfer that is still open here. Read-only otherwise.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +161,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Reroute,
                     request_deserializer=fedrelay_dot_v1_dot_peer__pb2.RerouteRequest.FromString,
                     response_serializer=fedrelay_dot_v1_dot_peer__pb2.RerouteReply.SerializeToString,
+            ),
+            'TransferOffset': grpc.unary_unary_rpc_method_handler(
+                    servicer.TransferOffset,
+                    request_deserializer=fedrelay_dot_v1_dot_common__pb2.TransferHeader.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_peer__pb2.TransferOffsetReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +330,33 @@ class Peer:
             '/fedrelay.v1.Peer/Reroute',
             fedrelay_dot_v1_dot_peer__pb2.RerouteRequest.SerializeToString,
             fedrelay_dot_v1_dot_peer__pb2.RerouteReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TransferOffset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Peer/TransferOffset',
+            fedrelay_dot_v1_dot_common__pb2.TransferHeader.SerializeToString,
+            fedrelay_dot_v1_dot_peer__pb2.TransferOffsetReply.FromString,
             options,
             channel_credentials,
             insecure,
