@@ -325,13 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         marker.write_text(json.dumps(split_args))
     site_dirs = sorted(p for p in sites_dir.iterdir() if p.is_dir() and p.name.startswith("site-"))[: args.sites]
 
-    def _terminate(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
-    started = time.monotonic()
-    try:
+    def body() -> int:
+        started = time.monotonic()
         how = "plaintext (--insecure)" if args.insecure else f"mutual TLS, PKI in {args.workdir / 'pki'}"
         print(f"starting a coordinator and {len(site_dirs)} peer daemons on loopback, {how} "
               f"(logs: {args.workdir / 'logs'}) ...", flush=True)
@@ -343,8 +338,24 @@ def main(argv: list[str] | None = None) -> int:
             rc = trial.cli_watched(*cmd)
         print(f"stopped all processes; {time.monotonic() - started:.0f} s in all", file=sys.stderr, flush=True)
         return rc
+
+    return guarded(body, "interrupted: stopped all processes")
+
+
+def guarded(body, interrupted: str) -> int:
+    """Run a trial script's ``body`` (returns an exit status) so that SIGTERM and Ctrl-C unwind
+    it like an exception, letting every ``with LocalTrial`` block stop its processes (and
+    namespaces): exit 130 then, with ``interrupted`` printed; 1 with the message on a
+    ``RuntimeError``."""
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
+    try:
+        return body()
     except KeyboardInterrupt:
-        print("interrupted: stopped all processes", file=sys.stderr)
+        print(interrupted, file=sys.stderr)
         return 130
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -3,7 +3,7 @@
 with its own address), joined by veth links to a switch (a bridge in a namespace of its own),
 with faults injected on purpose. Needs root and iproute2 (``ip netns``).
 
-    sudo python deploy/netns_trial.py --sites 5 --faults kill-peer,link-down,kill-coordinator
+    sudo python deploy/netns_trial.py --sites 5 --faults kill-peer,link-down,kill-coordinator,cut-transfer
 
 For each run it prints and records (``--report``, default deploy/FAULTS.md) the faults
 injected, whether the run completed, its final model SHA-256 against the undisturbed run with
@@ -14,7 +14,13 @@ the same seed, and the time each fault cost. Faults:
 - ``link-down``: take the last site's link down once its predecessor starts training, keep it
   down for ``--link-down-seconds`` (the hop into it meets the outage and is retried), bring it
   back;
-- ``kill-coordinator``: SIGKILL the coordinator after the first hop, start it again.
+- ``kill-coordinator``: SIGKILL the coordinator after the first hop, start it again;
+- ``cut-transfer``: slow the last site's link to ``--cut-rate`` so that the hop into it takes
+  seconds, take the link down in the middle of that transfer for ``--cut-seconds`` (longer than
+  the peers' ``--stall-timeout``, so the receiver drops the stream and keeps its bytes), bring
+  it back: the sender resumes at the receiver's offset. Its chain (two of the sites) trains
+  ``--cut-model`` (a model of many 1 MiB chunks; the small CNN fits in one) for one epoch per
+  site and is compared with an undisturbed run of the same chain.
 
 Addresses: 10.77.<n>.0/24 (``--subnet``), coordinator .1, sites .11 on; the machine itself
 gets .254 on the switch so that the operator's CLI reaches the coordinator. Every namespace,
@@ -27,14 +33,13 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_trial import LocalTrial, _tool, ensure_fashion_mnist  # noqa: E402
+from local_trial import LocalTrial, _tool, ensure_fashion_mnist, guarded  # noqa: E402
 
 PORT = 50070
 
@@ -114,6 +119,16 @@ class NetnsTrial(LocalTrial):
         """Take ``name``'s link to the switch down or up."""
         ip("netns", "exec", self.switch, "ip", "link", "set", self.links[name], "up" if up else "down")
 
+    def throttle(self, name: str, rate: str | None) -> None:
+        """Limit the traffic towards ``name`` to ``rate`` (tc's token bucket, e.g. ``80mbit``);
+        ``None`` lifts the limit."""
+        dev = ["dev", self.links[name], "root"]
+        if rate is None:
+            ip("netns", "exec", self.switch, "tc", "qdisc", "del", *dev, check=False)
+        else:
+            ip("netns", "exec", self.switch, "tc", "qdisc", "replace", *dev, "tbf", "rate", rate,
+               "burst", "64kb", "latency", "500ms")
+
 
 def wait_until(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
@@ -128,8 +143,10 @@ def wait_until(predicate, timeout: float, what: str):
     raise RuntimeError(f"timed out waiting for {what}")
 
 
-def run_chain(trial: NetnsTrial, seed: int, chain_args: list[str], faults: list[str], link_down: float) -> dict:
-    """One chain with ``faults`` injected; returns the run summary plus what was done and when."""
+def run_chain(trial: NetnsTrial, seed: int, chain_args: list[str], faults: list[str], link_down: float,
+              cut: tuple[str, float] = ("80mbit", 8.0)) -> dict:
+    """One chain with ``faults`` injected; returns the run summary plus what was done and when.
+    ``cut``: (link rate, seconds down) of the ``cut-transfer`` fault."""
     from fedrelay.coordinator.client import OperatorClient
 
     res = trial.cli("start-chain", "--seed", str(seed), "--json", *chain_args, capture_output=True, text=True,
@@ -168,6 +185,25 @@ def run_chain(trial: NetnsTrial, seed: int, chain_args: list[str], faults: list[
         done.append(f"kill -9 coordinator after hop 1, at {time.monotonic() - started:.1f} s")
         time.sleep(1.0)
         trial.restart("coordinator")
+    if "cut-transfer" in faults:
+        victim, sender = order[-1], order[-2]
+        rate, seconds = cut
+        trial.throttle(victim, rate)
+        try:
+            wait_until(lambda: json.loads((state(sender) / "state.json").read_text())["state"] == "sending", 3600,
+                       f"{sender} to send")
+            # Some MiB have arrived (and been written) when the link goes.
+            part = wait_until(lambda: [p for p in state(victim).glob(".received.safetensors.*.part")
+                                       if p.stat().st_size >= 4 << 20], 600, f"a partial transfer into {victim}")[0]
+            held = part.stat().st_size
+            trial.link(victim, up=False)
+            done.append(f"link of {victim} ({rate}) down for {seconds:.0f} s at {time.monotonic() - started:.1f} s, "
+                        f"{held / 2**20:.0f} MiB into the hop from {sender}")
+            time.sleep(seconds)
+            trial.link(victim, up=True)
+            wait_until(lambda: any(h["receiver"] == victim for h in summary()["hops"]), 600, f"the hop into {victim}")
+        finally:
+            trial.throttle(victim, None)
     final = wait_until(lambda: (s := summary())["status"] != "running" and s, 3600, "the run to end")
     return {**final, "faults": done, "wall_seconds": time.monotonic() - started}
 
@@ -177,15 +213,19 @@ def write_report(path: Path, sites: int, baseline: dict, disturbed: list[tuple[s
              f"Generated by `deploy/netns_trial.py` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
              f"{sites} sites and a coordinator, each in its own network namespace with its own address, "
              "mutual TLS, one chain per scenario with the same seed.", "",
-             "| scenario | faults injected | status | final SHA-256 | same as undisturbed | wall s | time lost s |",
-             "|---|---|---|---|---|---|---|",
-             f"| undisturbed | none | {baseline['status']} | `{(baseline['final'] or {}).get('sha256', '-')[:16]}…` "
-             f"| — | {baseline['wall_seconds']:.1f} | — |"]
-    for name, run in disturbed:
+             "| scenario | faults injected | status | final SHA-256 | same as undisturbed | wall s | time lost s "
+             "| transfers retried |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, run, base in [("undisturbed", baseline, None), *disturbed]:
         sha = (run["final"] or {}).get("sha256", "-")
-        same = "yes" if sha == (baseline["final"] or {}).get("sha256") else "**no**"
-        lines.append(f"| {name} | {'; '.join(run['faults'])} | {run['status']} | `{sha[:16]}…` | {same} | "
-                     f"{run['wall_seconds']:.1f} | {run['wall_seconds'] - baseline['wall_seconds']:.1f} |")
+        same = "—" if base is None else "yes" if sha == (base["final"] or {}).get("sha256") else "**no**"
+        lost = "—" if base is None else f"{run['wall_seconds'] - base['wall_seconds']:.1f}"
+        retried = "; ".join(
+            f"hop {h['hop']} {h['sender']} → {h['receiver']}: {h['attempts']} attempts"
+            + (f", resumed at byte {h['resumed_from']:,} of {h['payload_bytes']:,}" if h["resumed_from"] else "")
+            + f", {h['wire_bytes']:,} wire bytes" for h in run["hops"] if h["attempts"] > 1) or "none"
+        lines.append(f"| {name} | {'; '.join(run['faults']) or 'none'} | {run['status']} | `{sha[:16]}…` | {same} | "
+                     f"{run['wall_seconds']:.1f} | {lost} | {retried} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -201,9 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=Path("netns-trial"))
     ap.add_argument("--source", type=Path, default=None, help="Fashion-MNIST IDX folder")
     ap.add_argument("--max-train-per-site", type=int, default=2000)
-    ap.add_argument("--faults", default="kill-peer,link-down,kill-coordinator",
+    ap.add_argument("--faults", default="kill-peer,link-down,kill-coordinator,cut-transfer",
                     help="comma-separated scenarios, each run separately after an undisturbed run")
     ap.add_argument("--link-down-seconds", type=float, default=20.0)
+    ap.add_argument("--cut-rate", default="80mbit", help="cut-transfer: the last site's link rate (tc syntax)")
+    ap.add_argument("--cut-seconds", type=float, default=8.0, help="cut-transfer: seconds the link stays down")
+    ap.add_argument("--cut-model", default="resnet18", help="cut-transfer: the model its chain trains")
+    ap.add_argument("--stall-timeout", type=float, default=3.0, help="the peers' --stall-timeout (seconds)")
     ap.add_argument("--subnet", type=int, default=77, help="use 10.SUBNET.0.0/24")
     ap.add_argument("--report", type=Path, default=Path(__file__).resolve().parent / "FAULTS.md")
     args = ap.parse_args(argv)
@@ -223,13 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(split, check=True)
     site_dirs = sorted(p for p in sites_dir.iterdir() if p.is_dir() and p.name.startswith("site-"))
 
-    def _terminate(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with NetnsTrial(args.workdir / "trial", site_dirs, subnet=args.subnet) as trial:
+    def body() -> int:
+        with NetnsTrial(args.workdir / "trial", site_dirs, subnet=args.subnet,
+                        peer_args=["--stall-timeout", f"{args.stall_timeout:g}"]) as trial:
             print("hosts: " + ", ".join(f"{n} {a}" for n, a in trial.addresses.items()), flush=True)
             # A first chain warms every daemon up (imports, caches) so that the undisturbed run
             # that faults are compared with is not slowed by one-time costs.
@@ -241,21 +281,25 @@ def main(argv: list[str] | None = None) -> int:
                   f"{baseline['wall_seconds']:.1f} s", flush=True)
             disturbed = []
             for scenario in [f for f in args.faults.split(",") if f]:
-                run = run_chain(trial, args.seed, chain_args, [scenario], args.link_down_seconds)
-                same = (run["final"] or {}).get("sha256") == baseline["final"]["sha256"]
+                base, cargs = baseline, chain_args
+                if scenario == "cut-transfer":  # a model of many chunks, against its own undisturbed run
+                    # Two sites, one epoch each: a ResNet trains slowly on CPU.
+                    cargs = ["--models-per-site", "1", "--local-epochs", "1", "--warmup-epochs", "0",
+                             "--model", args.cut_model, "--peers", ",".join(d.name for d in site_dirs[:2])]
+                    base = run_chain(trial, args.seed, cargs, [], 0)
+                    disturbed.append((f"undisturbed, {args.cut_model}", base, None))
+                run = run_chain(trial, args.seed, cargs, [scenario], args.link_down_seconds,
+                                (args.cut_rate, args.cut_seconds))
+                same = (run["final"] or {}).get("sha256") == base["final"]["sha256"]
                 print(f"{scenario}: {run['status']}, same final model: {same}, {run['wall_seconds']:.1f} s "
                       f"({'; '.join(run['faults'])})", flush=True)
-                disturbed.append((scenario, run))
+                disturbed.append((scenario, run, base))
         write_report(args.report, len(site_dirs), baseline, disturbed)
         print(f"report: {args.report}")
-        return 0 if all(r["status"] == "finished" and r["final"]["sha256"] == baseline["final"]["sha256"]
-                        for _, r in disturbed) else 1
-    except KeyboardInterrupt:
-        print("interrupted: stopped every process and removed every namespace", file=sys.stderr)
-        return 130
-    except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 0 if all(b is None or (r["status"] == "finished" and r["final"]["sha256"] == b["final"]["sha256"])
+                        for _, r, b in disturbed) else 1
+
+    return guarded(body, "interrupted: stopped every process and removed every namespace")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def test_training_study_smoke(tmp_path):
 
     training.main(["--quick", "--results", str(tmp_path / "r.json")])
     t = json.loads((tmp_path / "r.json").read_text())["training"]
-    assert set(t["images_per_second"]) == {"plain_loop", "fedseq", "fedelmy_pool_only", "fedelmy"}
+    assert set(t["images_per_second"]) == {"plain_loop", "fedseq", "fedseq_best_val", "fedelmy_pool_only", "fedelmy"}
     assert t["fedseq_vs_plain_loop"] > 0 and "fedelmy_regulariser_overhead" in t
 
 
@@ -37,6 +37,10 @@ def test_chain_study_smoke(tmp_path, idx_source):
     assert comm["ledger_total_bytes"] == comm["expected_total_bytes"] == 2 * comm["model_bytes"]
     assert comm["fedseq_ledger_total_bytes"] == comm["expected_total_bytes"]
     assert comm["wire_over_payload"] >= 1.0
+    if comm["kernel_bytes_per_hop"] is not None:  # as root with iproute2 (CI): counted by the kernel per hop
+        assert comm["wire_counted_by"].startswith("kernel")
+        for per_hop in comm["kernel_bytes_per_hop"].values():
+            assert len(per_hop) == 2 and all(comm["model_bytes"] <= b < 1.5 * comm["model_bytes"] for b in per_hop)
     assert c["memory"]["peak_rss_bytes"] > 0 and c["chain_overhead"] >= 1.0
     matrix = c["pool_distances"]["matrix"]
     assert len(matrix) == 3 and all(matrix[i][i] == 0 for i in range(3)) and matrix[0][1] > 0

@@ -14,7 +14,6 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from safetensors.torch import load, save
 
-from fedrelay import wire
 from fedrelay.v1 import common_pb2, peer_pb2
 
 from test_security import GOOD, header, ids, peer, snapshot, stub  # noqa: F401 - fixtures

@@ -10,12 +10,10 @@ import hashlib
 import struct
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from safetensors.torch import save
 
 from fedrelay import wire
 from fedrelay.coordinator import pki

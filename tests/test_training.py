@@ -469,8 +469,12 @@ def test_best_val_selection_keeps_strictly_best_epoch():
     assert 1 < k < 6 and accuracies[-1] == max(accuracies), accuracies  # the scenario this test needs
     prefix = train(tiny_cfg(local_epochs=k, selection="last-epoch", **settings), [])
     assert_states_equal(best, prefix)
-    last = train(tiny_cfg(local_epochs=6, selection="last-epoch", **settings), [])
+    seen_last = []
+    last = train(tiny_cfg(local_epochs=6, selection="last-epoch", **settings), seen_last)
     assert states_differ(best, last)
+    # last-epoch selection validates only the model it keeps, after the last epoch
+    assert [i["val_accuracy"] for i in seen_last[:-1]] == [None] * 5
+    assert seen_last[-1]["val_accuracy"] == accuracies[-1]
     # empty validation set: falls back to the last epoch
     seen = []
     no_val = train(tiny_cfg(local_epochs=6, **settings), seen, val=(VAL[0][:0], VAL[1][:0]))
