@@ -387,9 +387,10 @@ def main(argv=None) -> dict:
                   f"training itself: a fresh process that has run one training step and one evaluation batch "
                   f"peaks at {baseline_trained / 2**20:.0f} MiB against {baseline / 2**20:.0f} MiB after the "
                   f"imports alone. With that baseline the worst peer is at "
-                  f"{max(p / (baseline_trained + data_bytes[k] + (S + 3) * m) for k, p in peaks.items()):.2f}x; "
-                  "the rest is the per-run train/validation copies of the site's data, gRPC/TLS buffers and "
-                  "threads"],
+                  f"{max(p / (baseline_trained + data_bytes[k] + (S + 3) * m) for k, p in peaks.items()):.2f}x. "
+                  "The rest is not profiled: the per-run train/validation copies of the site's data are a few "
+                  "MiB, so the suspects are glibc's per-thread malloc arenas (gRPC and training threads), "
+                  "allocator caching across the pool's models, and gRPC/TLS buffers"],
         "plots": ["bytes_per_hop.png", "pool_heatmap.png"],
     }
     print(json.dumps({k: figures[k] for k in ("communication", "memory", "chain_overhead", "accuracy")}, indent=1))
