@@ -320,7 +320,7 @@ OFFSET_METHOD = "/fedrelay.v1.Peer/TransferOffset"
 class Sent:
     receipt: object  # peer_pb2.HandoffReceipt
     payload_bytes: int
-    wire_bytes: int   # this call's bytes on the wire (the offset query included)
+    wire_bytes: int   # bytes this call put on the wire (the offset query included, if it got through)
     started: float  # unix seconds
     ended: float
     resumed_from: int = 0  # payload bytes the receiver already held: the stream began there
@@ -350,14 +350,17 @@ def send_model(address: str, header: common_pb2.TransferHeader, path: Path, time
         if resume:
             query = channel.unary_unary(OFFSET_METHOD, request_serializer=common_pb2.TransferHeader.SerializeToString,
                                         response_deserializer=peer_pb2.TransferOffsetReply.FromString)
-            counter[0] += header.ByteSize() + GRPC_FRAME_BYTES
             try:
                 held = query(header, timeout=wire.CONTROL_TIMEOUT)
                 if not held.complete and 0 < held.offset <= header.total_bytes:
                     offset = held.offset
             except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:  # it reached the receiver
+                    counter[0] += header.ByteSize() + GRPC_FRAME_BYTES
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
+            else:
+                counter[0] += header.ByteSize() + GRPC_FRAME_BYTES
         if offset:
             resumed = common_pb2.TransferHeader()
             resumed.CopyFrom(header)
