@@ -20,13 +20,14 @@ carrying the gRPC status code to answer with.
 
 Resuming (issue #5): with ``resumable=True`` the temporary file has a fixed name per
 (destination, SHA-256), :func:`partial_path`. A stream that *breaks* after its header was
-accepted (the call was cancelled or cut, the sender stalled, or a newer stream of the same
-transfer superseded it) leaves that file in place, fsynced; the sender asks how much is held
-(``Peer.TransferOffset``, :func:`held_bytes`) and sends the rest with ``TransferHeader.offset``.
-The receiver re-hashes the bytes it holds, so the SHA-256 check still covers the whole payload.
-A refused stream (a bad header, more bytes than declared, a clean end short of the declared
-size, a digest mismatch, a payload that is not the run's model) still leaves nothing. At most
-one partial file exists per destination: a stream for another digest removes the older one.
+accepted (the call was cancelled or cut, it ended short of the declared size, the sender
+stalled, or a newer stream of the same transfer superseded it) leaves that file in place,
+fsynced; the sender asks how much is held (``Peer.TransferOffset``, :func:`held_bytes`) and
+sends the rest with ``TransferHeader.offset``. The receiver re-hashes the bytes it holds, so
+the SHA-256 check still covers the whole payload. A refused stream (a bad header, more bytes
+than declared, a digest mismatch, a payload that is not the run's model) still leaves nothing.
+At most one partial file exists per destination: a stream for another digest removes the
+older one.
 """
 
 from __future__ import annotations
@@ -255,6 +256,12 @@ def receive_model(
                     kept = True
                 raise
             if size != total:
+                # A cut stream can look like a clean early end to the receiver (gRPC may end the
+                # request iterator instead of raising when the call is cancelled): keep it too.
+                if resumable:
+                    f.flush()
+                    os.fsync(f.fileno())
+                    kept = True
                 raise TransferError(
                     grpc.StatusCode.DATA_LOSS, f"truncated stream: {size} of {total} declared bytes"
                 )
