@@ -219,7 +219,12 @@ def test_fuzz_malformed_handoff_streams(peer, ids):  # noqa: F811 - fixtures
 
     one()
     assert len(seen) >= STREAM_EXAMPLES * 0.9
-    assert snapshot(node, "fuzz") == before
+    # Nothing changed but, at most, one partial file of the assigned sender's bytes (a stream that
+    # ended short is kept for a resume; it is never taken as the model).
+    after = snapshot(node, "fuzz")
+    parts = [k for k in set(after) - set(before) if k.endswith(".part")]
+    assert len(parts) <= 1
+    assert {k: v for k, v in after.items() if k not in parts} == before
     # Still healthy: status answers, and the predecessor's real model is then accepted.
     assert stub(ids["coordinator"], address).GetStatus(peer_pb2.StatusRequest(), timeout=5).name == "site-b"
     receipt = sender.Handoff(iter([common_pb2.ModelChunk(header=header("after", GOOD))] + chunked(GOOD, 1 << 20)),
