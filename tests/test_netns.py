@@ -25,7 +25,7 @@ def test_faults_across_namespaces_leave_the_final_model_unchanged(tmp_path, idx_
     report = tmp_path / "FAULTS.md"
     before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     rc = netns_trial.main(["--sites", "3", "--workdir", str(tmp_path / "w"), "--source", str(idx_source),
-                           "--faults", "link-down,kill-coordinator", "--link-down-seconds", "3",
+                           "--faults", "link-down,kill-coordinator", "--link-down-seconds", "3", "--baseline-runs", "1",
                            "--subnet", "78", "--report", str(report),
                            "--", "--models-per-site", "2", "--local-epochs", "1", "--warmup-epochs", "1"])
     assert rc == 0
