@@ -21,7 +21,6 @@ import json
 import logging
 import queue
 import random
-import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,14 +30,13 @@ import grpc
 
 from fedrelay import __version__, wire
 from fedrelay.peer.data import SiteData
-from fedrelay.peer.transfer import TransferError, held_bytes, receive_model, send_model
+from fedrelay.peer.transfer import TransferError, check_header_fields, held_bytes, receive_model, send_model
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2
 
 log = logging.getLogger("fedrelay.peer")
 
 DEFAULT_STALL_TIMEOUT = 60.0  # seconds
 REROUTE_GRACE = 120.0  # seconds a final-model copy retries a refusal after a reroute (see _deliver)
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 ACTIVE = ("assigned", "receiving", "training", "sending", "distributing")
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
              grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -299,12 +297,10 @@ class PeerNode:
                                        received_bytes=got.size, sha256=got.sha256)
 
     def _check_transfer(self, h: common_pb2.TransferHeader, caller: str | None) -> tuple[Run, Path]:
-        """The checks of a transfer's header (see ``handoff``): returns (run, destination).
+        """The checks of a transfer's header against the run (see ``handoff``; its fields were
+        checked by ``transfer.check_header_fields``): returns (run, destination).
         Raises ``TransferError``, or ``_Duplicate(run, dest, sha256, hop)`` when this exact
         payload was already accepted."""
-        if not _SHA256.match(h.sha256) or h.total_bytes == 0:
-            raise TransferError(grpc.StatusCode.INVALID_ARGUMENT,
-                                "header.sha256 must be 64 lowercase hex digits and total_bytes > 0")
         run = self.runs.get(h.run_id)
         if run is None:
             raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"no assignment for run {h.run_id!r} (yet)")
@@ -354,6 +350,7 @@ class PeerNode:
         an older stream of the same transfer still open here (its sender has given up on it),
         so that the answer is final. Raises ``TransferError``.
         """
+        check_header_fields(h)  # what receive_model checks first on a Handoff
         try:
             _, dest = self._check_transfer(h, caller)
         except _Duplicate:

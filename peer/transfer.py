@@ -168,11 +168,33 @@ def held_bytes(dest: Path, sha256: str) -> int:
         return 0
 
 
+class TruncatedStream(TransferError):
+    """The stream ended before its declared size (DATA_LOSS). A cut stream can look like this to
+    the receiver: gRPC may end a cancelled call's request iterator instead of raising."""
+
+    def __init__(self, size: int, total: int):
+        super().__init__(grpc.StatusCode.DATA_LOSS, f"truncated stream: {size} of {total} declared bytes")
+
+
 def _broken(exc: BaseException) -> bool:
     """Did the stream break (worth resuming), rather than get refused?"""
+    if isinstance(exc, TruncatedStream):
+        return True
     if isinstance(exc, TransferError):
         return exc.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED)
     return isinstance(exc, (grpc.RpcError, KeyboardInterrupt, SystemExit))
+
+
+def check_header_fields(header: common_pb2.TransferHeader) -> None:
+    """The checks a transfer header gets before anything else. Raises ``TransferError``:
+    INVALID_ARGUMENT (a SHA-256 that is not 64 lowercase hex digits, a zero size) or OUT_OF_RANGE
+    (an offset beyond the size)."""
+    if not _SHA256_RE.match(header.sha256):
+        raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "header.sha256 must be 64 lowercase hex digits")
+    if header.total_bytes == 0:
+        raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "header.total_bytes must be > 0")
+    if header.offset > header.total_bytes:
+        raise TransferError(grpc.StatusCode.OUT_OF_RANGE, "header.offset is beyond header.total_bytes")
 
 
 def receive_model(
@@ -202,12 +224,7 @@ def receive_model(
     if first.WhichOneof("kind") != "header":
         raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a header")
     header = first.header
-    if not _SHA256_RE.match(header.sha256):
-        raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "header.sha256 must be 64 lowercase hex digits")
-    if header.total_bytes == 0:
-        raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "header.total_bytes must be > 0")
-    if header.offset > header.total_bytes:
-        raise TransferError(grpc.StatusCode.OUT_OF_RANGE, "header.offset is beyond header.total_bytes")
+    check_header_fields(header)
     if header.offset and not resumable:
         raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "this receiver does not resume transfers (offset > 0)")
     dest = check_header(header) or dest
@@ -249,22 +266,14 @@ def receive_model(
                         )
                     h.update(data)
                     f.write(data)
+                if size != total:
+                    raise TruncatedStream(size, total)
             except BaseException as exc:
                 if resumable and _broken(exc):
                     f.flush()
                     os.fsync(f.fileno())
                     kept = True
                 raise
-            if size != total:
-                # A cut stream can look like a clean early end to the receiver (gRPC may end the
-                # request iterator instead of raising when the call is cancelled): keep it too.
-                if resumable:
-                    f.flush()
-                    os.fsync(f.fileno())
-                    kept = True
-                raise TransferError(
-                    grpc.StatusCode.DATA_LOSS, f"truncated stream: {size} of {total} declared bytes"
-                )
             digest = h.hexdigest()
             if digest != header.sha256:
                 raise TransferError(
