@@ -49,7 +49,7 @@ import time
 from itertools import permutations
 from pathlib import Path
 
-from bench.common import PLOTS, REPO, meta, record, tool
+from bench.common import PLOTS, REPO, deploy_script, meta, record, tool
 
 CHAIN_METHODS = ("fedelmy", "fedseq_best_val", "fedseq_last_epoch", "pool_only", "pool_d1", "pool_d2")
 REF_METHODS = ("local_only", "centralized")
@@ -65,15 +65,6 @@ DEFAULT_WORKDIR = REPO / ".fedrelay" / "bench-accuracy"
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-
-def _local_trial():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("local_trial", REPO / "deploy" / "local_trial.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def log(msg: str) -> None:
@@ -744,7 +735,7 @@ def main(argv=None) -> dict:
     bad = sorted(set(methods) - set(METHODS)) + sorted(set(args.domain_methods.split(",")) - set(DOMAIN_METHODS))
     if bad:
         raise SystemExit(f"unknown method(s) {bad}; choose from {METHODS}")
-    lt = _local_trial()
+    lt = deploy_script("local_trial")
     failures: list[str] = []
     log(f"workdir {work}; config {cfg.train_tag} {cfg.split_tag}")
 

@@ -30,30 +30,15 @@ chain and one FedSeq chain with the same seed run through the real CLI. Then:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
-from bench.common import PLOTS, REPO, record, tool
-
-
-def _netns_trial():
-    sys.path.insert(0, str(REPO / "deploy"))
-    spec = importlib.util.spec_from_file_location("netns_trial", REPO / "deploy" / "netns_trial.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _local_trial():
-    spec = importlib.util.spec_from_file_location("local_trial", REPO / "deploy" / "local_trial.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from bench.common import PLOTS, deploy_script, record, tool
 
 
 def lo_bytes() -> int:
@@ -250,8 +235,8 @@ def main(argv=None) -> dict:
 
     from fedrelay.coordinator.client import OperatorClient
 
-    lt = _local_trial()
-    netns = _netns_trial()
+    lt = deploy_script("local_trial")
+    netns = deploy_script("netns_trial")
     usable, why = netns.netns_available()
     if args.netns and not usable:
         raise SystemExit(f"--netns: {why}")
@@ -275,16 +260,10 @@ def main(argv=None) -> dict:
     with trial_cls(work / "trial", sites) as trial:
         for strategy in ("fedelmy", "fedseq"):
             before = lo_bytes()
-            sampler = LinkSampler(trial, work / f"links-{strategy}.jsonl") if use_netns else None
-            if sampler:
-                sampler.__enter__()
-            try:
+            with LinkSampler(trial, work / f"links-{strategy}.jsonl") if use_netns else nullcontext() as sampler:
                 res = trial.cli("start-chain", "--seed", str(args.seed), "--strategy", strategy, "--wait", "--json",
                                 *chain_args, capture_output=True, text=True, timeout=3600)
                 time.sleep(0.05)  # a sample after the last transfer
-            finally:
-                if sampler:
-                    sampler.__exit__(None, None, None)
             lo[strategy] = lo_bytes() - before
             if res.returncode != 0:
                 raise RuntimeError(f"{strategy} chain failed: {res.stderr[-2000:]}")
@@ -314,6 +293,8 @@ def main(argv=None) -> dict:
         bound = baseline + data_bytes[name] + (S + 3) * m
         worst = max(worst, peak / bound)
         mem_rows.append([name, peak, bound, round(peak / bound, 3)])
+    # The same bound with the working memory of one training step in the baseline.
+    worst_trained = max(peak / (baseline_trained + data_bytes[name] + (S + 3) * m) for name, peak in peaks.items())
     plot_hops(runs, args.plots / "bytes_per_hop.png")
     plot_heatmap(dist, labels, args.plots / "pool_heatmap.png",
                  f"final site's pool ({elmy['order'][-1]}), pairwise L2 distance")
@@ -339,8 +320,7 @@ def main(argv=None) -> dict:
         "memory": {"peak_rss_bytes": max(peaks.values()), "bound_bytes": max(r[2] for r in mem_rows),
                    "worst_peak_over_bound": worst, "baseline_bytes": baseline,
                    "baseline_after_a_training_step_bytes": baseline_trained,
-                   "worst_peak_over_bound_with_training_step": max(
-                       peak / (baseline_trained + data_bytes[name] + (S + 3) * m) for name, peak in peaks.items())},
+                   "worst_peak_over_bound_with_training_step": worst_trained},
         "chain_overhead": wall / sum(spent.values()),
         "chain_wall_seconds": wall, "training_seconds": spent,
         "accuracy": {"fedelmy": elmy["final"]["accuracy"], "fedseq": runs["fedseq"]["final"]["accuracy"]},
@@ -387,7 +367,7 @@ def main(argv=None) -> dict:
                   f"training itself: a fresh process that has run one training step and one evaluation batch "
                   f"peaks at {baseline_trained / 2**20:.0f} MiB against {baseline / 2**20:.0f} MiB after the "
                   f"imports alone. With that baseline the worst peer is at "
-                  f"{max(p / (baseline_trained + data_bytes[k] + (S + 3) * m) for k, p in peaks.items()):.2f}x. "
+                  f"{worst_trained:.2f}x. "
                   "The rest is not profiled: the per-run train/validation copies of the site's data are a few "
                   "MiB, so the suspects are glibc's per-thread malloc arenas (gRPC and training threads), "
                   "allocator caching across the pool's models, and gRPC/TLS buffers"],

@@ -17,6 +17,19 @@ RESULTS_MD = BENCH / "RESULTS.md"
 PLOTS = BENCH / "plots"
 
 
+def deploy_script(name: str):
+    """A script of ``deploy/`` (``local_trial``, ``netns_trial``) loaded as a module (deploy/ is
+    not a package: it holds what an institution copies, not a library)."""
+    import importlib.util
+
+    if str(REPO / "deploy") not in sys.path:
+        sys.path.insert(0, str(REPO / "deploy"))  # netns_trial imports local_trial
+    spec = importlib.util.spec_from_file_location(name, REPO / "deploy" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def tool(name: str) -> str:
     """Path of a console script of this environment (``peer``, ``coordinator``)."""
     path = Path(sys.executable).parent / name

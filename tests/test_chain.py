@@ -5,17 +5,14 @@ plaintext, with --insecure)."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import sqlite3
 
 import pytest
 
-from conftest import REPO
+from bench.common import deploy_script
 
-spec = importlib.util.spec_from_file_location("local_trial", REPO / "deploy" / "local_trial.py")
-local_trial = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(local_trial)
+local_trial = deploy_script("local_trial")
 
 CHAIN = ["--models-per-site", "2", "--local-epochs", "2", "--warmup-epochs", "2", "--batch-size", "32"]
 

@@ -4,18 +4,13 @@ Needs root and iproute2; skipped with the reason otherwise (CI runs as root)."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO
+from bench.common import deploy_script
 
-sys.path.insert(0, str(REPO / "deploy"))
-spec = importlib.util.spec_from_file_location("netns_trial", REPO / "deploy" / "netns_trial.py")
-netns_trial = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(netns_trial)
+netns_trial = deploy_script("netns_trial")
 
 OK, WHY = netns_trial.netns_available()
 

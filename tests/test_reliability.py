@@ -5,7 +5,6 @@ the same command; each run must finish with the same final model as the undistur
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -13,11 +12,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from conftest import REPO, write_fashion_like
+from bench.common import deploy_script
+from conftest import write_fashion_like
 
-spec = importlib.util.spec_from_file_location("local_trial", REPO / "deploy" / "local_trial.py")
-local_trial = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(local_trial)
+local_trial = deploy_script("local_trial")
 
 # Slow enough (a few seconds per site) to be caught in the middle of training.
 CHAIN = ["--models-per-site", "3", "--local-epochs", "3", "--warmup-epochs", "1", "--batch-size", "32"]

@@ -3,17 +3,15 @@ it, the ledger and the run's summary say which site was skipped and which contri
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 
 import pytest
 
-from conftest import REPO, write_fashion_like
+from bench.common import deploy_script
+from conftest import write_fashion_like
 
-spec = importlib.util.spec_from_file_location("local_trial", REPO / "deploy" / "local_trial.py")
-local_trial = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(local_trial)
+local_trial = deploy_script("local_trial")
 
 CHAIN = ["--models-per-site", "2", "--local-epochs", "2", "--warmup-epochs", "1", "--batch-size", "32"]
 
