@@ -176,15 +176,35 @@ class Ledger:
         self._exec(f"UPDATE runs SET {cols} WHERE run_id = ?", (*fields.values(), run_id))
 
     def finish_run(self, run_id: str, status: str, *, error: str | None = None,
-                   accuracy: float | None = None) -> bool:
-        """Move a running run to ``status`` (finished|failed). False when it had already ended."""
-        with self._lock:
-            cur = self._db.execute(
-                "UPDATE runs SET status = ?, error = ?, accuracy = ?, ended = ? "
-                "WHERE run_id = ? AND status = 'running'",
-                (status, error, accuracy, time.time(), run_id),
-            )
-            return cur.rowcount == 1
+                   accuracy: float | None = None, message: str = "", site: str = "", **data: Any) -> bool:
+        """Move a running run to ``status`` (finished|failed) and, when ``message`` is given, add
+        the event of kind ``status`` that says so, in one transaction: a watcher that sees the
+        terminal status has also seen that event (its data holds ``error`` and ``accuracy`` when
+        given, and ``data``). False (nothing written) when it had already ended."""
+        data = {**({"error": error} if error is not None else {}),
+                **({"accuracy": accuracy} if accuracy is not None else {}), **data}
+        with self._events:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                now = time.time()
+                cur = self._db.execute(
+                    "UPDATE runs SET status = ?, error = ?, accuracy = ?, ended = ? "
+                    "WHERE run_id = ? AND status = 'running'",
+                    (status, error, accuracy, now, run_id),
+                )
+                ended = cur.rowcount == 1
+                if ended and message:
+                    self._db.execute(
+                        "INSERT INTO events (run_id, time, kind, site, message, data) VALUES (?, ?, ?, ?, ?, ?)",
+                        (run_id, now, status, site, message, json.dumps(data)),
+                    )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            if ended and message:
+                self._events.notify_all()
+            return ended
 
     # -- hops ----------------------------------------------------------------------------------
     def record_hop(self, run_id: str, purpose: str, hop: int, sender: str, receiver: str,

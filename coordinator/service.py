@@ -234,8 +234,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return cpb.ReportReply()
 
     def _fail(self, run_id: str, error: str, site: str = "") -> None:
-        if self.ledger.finish_run(run_id, "failed", error=error):
-            self.ledger.add_event(run_id, "failed", f"run failed: {error}", site=site, error=error)
+        self.ledger.finish_run(run_id, "failed", error=error, message=f"run failed: {error}", site=site)
 
     # -- routing around a site that stayed down ---------------------------------------------------
     def start_monitor(self, stop: threading.Event, interval: float = 1.0) -> None:
@@ -407,10 +406,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         correct = sum(r.correct for r in results.values())
         total = sum(r.test_samples for r in results.values())
         accuracy = correct / total if total else 0.0
-        if self.ledger.finish_run(run_id, "finished", accuracy=accuracy):
-            self.ledger.add_event(run_id, "finished",
-                                  f"run finished: global accuracy {accuracy:.4f} on {total} test images",
-                                  accuracy=accuracy, test_samples=total)
+        self.ledger.finish_run(run_id, "finished", accuracy=accuracy,
+                               message=f"run finished: global accuracy {accuracy:.4f} on {total} test images",
+                               test_samples=total)
 
     # -- operator calls ---------------------------------------------------------------------------
     def StartChain(self, request: cpb.StartChainRequest, context) -> cpb.StartChainReply:

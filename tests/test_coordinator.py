@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from fedrelay.coordinator.ledger import Ledger
@@ -61,9 +63,15 @@ def test_ledger_records_each_hop_once_and_streams_events():
     led.add_event("r", "hop", "two", site="a", n=2)
     later = led.events_after("r", first)
     assert [e["message"] for e in later] == ["two"] and later[0]["site"] == "a"
-    assert led.finish_run("r", "finished", accuracy=0.5)
-    assert not led.finish_run("r", "failed", error="late")  # an ended run stays ended
+    assert led.finish_run("r", "finished", accuracy=0.5, message="run finished", test_samples=10)
+    assert not led.finish_run("r", "failed", error="late", message="run failed")  # an ended run stays ended
     assert led.run("r")["status"] == "finished"
+    # The terminal status and its event are written together: a watcher that stops on the status
+    # (WatchRun) has the event. A GPU run's watcher once ended without "run finished".
+    final = led.events_after("r", first)[-1]
+    assert (final["kind"], final["message"]) == ("finished", "run finished")
+    assert json.loads(final["data"]) == {"accuracy": 0.5, "test_samples": 10}
+    assert [e["kind"] for e in led.events_after("r", first)].count("failed") == 0
 
 
 def _running(led: Ledger, names: list[str]) -> None:
