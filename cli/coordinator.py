@@ -22,7 +22,7 @@ COORD = typer.Option("127.0.0.1:50070", "--coordinator", "-c", envvar="FEDRELAY_
 INSECURE = typer.Option(False, "--insecure", help=INSECURE_HELP)
 TLS = typer.Option(None, "--tls", help=TLS_HELP + " Operator commands: PKI/operator.", file_okay=False)
 HOSTS = typer.Option(None, "--host", help="Host name or IP others dial this identity at (repeatable; goes in the "
-                     "certificate's SAN) \[default: localhost, 127.0.0.1, ::1].")
+                     "certificate's SAN) \\[default: localhost, 127.0.0.1, ::1].")
 
 
 def _client(address: str, tls: Path | None, insecure: bool):
