@@ -32,6 +32,9 @@ def serve(
     insecure: bool = typer.Option(False, "--insecure", help=INSECURE_HELP),
     stall_timeout: float = typer.Option(60.0, "--stall-timeout",
                                         help="Seconds a sender may send nothing before its handoff is dropped."),
+    deterministic: bool = typer.Option(True, "--deterministic/--no-deterministic",
+                                       help="On a CUDA GPU: deterministic cuDNN/cuBLAS kernels, so that the same "
+                                            "seed gives the same models (slower; the CPU is always deterministic)."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Serve a site: receive models from the predecessor, train the model pool, send to the successor."""
@@ -44,7 +47,7 @@ def serve(
     try:
         run_daemon(data_dir=data, name=name, listen=listen, coordinator=coordinator,
                    state_dir=state_dir or Path(".fedrelay") / name, device=device, advertise=advertise,
-                   transport=transport, stall_timeout=stall_timeout)
+                   transport=transport, stall_timeout=stall_timeout, deterministic=deterministic)
     except (DataError, ValueError, RuntimeError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:

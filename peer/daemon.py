@@ -80,10 +80,13 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
 
 def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir: Path, device: str,
           transport: wire.Transport, advertise: str | None = None, stop: threading.Event | None = None,
-          ready: threading.Event | None = None, stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> None:
+          ready: threading.Event | None = None, stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+          deterministic: bool = True) -> None:
     """Run a peer daemon until ``stop`` is set (or forever), with mutual TLS on every channel
     unless ``transport`` is insecure. ``stall_timeout``: seconds a handoff may send nothing
-    before it is dropped.
+    before it is dropped. ``deterministic``: on a CUDA device, use deterministic kernels
+    (:func:`fedrelay.peer.training.use_deterministic_kernels`) so that a run's model digests
+    repeat; False trains faster on a GPU but the same seed then gives different models.
 
     Raises ``DataError`` (bad data folder), ``ValueError`` (bad device or address, or a TLS
     identity that is not ``name``) or ``RuntimeError`` (cannot listen) before serving anything.
@@ -93,6 +96,14 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     if stall_timeout <= 0:
         raise ValueError("--stall-timeout must be > 0 seconds")
     device = resolve_device(device)
+    if device.startswith("cuda"):
+        from fedrelay.peer.training import use_deterministic_kernels
+
+        if deterministic:
+            use_deterministic_kernels(device)
+        else:
+            log.warning("--no-deterministic: CUDA kernels may differ from run to run; the same seed will "
+                        "not give the same model digests")
     log.info("loading site data from %s", data_dir)
     data = load_site(data_dir)
     log.info("site %s: %d classes, %s images, train %d, test %d", name, len(data.class_names),
