@@ -117,6 +117,9 @@ class Run:
         wire.atomic_write(self.path("state.json"), json.dumps(doc, indent=1).encode())
 
 
+PROGRESS_QUEUE = 1000  # progress reports a peer holds while the coordinator is slow or unreachable
+
+
 class PeerNode:
     """A site's daemon logic, independent of gRPC plumbing (the servicer is a thin shell).
 
@@ -146,6 +149,9 @@ class PeerNode:
         self._route_lock = threading.Lock()
         self._streams: dict[Path, _Stream] = {}  # destination -> the Handoff stream writing it
         self._tensors: dict[tuple, tuple] = {}
+        self._progress: queue.Queue = queue.Queue(maxsize=PROGRESS_QUEUE)  # reports not yet sent
+        self._progress_thread: threading.Thread | None = None
+        self._progress_lock = threading.Lock()
         self.stop = threading.Event()
         self._load_runs()
 
@@ -743,13 +749,32 @@ class PeerNode:
                                                  state=run.state, detail=run.detail))
 
     def _report_progress(self, report: cpb.ProgressReport) -> None:
-        """Progress is best effort: one try, never blocks the run for long."""
+        """Progress (epochs, state changes) is best effort and never blocks the caller: it is
+        queued for one reporter thread, which gives each report one try of up to 5 s. A link to
+        the coordinator that drops packets used to hold the training thread 5 s per epoch and a
+        Handoff handler 5 s when a stream broke. When :data:`PROGRESS_QUEUE` reports are
+        waiting, a new one is dropped (logged at debug level)."""
         if self.coordinator is None:
             return
         try:
-            self.coordinator.stub.ReportProgress(report, timeout=5.0)
-        except grpc.RpcError as exc:
-            log.debug("progress report lost: %s", wire.status_message(exc))
+            self._progress.put_nowait(report)
+        except queue.Full:
+            log.debug("progress report dropped: %d reports are waiting", PROGRESS_QUEUE)
+            return
+        with self._progress_lock:
+            if self._progress_thread is None:
+                self._progress_thread = threading.Thread(target=self._progress_loop, name="progress", daemon=True)
+                self._progress_thread.start()
+
+    def _progress_loop(self) -> None:
+        while True:
+            report = self._progress.get()
+            try:
+                self.coordinator.stub.ReportProgress(report, timeout=5.0)
+            except grpc.RpcError as exc:
+                log.debug("progress report lost: %s", wire.status_message(exc))
+            finally:
+                self._progress.task_done()
 
     def _report(self, method: str, request) -> None:
         """Reports that the ledger must have are retried for up to 10 minutes."""

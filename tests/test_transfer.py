@@ -168,3 +168,32 @@ def test_assignment_for_another_site_or_shape_is_refused(peer):
     with pytest.raises(grpc.RpcError) as err:
         stub.Assign(a, timeout=5)
     assert "images" in err.value.details()
+
+
+def test_progress_reports_never_block_the_caller(three_sites, tmp_path):
+    """Progress (epochs, states) goes to the coordinator from one background thread: a
+    coordinator that takes its full 5 s timeout per report (a link dropping packets) must not
+    hold the training thread or a Handoff handler; the reports still arrive, in order."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from fedrelay.v1 import coordinator_pb2 as cpb
+
+    got, release = [], threading.Event()
+
+    def slow_report(report, timeout):
+        release.wait(timeout)  # like a call whose packets are dropped, until the link is back
+        got.append(report.epoch)
+
+    link = SimpleNamespace(stub=SimpleNamespace(ReportProgress=slow_report))
+    node = PeerNode("site-b", "127.0.0.1:1", load_site(three_sites[0]), tmp_path, "cpu", link, start_workers=False)
+    started = time.monotonic()
+    for epoch in range(1, 21):
+        node._report_progress(cpb.ProgressReport(run_id="r", site="site-b", kind="epoch", epoch=epoch))
+    assert time.monotonic() - started < 1.0  # 20 reports queued, none waited for
+    release.set()
+    deadline = time.monotonic() + 10
+    while len(got) < 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert got == list(range(1, 21))
