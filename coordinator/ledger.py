@@ -78,6 +78,11 @@ CREATE TABLE IF NOT EXISTS skips (
     time REAL NOT NULL, reason TEXT NOT NULL,
     PRIMARY KEY (run_id, site)
 );
+CREATE TABLE IF NOT EXISTS end_notices (  -- "the run is over", owed to every site of an ended run
+    run_id TEXT NOT NULL, site TEXT NOT NULL,
+    delivered REAL,                 -- unix seconds the site's EndRun answered; NULL: still owed
+    PRIMARY KEY (run_id, site)
+);
 """
 
 TERMINAL = ("finished", "failed")
@@ -180,7 +185,8 @@ class Ledger:
         """Move a running run to ``status`` (finished|failed) and, when ``message`` is given, add
         the event of kind ``status`` that says so, in one transaction: a watcher that sees the
         terminal status has also seen that event (its data holds ``error`` and ``accuracy`` when
-        given, and ``data``). False (nothing written) when it had already ended."""
+        given, and ``data``). The same transaction owes every site of the chain an end notice
+        (:meth:`pending_end_notices`). False (nothing written) when it had already ended."""
         data = {**({"error": error} if error is not None else {}),
                 **({"accuracy": accuracy} if accuracy is not None else {}), **data}
         with self._events:
@@ -193,6 +199,11 @@ class Ledger:
                     (status, error, accuracy, now, run_id),
                 )
                 ended = cur.rowcount == 1
+                if ended:
+                    chain = json.loads(self._db.execute("SELECT chain FROM runs WHERE run_id = ?",
+                                                        (run_id,)).fetchone()["chain"])
+                    self._db.executemany("INSERT OR IGNORE INTO end_notices (run_id, site) VALUES (?, ?)",
+                                         [(run_id, c["name"]) for c in chain])
                 if ended and message:
                     self._db.execute(
                         "INSERT INTO events (run_id, time, kind, site, message, data) VALUES (?, ?, ?, ?, ?, ?)",
@@ -235,6 +246,16 @@ class Ledger:
             cur = self._db.execute("INSERT OR IGNORE INTO skips (run_id, site, time, reason) VALUES (?, ?, ?, ?)",
                                    (run_id, site, time.time(), reason))
             return cur.rowcount == 1
+
+    def pending_end_notices(self) -> list[dict[str, Any]]:
+        """End notices not yet delivered: ``[{"run_id", "site", "status", "error"}]``, oldest
+        run first."""
+        return self._all("""SELECT n.run_id, n.site, r.status, r.error FROM end_notices n
+                            JOIN runs r ON r.run_id = n.run_id
+                            WHERE n.delivered IS NULL ORDER BY r.ended, n.site""")
+
+    def end_notice_delivered(self, run_id: str, site: str) -> None:
+        self._exec("UPDATE end_notices SET delivered = ? WHERE run_id = ? AND site = ?", (time.time(), run_id, site))
 
     def skips(self, run_id: str) -> list[dict[str, Any]]:
         return self._all("SELECT * FROM skips WHERE run_id = ? ORDER BY time", (run_id,))

@@ -31,6 +31,7 @@ from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
 log = logging.getLogger("fedrelay.coordinator")
 
 HEARTBEAT_SECONDS = 10
+END_NOTICE_RETRY = 10.0  # seconds before an end notice a live site did not take is sent again
 DEFAULT_PEER_TIMEOUT = 120.0  # seconds a site may go without a heartbeat before it is routed around
 PURPOSES = {common_pb2.CHAIN_HOP: "chain", common_pb2.FINAL_MODEL: "final"}
 STRATEGIES = ("fedelmy", "fedseq")
@@ -73,6 +74,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.probe_timeout = probe_timeout
         self.heartbeat_seconds = max(1, min(HEARTBEAT_SECONDS, int(peer_timeout / 4)))
         self._pending: dict[tuple[str, str], peer_pb2.RerouteRequest] = {}
+        self._end_retry: dict[tuple[str, str], float] = {}  # (run, site) -> monotonic time of the next try
         self.eval_retry = 300.0  # seconds an evaluation waits for an unreachable site
         self._eval_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="evaluate")
 
@@ -248,6 +250,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     except Exception:  # noqa: BLE001 - one bad run must not stop the monitor
                         log.exception("route check of run %s failed", run_id)
                 self._send_reroutes()
+                try:
+                    self._send_end_notices()
+                except Exception:  # noqa: BLE001 - the monitor goes on
+                    log.exception("sending end notices failed")
 
         threading.Thread(target=loop, name="route-monitor", daemon=True).start()
 
@@ -341,6 +347,43 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                       site=site)
             except grpc.RpcError as exc:
                 log.warning("reroute of %s in run %s not delivered yet: %s", site, run_id, wire.status_message(exc))
+
+    def _send_end_notices(self) -> None:
+        """Tell every site of an ended run that it is over (``Peer.EndRun``), so that a site
+        routed around stops waiting for a model, a site of a failed run stops training or
+        sending, and partial transfers are removed. Owed notices live in the ledger: a site
+        that is down gets its notice once it heartbeats again (also after a coordinator
+        restart); a site that failed to answer is tried again after ``END_NOTICE_RETRY`` s."""
+        pending = self.ledger.pending_end_notices()
+        if not pending:
+            return
+        dead = self._dead(sorted({n["site"] for n in pending}))
+        now = time.monotonic()
+        for n in pending:
+            key = (n["run_id"], n["site"])
+            if n["site"] in dead or self._end_retry.get(key, 0) > now:
+                continue
+            skipped = n["site"] in self._skipped(n["run_id"])
+            reason = "this site was routed around" if skipped else (n["error"] or "")
+            run = self.ledger.run(n["run_id"])
+            address = next((c["address"] for c in run["chain"] if c["name"] == n["site"]), "")
+            try:
+                with self._peer_channel({"name": n["site"], "address": address}) as ch:
+                    reply = peer_pb2_grpc.PeerStub(ch).EndRun(
+                        peer_pb2.EndRunRequest(run_id=n["run_id"], status=n["status"], reason=reason), timeout=5.0)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: the site never had the run
+                    log.info("end of run %s not delivered to %s yet: %s", n["run_id"], n["site"],
+                             wire.status_message(exc))
+                    self._end_retry[key] = now + END_NOTICE_RETRY
+                    continue
+                reply = None
+            self.ledger.end_notice_delivered(*key)
+            self._end_retry.pop(key, None)
+            if reply is not None and (reply.state == "ended" or reply.removed_bytes):
+                self.ledger.add_event(n["run_id"], "state", f"{n['site']}: told the run is over; its state "
+                                      f"{reply.state}, {reply.removed_bytes} bytes of partial transfers removed",
+                                      site=n["site"])
 
     # -- final evaluation -----------------------------------------------------------------------
     def _call_peer(self, site: dict, method: str, request, *, timeout: float):

@@ -1,4 +1,6 @@
-"""The peer's run state machine: waiting -> receiving -> training -> sending -> done.
+"""The peer's run state machine: assigned (waiting) -> receiving -> training -> sending
+(-> distributing at the last site) -> done; "failed" when this site's work failed, "ended"
+when the coordinator ended the run while this site was still working on it (``end_run``).
 
 One ``PeerNode`` per daemon holds the site's data (decoded once) and its runs. Each run has a
 folder in the state dir::
@@ -89,6 +91,7 @@ class Run:
     final_sha256: str = ""
     received: threading.Event = field(default_factory=threading.Event)
     rerouted: threading.Event = field(default_factory=threading.Event)
+    ended: threading.Event = field(default_factory=threading.Event)  # the coordinator ended the run (EndRun)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -168,6 +171,8 @@ class PeerNode:
                       doc.get("sent", []), doc.get("final_sha256", ""))
             if run.path("received.safetensors").exists() or run.is_first:
                 run.received.set()
+            if run.state == "ended":
+                run.ended.set()
             self.runs[a.run_id] = run
 
     def resume(self) -> None:
@@ -310,6 +315,8 @@ class PeerNode:
         run = self.runs.get(h.run_id)
         if run is None:
             raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"no assignment for run {h.run_id!r} (yet)")
+        if run.ended.is_set():
+            raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"run {h.run_id} was ended by the coordinator")
         a = run.assignment
         if caller is not None:
             expected = a.predecessor.name if h.purpose == common_pb2.CHAIN_HOP else run.last_site
@@ -478,6 +485,8 @@ class PeerNode:
                 self._work_steps(run)
             finally:
                 run.lock.release()
+        except RunEnded:
+            log.info("run %s: ended by the coordinator; this site stopped working on it", run.run_id)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, the daemon goes on
             log.exception("run %s failed", run.run_id)
             self._set_state(run, "failed", f"{type(exc).__name__}: {exc}")
@@ -498,6 +507,8 @@ class PeerNode:
                 while not run.received.wait(1.0) and not run.is_first:
                     if self.stop.is_set():
                         return
+                    if run.ended.is_set():
+                        raise RunEnded(run.run_id)
             self._train(run, outgoing)
         sha = wire.sha256_file(outgoing)
         size = outgoing.stat().st_size
@@ -548,6 +559,8 @@ class PeerNode:
                 wire.atomic_write(pool_dir / f"model-{j}.safetensors", wire.encode_state(state))
 
             def on_epoch(info: dict) -> None:
+                if run.ended.is_set():  # stops the training at the end of this epoch
+                    raise RunEnded(run.run_id)
                 val_acc = info.get("val_accuracy")
                 self._report_progress(cpb.ProgressReport(
                     run_id=run.run_id, site=self.name, kind="epoch", stage=info["stage"], model=info["model"],
@@ -576,6 +589,8 @@ class PeerNode:
         deadline = started + self.send_deadline
         counter, attempts = [0], 0  # bytes put on the wire by every attempt; streams begun
         for delay in backoff_delays():
+            if run.ended.is_set():
+                raise RunEnded(run.run_id)
             if run.assignment.route_version != version and not self._still_routed(run, to, header):
                 log.info("run %s: %s is no longer on this site's route; not sending to it", run.run_id, to.name)
                 return False
@@ -596,10 +611,10 @@ class PeerNode:
                     raise RuntimeError(f"cannot deliver to {to.name} at {to.address}: {wire.status_message(exc)}") from exc
                 log.warning("run %s: delivery to %s failed (%s); retrying in %.1f s", run.run_id, to.name,
                             wire.status_message(exc), delay)
-                if self.stop.wait(delay) or run.rerouted.wait(0):
-                    if self.stop.is_set():
-                        raise RuntimeError("daemon stopping") from exc
-                    run.rerouted.clear()
+                self._pause(run, delay)
+                if self.stop.is_set():
+                    raise RuntimeError("daemon stopping") from exc
+                run.rerouted.clear()
         if sent.receipt.duplicate:  # a retry of a transfer that had arrived: acknowledged, no effect
             log.info("run %s: %s already held this model (sha256 %s)", run.run_id, to.name, header.sha256[:12])
         if sent.resumed_from:
@@ -613,6 +628,16 @@ class PeerNode:
         run.sent.append(key)
         run.save()
         return True
+
+    def _pause(self, run: Run, seconds: float) -> None:
+        """Wait up to ``seconds`` between delivery attempts; back early when the daemon stops,
+        the run is rerouted or the coordinator ends it."""
+        until = time.monotonic() + seconds
+        while not (self.stop.is_set() or run.rerouted.is_set() or run.ended.is_set()):
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            self.stop.wait(min(left, 0.25))
 
     def _resolve(self, to: common_pb2.SiteRef) -> common_pb2.SiteRef:
         """``to`` at the address its daemon last registered with the coordinator (it may have
@@ -695,6 +720,40 @@ class PeerNode:
             self._start_worker(run)
         return run.state
 
+    def end_run(self, run_id: str, status: str, reason: str = "") -> tuple[str, int]:
+        """The coordinator says the run is over (``status`` "finished" or "failed"; idempotent).
+
+        A run still active here (this site was routed around, or the run failed elsewhere)
+        moves to the terminal state "ended": a worker waiting for a model stops waiting, a
+        training stops at the end of its epoch, a delivery stops retrying, and a Handoff for the
+        run is refused. A run that is done or failed here keeps its state. Either way the
+        partial files of transfers that will never complete (``transfer.partial_path``) are
+        removed; the models held (received, outgoing, final) stay.
+
+        Returns ``(state, removed_bytes)``. Raises ``LookupError`` for an unknown run.
+        """
+        run = self.runs.get(run_id)
+        if run is None:
+            raise LookupError(f"unknown run {run_id!r}")
+        with self._route_lock:
+            newly = run.state in ACTIVE and not run.ended.is_set()
+            if newly:
+                run.ended.set()
+        if newly:
+            self._set_state(run, "ended", f"run {status} at the coordinator" + (f": {reason}" if reason else ""),
+                            force=True)
+        removed = 0
+        for part in run.folder.glob(".*.part"):
+            try:
+                size = part.stat().st_size
+                part.unlink()
+                removed += size
+            except FileNotFoundError:
+                pass
+        if removed:
+            log.info("run %s: removed %d bytes of partial transfers", run_id, removed)
+        return run.state, removed
+
     # -- evaluation and status ------------------------------------------------------------------------
     def final_model_path(self, run_id: str, sha256: str) -> Path:
         """The run's final model held here. Raises ``LookupError`` when there is none (or another)."""
@@ -737,7 +796,9 @@ class PeerNode:
             self._tensors[key] = self.data.tensors(split, list(class_index))
         return self._tensors[key]
 
-    def _set_state(self, run: Run, state: str, detail: str, persist: bool = True) -> None:
+    def _set_state(self, run: Run, state: str, detail: str, persist: bool = True, force: bool = False) -> None:
+        if run.ended.is_set() and not force:
+            return  # the coordinator ended the run: its state stays "ended"
         run.state, run.detail = state, detail
         if persist:
             run.save()
@@ -780,6 +841,10 @@ class PeerNode:
         """Reports that the ledger must have are retried for up to 10 minutes."""
         if self.coordinator is not None:
             self.coordinator.call(method, request, retry_for=600, stop=self.stop)
+
+
+class RunEnded(Exception):
+    """The coordinator ended this run (``PeerNode.end_run``): its worker stops."""
 
 
 class _Duplicate(Exception):

@@ -81,6 +81,14 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reroute refused: {exc}")
         return peer_pb2.RerouteReply(run_id=request.run_id, state=state)
 
+    def EndRun(self, request: peer_pb2.EndRunRequest, context) -> peer_pb2.EndRunReply:
+        self._from_coordinator(context)
+        try:
+            state, removed = self.node.end_run(request.run_id, request.status, request.reason)
+        except LookupError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        return peer_pb2.EndRunReply(run_id=request.run_id, state=state, removed_bytes=removed)
+
     def FetchModel(self, request: peer_pb2.FetchModelRequest, context):
         self._from_coordinator(context)
         try:

@@ -72,6 +72,10 @@ def test_ledger_records_each_hop_once_and_streams_events():
     assert (final["kind"], final["message"]) == ("finished", "run finished")
     assert json.loads(final["data"]) == {"accuracy": 0.5, "test_samples": 10}
     assert [e["kind"] for e in led.events_after("r", first)].count("failed") == 0
+    # Every site of the ended run is owed an end notice (Peer.EndRun) until it takes it.
+    assert [(n["run_id"], n["site"], n["status"]) for n in led.pending_end_notices()] == [("r", "a", "finished")]
+    led.end_notice_delivered("r", "a")
+    assert led.pending_end_notices() == []
 
 
 def _running(led: Ledger, names: list[str]) -> None:

@@ -51,6 +51,17 @@ def wait_for(trial, run_id: str, predicate, timeout: float = 300) -> dict:
     raise AssertionError(f"timed out; last summary: {run}")
 
 
+def site_state(trial, site: str, run_id: str, expected: str, timeout: float = 60) -> str:
+    """The site's own state for the run (its state.json), once it is ``expected`` or at the timeout."""
+    path = trial.workdir / "state" / site / "runs" / run_id / "state.json"
+    deadline = time.monotonic() + timeout
+    while True:
+        state = json.loads(path.read_text())["state"] if path.exists() else None
+        if state == expected or time.monotonic() > deadline:
+            return state
+        time.sleep(0.2)
+
+
 def test_a_site_down_before_its_hop_is_routed_around(trial):
     # A long warm-up (first site only) keeps the first hop well after the kill below: with the
     # short one, an idle machine could deliver the model to b before b went down.
@@ -70,6 +81,9 @@ def test_a_site_down_before_its_hop_is_routed_around(trial):
     finally:
         trial.restart(b)  # the next test needs every peer reachable
         trial.wait_ready(b)
+    # Back, b is told that the run is over (Peer.EndRun) and stops waiting for a model.
+    assert site_state(trial, b, run["run_id"], "ended") == "ended"
+    assert all(site_state(trial, s, run["run_id"], "done") == "done" for s in (a, c, d))
 
 
 def test_the_last_site_down_after_receiving_makes_its_predecessor_last(trial):
@@ -88,3 +102,7 @@ def test_the_last_site_down_after_receiving_makes_its_predecessor_last(trial):
     assert set(done["final"]["per_site"]) == {a, b, c}
     trial.restart(d)
     trial.wait_ready(d)
+    # d resumes the training it was doing when it went down; the end notice stops it (or its
+    # delivery, if the training finished first) and the run's final model stays c's.
+    assert site_state(trial, d, run["run_id"], "ended") == "ended"
+    assert show(trial, run["run_id"])["final"]["sha256"] == done["final"]["sha256"]

@@ -167,13 +167,17 @@ def test_only_the_coordinator_may_assign_evaluate_fetch_or_ask_status(peer, ids,
         "GetStatus": lambda: s.GetStatus(peer_pb2.StatusRequest(), timeout=5),
         "Evaluate": lambda: s.Evaluate(peer_pb2.EvaluateRequest(run_id="replay"), timeout=5),
         "FetchModel": lambda: list(s.FetchModel(peer_pb2.FetchModelRequest(run_id="replay"), timeout=5)),
+        "Reroute": lambda: s.Reroute(peer_pb2.RerouteRequest(run_id="replay", route_version=99), timeout=5),
+        "EndRun": lambda: s.EndRun(peer_pb2.EndRunRequest(run_id="replay", status="failed"), timeout=5),
     }
+    states = {r.run_id: r.state for r in node.runs.values()}
     for name, call in calls.items():
         with pytest.raises(grpc.RpcError) as err:
             call()
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
         assert "only the coordinator" in err.value.details() and repr(who) in err.value.details()
     assert "sneaky" not in node.runs
+    assert {r.run_id: r.state for r in node.runs.values()} == states  # nothing ended or rerouted
     healthy(ids, address)
 
 

@@ -4,6 +4,7 @@ refused with a clear status, nothing is written, and the peer keeps serving."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import grpc
@@ -197,3 +198,26 @@ def test_progress_reports_never_block_the_caller(three_sites, tmp_path):
     while len(got) < 20 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert got == list(range(1, 21))
+
+
+def test_end_run_stops_the_run_and_removes_partial_transfers(peer, tmp_path):
+    node, stub, address = peer
+    stub.Assign(assignment("ending"), timeout=10)
+    folder = node.state_dir / "runs" / "ending"
+    part = folder / f".received.safetensors.{'a' * 64}.part"  # a transfer that broke and never resumed
+    part.write_bytes(b"x" * 1000)
+    reply = stub.EndRun(peer_pb2.EndRunRequest(run_id="ending", status="finished", reason="routed around"), timeout=10)
+    assert (reply.state, reply.removed_bytes) == ("ended", 1000)
+    assert not part.exists() and (folder / "assignment.pb").exists()
+    assert json.loads((folder / "state.json").read_text())["state"] == "ended"  # survives a restart
+    path, data = payload(tmp_path)
+    with pytest.raises(grpc.RpcError) as err:  # a late model for an ended run is refused
+        stub.Handoff(stream(header("ending", data), data), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "ended" in err.value.details()
+    assert not (folder / "received.safetensors").exists()
+    again = stub.EndRun(peer_pb2.EndRunRequest(run_id="ending", status="finished"), timeout=10)
+    assert (again.state, again.removed_bytes) == ("ended", 0)  # idempotent
+    with pytest.raises(grpc.RpcError) as err:
+        stub.EndRun(peer_pb2.EndRunRequest(run_id="never-assigned", status="failed"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert stub.GetStatus(peer_pb2.StatusRequest(), timeout=5).name == "site-b"

@@ -7,6 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EndRunRequest(_message.Message):
+    __slots__ = ("run_id", "status", "reason")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    status: str
+    reason: str
+    def __init__(self, run_id: _Optional[str] = ..., status: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class EndRunReply(_message.Message):
+    __slots__ = ("run_id", "state", "removed_bytes")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    state: str
+    removed_bytes: int
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., removed_bytes: _Optional[int] = ...) -> None: ...
+
 class TransferOffsetReply(_message.Message):
     __slots__ = ("offset", "complete")
     OFFSET_FIELD_NUMBER: _ClassVar[int]

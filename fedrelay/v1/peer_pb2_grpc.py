@@ -70,6 +70,11 @@ class PeerStub:
                 request_serializer=fedrelay_dot_v1_dot_common__pb2.TransferHeader.SerializeToString,
                 response_deserializer=fedrelay_dot_v1_dot_peer__pb2.TransferOffsetReply.FromString,
                 _registered_method=True)
+        self.EndRun = channel.unary_unary(
+                '/fedrelay.v1.Peer/EndRun',
+                request_serializer=fedrelay_dot_v1_dot_peer__pb2.EndRunRequest.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_peer__pb2.EndRunReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -129,6 +134,16 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndRun(self, request, context):
+        """The coordinator tells this site that a run is over (finished or failed), also when this
+        site was routed around and came back late: the site stops waiting, training or sending
+        for it (state "ended" unless it was already done or failed) and removes the partial
+        files of transfers that will never complete. Idempotent; NOT_FOUND for an unknown run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +181,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.TransferOffset,
                     request_deserializer=fedrelay_dot_v1_dot_common__pb2.TransferHeader.FromString,
                     response_serializer=fedrelay_dot_v1_dot_peer__pb2.TransferOffsetReply.SerializeToString,
+            ),
+            'EndRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndRun,
+                    request_deserializer=fedrelay_dot_v1_dot_peer__pb2.EndRunRequest.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_peer__pb2.EndRunReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -357,6 +377,33 @@ class Peer:
             '/fedrelay.v1.Peer/TransferOffset',
             fedrelay_dot_v1_dot_common__pb2.TransferHeader.SerializeToString,
             fedrelay_dot_v1_dot_peer__pb2.TransferOffsetReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Peer/EndRun',
+            fedrelay_dot_v1_dot_peer__pb2.EndRunRequest.SerializeToString,
+            fedrelay_dot_v1_dot_peer__pb2.EndRunReply.FromString,
             options,
             channel_credentials,
             insecure,
