@@ -57,7 +57,8 @@ def meta() -> dict:
                           capture_output=True, text=True).stdout.strip():
             commit += "+dirty"
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+        # A copy without git (a GPU machine the tree was copied to): the caller may say which.
+        commit = os.environ.get("FEDRELAY_BENCH_COMMIT", "unknown")
     return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
             "cpu": f"{cpu} ({os.cpu_count()} cores)", "torch": torch.__version__,
             "python": platform.python_version()}
@@ -110,3 +111,28 @@ def write_markdown(data: dict, path: Path = RESULTS_MD, source: Path = RESULTS_J
         for plot in body.get("plots", []):
             lines += [f"![{plot}](plots/{plot})", ""]
     path.write_text("\n".join(lines))
+
+
+def merge(source: Path, section: str, *, results: Path = RESULTS_JSON) -> dict:
+    """Copy ``section`` (with its own ``meta``: where and when it was measured) from another
+    results.json, e.g. one written on a GPU machine, into ``results``; rewrite RESULTS.md.
+    Raises ``KeyError`` when ``source`` has no such section."""
+    section_data = json.loads(Path(source).read_text())[section]
+    data = json.loads(results.read_text()) if results.exists() else {}
+    data[section] = section_data
+    results.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    write_markdown(data, results.parent / RESULTS_MD.name, source=results)
+    return data
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="bench results: merge a study measured elsewhere")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("merge", help="copy SECTION of SOURCE (a results.json) into bench/results.json")
+    m.add_argument("source", type=Path)
+    m.add_argument("section")
+    m.add_argument("--results", type=Path, default=RESULTS_JSON)
+    a = ap.parse_args()
+    merge(a.source, a.section, results=a.results)

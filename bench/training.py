@@ -15,6 +15,11 @@ does not have). The regulariser's cost is FedELMY's time over pool-only's time, 
 
     python -m bench.training            # a real Fashion-MNIST site (demo split), S = 5, E = 2
     python -m bench.training --quick    # synthetic data, tiny (the test suite's smoke run)
+    python -m bench.training --device cuda:0   # on a GPU: results section "training_cuda"
+
+On a GPU every loop runs with the deterministic kernels a peer daemon uses by default
+(``use_deterministic_kernels``; ``--no-deterministic`` for the faster, non-reproducible ones),
+and each timing ends with ``torch.cuda.synchronize()``.
 """
 
 from __future__ import annotations
@@ -26,22 +31,31 @@ from pathlib import Path
 from bench.common import record
 
 
-def plain_loop(spec, train, epochs: int, batch_size: int, lr: float, weight_decay: float, seed: int) -> float:
-    """Seconds for ``epochs`` epochs of a textbook PyTorch training loop."""
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def plain_loop(spec, train, epochs: int, batch_size: int, lr: float, weight_decay: float, seed: int,
+               device: str = "cpu") -> float:
+    """Seconds for ``epochs`` epochs of a textbook PyTorch training loop on ``device`` (the
+    data moved there once, inside the timing, as the peer's training does)."""
     import torch
     from torch.nn import functional as F
 
     from fedrelay.peer.models import build_model
 
     torch.manual_seed(seed)
-    model = build_model(spec)
+    model = build_model(spec).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
-    x_all, y_all = train
     g = torch.Generator().manual_seed(seed)
     started = time.perf_counter()
+    x_all, y_all = train[0].to(device), train[1].to(device)
     model.train()
     for _ in range(epochs):
-        order = torch.randperm(len(y_all), generator=g)
+        order = torch.randperm(len(y_all), generator=g).to(device)
         for i in range(0, len(order), batch_size):
             idx = order[i:i + batch_size]
             x = x_all[idx].float().div_(255)
@@ -49,6 +63,7 @@ def plain_loop(spec, train, epochs: int, batch_size: int, lr: float, weight_deca
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+    _sync(device)
     return time.perf_counter() - started
 
 
@@ -80,12 +95,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--local-epochs", "-E", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each loop keeps its fastest")
     ap.add_argument("--results", type=Path, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda:N (a GPU run is recorded as 'training_cuda')")
+    ap.add_argument("--no-deterministic", action="store_true", help="GPU: the default, non-deterministic kernels")
     args = ap.parse_args(argv)
 
     import torch
 
     from fedrelay.peer.models import ModelSpec, build_model
-    from fedrelay.peer.training import TrainConfig, train_fedseq, train_pool
+    from fedrelay.peer.training import TrainConfig, train_fedseq, train_pool, use_deterministic_kernels
+
+    device = args.device
+    deterministic = device.startswith("cuda") and not args.no_deterministic
+    if deterministic:
+        use_deterministic_kernels(device)  # as a peer daemon does on a GPU
 
     S, E = (2, 1) if args.quick else (args.models_per_site, args.local_epochs)
     (train, val), source = site_data(args.quick, args.sites)
@@ -99,21 +121,22 @@ def main(argv=None) -> dict:
     def timed(fn):
         t = time.perf_counter()
         fn()
+        _sync(device)
         return time.perf_counter() - t
 
-    plain_loop(spec, (train[0][:1024], train[1][:1024]), 1, 128, 1e-3, 1e-4, seed=1)  # warm-up: kernels, threads
+    plain_loop(spec, (train[0][:1024], train[1][:1024]), 1, 128, 1e-3, 1e-4, seed=1, device=device)  # warm-up
     # Rounds interleave the four loops, and each keeps its fastest round, so that load from
     # other processes on a shared machine hurts every loop alike instead of one of them.
     runs = {
-        "plain_loop": lambda: plain_loop(spec, train, S * E, 128, 1e-3, 1e-4, seed=1),
+        "plain_loop": lambda: plain_loop(spec, train, S * E, 128, 1e-3, 1e-4, seed=1, device=device),
         "fedseq": lambda: timed(lambda: train_fedseq(m0, spec, train, val, TrainConfig(
-            strategy="fedseq", selection="last-epoch", **base), 1, "cpu")),
+            strategy="fedseq", selection="last-epoch", **base), 1, device)),
         "fedseq_best_val": lambda: timed(lambda: train_fedseq(m0, spec, train, val, TrainConfig(
-            strategy="fedseq", selection="best-val", **base), 1, "cpu")),
+            strategy="fedseq", selection="best-val", **base), 1, device)),
         "fedelmy_pool_only": lambda: timed(lambda: train_pool(m0, spec, train, val,
-                                                              TrainConfig(alpha=0.0, beta=0.0, **base), 1, "cpu")),
+                                                              TrainConfig(alpha=0.0, beta=0.0, **base), 1, device)),
         "fedelmy": lambda: timed(lambda: train_pool(m0, spec, train, val, TrainConfig(alpha=1.0, beta=1.0, **base),
-                                                    1, "cpu")),
+                                                    1, device)),
     }
     best = {k: float("inf") for k in runs}
     for _ in range(1 if args.quick else args.rounds):
@@ -125,13 +148,15 @@ def main(argv=None) -> dict:
     # them separately so that the loop itself is compared like for like.
     from fedrelay.peer.training import evaluate
 
-    model = build_model(spec)
-    t_val = timed(lambda: [evaluate(model, *val) for _ in range(S * E)])
+    model = build_model(spec).to(device)
+    t_val = timed(lambda: [evaluate(model, *val, device=device) for _ in range(S * E)])
     seconds = {"plain_loop": t_plain, "fedseq": t_fedseq, "fedseq_best_val": t_best_val,
                "fedelmy_pool_only": t_pool, "fedelmy": t_elmy}
     ips = {k: images / t for k, t in seconds.items()}
     figures = {
         "source": source, "train_images": n_train, "S": S, "E": E, "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+        "deterministic_kernels": deterministic,
         "seconds": {**seconds, "validation_passes": t_val},
         "images_per_second": ips,
         "fedseq_vs_plain_loop": t_plain / t_fedseq,
@@ -142,8 +167,10 @@ def main(argv=None) -> dict:
         "rounds": 1 if args.quick else args.rounds,
         "summary": f"{S} x {E} epochs over {n_train} training images ({source}), small CNN, batch 128, "
                    f"fastest of {1 if args.quick else args.rounds} interleaved rounds per loop, "
-                   f"{torch.get_num_threads()} threads. Targets: FedSeq >= 0.95x the plain loop; FedELMY's "
-                   "regulariser <= 10% extra time.",
+                   + (f"on {torch.cuda.get_device_name(device)} ("
+                      + ("deterministic" if deterministic else "default, non-deterministic") + " kernels). "
+                      if device.startswith("cuda") else f"{torch.get_num_threads()} threads. ")
+                   + "Targets: FedSeq >= 0.95x the plain loop; FedELMY's regulariser <= 10% extra time.",
         "tables": [{"title": "training throughput (same model, data, batch, threads)",
                     "columns": ["loop", "seconds", "train images/s"],
                     "rows": [[k, round(v, 2), round(ips[k], 0)] for k, v in seconds.items()]}],
@@ -158,7 +185,7 @@ def main(argv=None) -> dict:
     print(f"fedseq vs plain loop: {figures['fedseq_vs_plain_loop']:.3f}; regulariser overhead "
           f"{100 * figures['fedelmy_regulariser_overhead']:.1f}%")
     kw = {"results": args.results} if args.results else {}
-    record("training", figures, **kw)
+    record("training" if device == "cpu" else "training_cuda", figures, **kw)
     return figures
 
 
