@@ -536,7 +536,9 @@ def _fit(
         started = time.perf_counter()
         model.train()
         order = torch.randperm(n, generator=generator)
-        ce_sum = 0.0
+        # Summed on the device, read once per epoch: a read per batch would make a GPU wait for
+        # every step (float64, so the figure equals the sum of the batches' float values).
+        ce_sum = torch.zeros((), dtype=torch.float64, device=train_x.device)
         for start in range(0, n, cfg.batch_size):
             idx = order[start:start + cfg.batch_size].to(train_x.device)
             x = train_x[idx].to(torch.float32).div_(255.0)
@@ -545,7 +547,8 @@ def _fit(
             loss = ce
             if regulariser.active:
                 dist1, dist2 = regulariser.distances(params)
-                a = magnitude_scale(ce.item(), dist2.item())
+                # a needs both values on the host (as in the reference code): one read, not two.
+                a = magnitude_scale(*torch.stack([ce.detach(), dist2.detach()]).tolist())
                 if dist1 is not None:
                     loss = loss - cfg.alpha * dist1 / a
                 if cfg.beta != 0.0:
@@ -553,7 +556,7 @@ def _fit(
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            ce_sum += float(ce.detach()) * int(y.shape[0])
+            ce_sum += ce.detach().to(torch.float64) * int(y.shape[0])
         # Best-validation selection needs every epoch validated; last-epoch selection only the
         # last (the accuracy of the model kept is still reported), so it costs what a plain loop does.
         if val_y.shape[0] > 0 and (use_best or epoch == epochs):
@@ -571,7 +574,7 @@ def _fit(
                     "model": index,
                     "epoch": epoch,
                     "epochs": epochs,
-                    "train_loss": ce_sum / n,
+                    "train_loss": float(ce_sum) / n,
                     "val_accuracy": accuracy,
                     "seconds": time.perf_counter() - started,
                 }
