@@ -246,19 +246,6 @@ def test_magnitude_scale():
     assert magnitude_scale(1.0, float("inf")) == 1.0
 
 
-def test_magnitude_scale_on_the_device_matches_the_host():
-    """The GPU path computes a without reading CE and d2 back; it must agree with the host."""
-    from fedrelay.peer.training import magnitude_scale_tensor
-
-    cases = [(6.02, 45.0), (0.5, 3.0), (2.3, 5.0), (2.3, 0.05), (2.3, 0.5), (6.02, 0.0), (0.0, 45.0),
-             (float("nan"), 45.0), (1.0, float("inf")), (-1.0, 3.0), (2.3e-4, 7.7e5), (0.031, 123456.0)]
-    for ce, d2 in cases:
-        a = magnitude_scale_tensor(torch.tensor(ce), torch.tensor(d2, requires_grad=True))
-        assert a.dtype == torch.float32 and not a.requires_grad and a.dim() == 0
-        expected = magnitude_scale(float(torch.tensor(ce)), float(torch.tensor(d2)))
-        assert float(a) == expected, (ce, d2)
-
-
 # --------------------------------------------------------------------------- seeds and config
 
 
