@@ -113,13 +113,13 @@ def write_markdown(data: dict, path: Path = RESULTS_MD, source: Path = RESULTS_J
     path.write_text("\n".join(lines))
 
 
-def merge(source: Path, section: str, *, results: Path = RESULTS_JSON) -> dict:
+def merge(source: Path, section: str, *, results: Path = RESULTS_JSON, name: str | None = None) -> dict:
     """Copy ``section`` (with its own ``meta``: where and when it was measured) from another
-    results.json, e.g. one written on a GPU machine, into ``results``; rewrite RESULTS.md.
-    Raises ``KeyError`` when ``source`` has no such section."""
+    results.json, e.g. one written on a GPU machine, into ``results`` (as ``name``, default the
+    same); rewrite RESULTS.md. Raises ``KeyError`` when ``source`` has no such section."""
     section_data = json.loads(Path(source).read_text())[section]
     data = json.loads(results.read_text()) if results.exists() else {}
-    data[section] = section_data
+    data[name or section] = section_data
     results.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     write_markdown(data, results.parent / RESULTS_MD.name, source=results)
     return data
@@ -134,5 +134,6 @@ if __name__ == "__main__":
     m.add_argument("source", type=Path)
     m.add_argument("section")
     m.add_argument("--results", type=Path, default=RESULTS_JSON)
+    m.add_argument("--as", dest="name", default=None, help="the section's name in --results (default SECTION)")
     a = ap.parse_args()
-    merge(a.source, a.section, results=a.results)
+    merge(a.source, a.section, results=a.results, name=a.name)
