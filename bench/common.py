@@ -49,6 +49,8 @@ def meta() -> dict:
     except OSError:
         pass
     try:
+        if os.environ.get("FEDRELAY_BENCH_COMMIT"):  # a tree copied elsewhere: git there may not know
+            raise OSError("commit given by FEDRELAY_BENCH_COMMIT")
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                 text=True, check=True).stdout.strip()
         # Dirty = code that ran differs from the commit; the studies' own outputs do not count.
@@ -113,11 +115,17 @@ def write_markdown(data: dict, path: Path = RESULTS_MD, source: Path = RESULTS_J
     path.write_text("\n".join(lines))
 
 
-def merge(source: Path, section: str, *, results: Path = RESULTS_JSON, name: str | None = None) -> dict:
+def merge(source: Path, section: str, *, results: Path = RESULTS_JSON, name: str | None = None,
+          commit: str | None = None) -> dict:
     """Copy ``section`` (with its own ``meta``: where and when it was measured) from another
     results.json, e.g. one written on a GPU machine, into ``results`` (as ``name``, default the
-    same); rewrite RESULTS.md. Raises ``KeyError`` when ``source`` has no such section."""
+    same); rewrite RESULTS.md. ``commit`` replaces the recorded commit, for a copy of the tree
+    whose git did not know it (its meta then keeps ``recorded_commit``). Raises ``KeyError``
+    when ``source`` has no such section."""
     section_data = json.loads(Path(source).read_text())[section]
+    if commit:
+        m = section_data.setdefault("meta", {})
+        m["recorded_commit"], m["commit"] = m.get("commit"), commit
     data = json.loads(results.read_text()) if results.exists() else {}
     data[name or section] = section_data
     results.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
@@ -135,5 +143,6 @@ if __name__ == "__main__":
     m.add_argument("section")
     m.add_argument("--results", type=Path, default=RESULTS_JSON)
     m.add_argument("--as", dest="name", default=None, help="the section's name in --results (default SECTION)")
+    m.add_argument("--commit", default=None, help="the commit that ran, when the copy's git said otherwise")
     a = ap.parse_args()
-    merge(a.source, a.section, results=a.results, name=a.name)
+    merge(a.source, a.section, results=a.results, name=a.name, commit=a.commit)
