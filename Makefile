@@ -9,7 +9,7 @@ SEED ?= 0
 DIRICHLET ?= 0.5
 CHAIN_ARGS ?= --models-per-site 5 --local-epochs 2 --warmup-epochs 2
 
-.PHONY: setup demo test bench proto clean
+.PHONY: setup demo test bench bench-reduced proto clean
 
 setup: $(STAMP)
 
@@ -30,8 +30,13 @@ bench: setup
 	$(PY) -m bench.transfer
 	$(PY) -m bench.training
 	$(PY) -m bench.chain
+	nice -n 15 $(PY) -m bench.accuracy --domain-shift
+
+# The accuracy grid at a reduced scale (600 training images per site): about 50 minutes.
+bench-reduced: setup
 	nice -n 15 $(PY) -m bench.accuracy --seeds 0,1,2,3,4 --dirichlets 0.5,0.1 --max-train-per-site 600 \
-		--domain-shift --domain-max-train-per-site 1500
+		--domain-shift --domain-max-train-per-site 1500 \
+		--results bench/reduced-scale/results.json --plots bench/reduced-scale/plots
 
 proto: setup
 	$(PY) -m fedrelay.protogen
