@@ -193,7 +193,7 @@ def plot_hops(runs: dict[str, dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
     series = []
     for name, run in runs.items():
         series.append((f"{name}, ledger payload (total {run['total_bytes'] / 1e6:.2f} MB)",
@@ -211,7 +211,8 @@ def plot_hops(runs: dict[str, dict], path: Path) -> None:
     ax.set_xlabel("hop")
     ax.set_ylabel("MB")
     ax.set_title("bytes per hop", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_xticks(sorted({hop for _, points in series for hop, _ in points}))
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1, frameon=False)  # below the bars
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
