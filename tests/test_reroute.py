@@ -51,13 +51,14 @@ def wait_for(trial, run_id: str, predicate, timeout: float = 300) -> dict:
     raise AssertionError(f"timed out; last summary: {run}")
 
 
-def site_state(trial, site: str, run_id: str, expected: str, timeout: float = 60) -> str:
-    """The site's own state for the run (its state.json), once it is ``expected`` or at the timeout."""
+def site_state(trial, site: str, run_id: str, *expected: str, timeout: float = 60) -> str:
+    """The site's own state for the run (its state.json), once it is one of ``expected`` or at
+    the timeout."""
     path = trial.workdir / "state" / site / "runs" / run_id / "state.json"
     deadline = time.monotonic() + timeout
     while True:
         state = json.loads(path.read_text())["state"] if path.exists() else None
-        if state == expected or time.monotonic() > deadline:
+        if state in expected or time.monotonic() > deadline:
             return state
         time.sleep(0.2)
 
@@ -102,7 +103,9 @@ def test_the_last_site_down_after_receiving_makes_its_predecessor_last(trial):
     assert set(done["final"]["per_site"]) == {a, b, c}
     trial.restart(d)
     trial.wait_ready(d)
-    # d resumes the training it was doing when it went down; the end notice stops it (or its
-    # delivery, if the training finished first) and the run's final model stays c's.
-    assert site_state(trial, d, run["run_id"], "ended") == "ended"
+    # d resumes the training it was doing when it went down; the end notice stops it ("ended").
+    # On a fast machine d may finish training first and try to deliver the final model: the
+    # sites refuse it (d is no longer their last site) and d's run fails there ("failed").
+    # Either way d stops, and the run's final model stays c's.
+    assert site_state(trial, d, run["run_id"], "ended", "failed") in ("ended", "failed")
     assert show(trial, run["run_id"])["final"]["sha256"] == done["final"]["sha256"]
