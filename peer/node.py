@@ -32,7 +32,8 @@ import grpc
 
 from fedrelay import __version__, wire
 from fedrelay.peer.data import SiteData
-from fedrelay.peer.transfer import TransferError, check_header_fields, held_bytes, receive_model, send_model
+from fedrelay.peer.transfer import (TransferError, check_header_fields, held_bytes, receive_model,
+                                    remove_partials, send_model)
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2
 
 log = logging.getLogger("fedrelay.peer")
@@ -742,14 +743,7 @@ class PeerNode:
         if newly:
             self._set_state(run, "ended", f"run {status} at the coordinator" + (f": {reason}" if reason else ""),
                             force=True)
-        removed = 0
-        for part in run.folder.glob(".*.part"):
-            try:
-                size = part.stat().st_size
-                part.unlink()
-                removed += size
-            except FileNotFoundError:
-                pass
+        removed = remove_partials(run.folder)
         if removed:
             log.info("run %s: removed %d bytes of partial transfers", run_id, removed)
         return run.state, removed

@@ -163,6 +163,21 @@ def partial_path(dest: Path, sha256: str) -> Path:
     return dest.parent / f".{dest.name}.{sha256}.part"
 
 
+def remove_partials(folder: Path) -> int:
+    """Remove every partial transfer file in ``folder`` (the resumable ones of
+    :func:`partial_path` and the temporary ones of non-resumable streams, both
+    ``.<dest>.*.part``). Returns the bytes removed."""
+    removed = 0
+    for part in folder.glob(".*.part"):
+        try:
+            size = part.stat().st_size
+            part.unlink()
+            removed += size
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def held_bytes(dest: Path, sha256: str) -> int:
     """Bytes of the payload ``sha256`` already held for ``dest`` from a broken stream (0: none)."""
     try:
