@@ -365,10 +365,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 continue
             skipped = n["site"] in self._skipped(n["run_id"])
             reason = "this site was routed around" if skipped else (n["error"] or "")
-            run = self.ledger.run(n["run_id"])
-            address = next((c["address"] for c in run["chain"] if c["name"] == n["site"]), "")
-            try:
-                with self._peer_channel({"name": n["site"], "address": address}) as ch:
+            try:  # a live site has registered: _peer_channel dials its registered address
+                with self._peer_channel({"name": n["site"], "address": ""}) as ch:
                     reply = peer_pb2_grpc.PeerStub(ch).EndRun(
                         peer_pb2.EndRunRequest(run_id=n["run_id"], status=n["status"], reason=reason), timeout=5.0)
             except grpc.RpcError as exc:
