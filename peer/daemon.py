@@ -96,14 +96,13 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     if stall_timeout <= 0:
         raise ValueError("--stall-timeout must be > 0 seconds")
     device = resolve_device(device)
-    if device.startswith("cuda"):
-        from fedrelay.peer.training import use_deterministic_kernels
+    from fedrelay.peer.training import use_deterministic_kernels
 
-        if deterministic:
-            use_deterministic_kernels(device)
-        else:
-            log.warning("--no-deterministic: CUDA kernels may differ from run to run; the same seed will "
-                        "not give the same model digests")
+    if deterministic:
+        use_deterministic_kernels(device)  # changes nothing on the CPU
+    elif device.startswith("cuda"):
+        log.warning("--no-deterministic: CUDA kernels may differ from run to run; the same seed will "
+                    "not give the same model digests")
     log.info("loading site data from %s", data_dir)
     data = load_site(data_dir)
     log.info("site %s: %d classes, %s images, train %d, test %d", name, len(data.class_names),
