@@ -48,9 +48,16 @@ def meta() -> dict:
                 break
     except OSError:
         pass
+    # A tree copied elsewhere (a GPU machine): git there may not know the commit; the caller says.
+    commit = os.environ.get("FEDRELAY_BENCH_COMMIT") or _git_commit()
+    return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+            "cpu": f"{cpu} ({os.cpu_count()} cores)", "torch": torch.__version__,
+            "python": platform.python_version()}
+
+
+def _git_commit() -> str:
+    """HEAD's short hash, with ``+dirty`` when tracked code differs from it; ``unknown`` without git."""
     try:
-        if os.environ.get("FEDRELAY_BENCH_COMMIT"):  # a tree copied elsewhere: git there may not know
-            raise OSError("commit given by FEDRELAY_BENCH_COMMIT")
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                 text=True, check=True).stdout.strip()
         # Dirty = code that ran differs from the commit; the studies' own outputs do not count.
@@ -59,11 +66,8 @@ def meta() -> dict:
                           capture_output=True, text=True).stdout.strip():
             commit += "+dirty"
     except (OSError, subprocess.CalledProcessError):
-        # A copy without git (a GPU machine the tree was copied to): the caller may say which.
-        commit = os.environ.get("FEDRELAY_BENCH_COMMIT", "unknown")
-    return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
-            "cpu": f"{cpu} ({os.cpu_count()} cores)", "torch": torch.__version__,
-            "python": platform.python_version()}
+        commit = "unknown"
+    return commit
 
 
 def record(section: str, figures: dict, *, results: Path = RESULTS_JSON) -> dict:
@@ -73,10 +77,15 @@ def record(section: str, figures: dict, *, results: Path = RESULTS_JSON) -> dict
     m = meta()
     data[section] = {**figures, "meta": m}
     data["meta"] = m
+    _save(data, results)
+    return data
+
+
+def _save(data: dict, results: Path) -> None:
+    """Write ``results`` (results.json) and the RESULTS.md beside it."""
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     write_markdown(data, results.parent / RESULTS_MD.name, source=results)
-    return data
 
 
 def _fmt(v) -> str:
@@ -128,8 +137,7 @@ def merge(source: Path, section: str, *, results: Path = RESULTS_JSON, name: str
         m["recorded_commit"], m["commit"] = m.get("commit"), commit
     data = json.loads(results.read_text()) if results.exists() else {}
     data[name or section] = section_data
-    results.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    write_markdown(data, results.parent / RESULTS_MD.name, source=results)
+    _save(data, results)
     return data
 
 
