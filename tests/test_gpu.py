@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bench.common import deploy_script
+from test_chain import CHAIN
 from fedrelay.peer.training import use_deterministic_kernels
 
 local_trial = deploy_script("local_trial")
@@ -39,8 +40,7 @@ TRAIN_TWICE = """
 import hashlib, sys, torch
 from fedrelay.peer.models import ModelSpec
 from fedrelay.peer.training import TrainConfig, run_site, use_deterministic_kernels
-if sys.argv[1] == "det":
-    use_deterministic_kernels("cuda:0")
+use_deterministic_kernels("cuda:0")
 g = torch.Generator().manual_seed(0)
 x = torch.randint(0, 256, (600, 1, 28, 28), dtype=torch.uint8, generator=g)
 y = torch.randint(0, 10, (600,), generator=g)
@@ -61,7 +61,7 @@ print(out[0], out[1])
 @cuda
 def test_training_on_the_gpu_repeats_bit_for_bit():
     # A fresh process each: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when its first handle is made.
-    res = subprocess.run([sys.executable, "-c", TRAIN_TWICE, "det"], capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-c", TRAIN_TWICE], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     first, second = res.stdout.split()
     assert first == second
@@ -72,8 +72,7 @@ def test_a_chain_on_the_gpu_gives_the_same_digests_twice(three_sites, tmp_path):
     with local_trial.LocalTrial(tmp_path, three_sites, device="cuda:0") as trial:
         runs = []
         for _ in range(2):
-            res = trial.cli("start-chain", "--seed", "7", "--wait", "--json", "--models-per-site", "2",
-                            "--local-epochs", "2", "--warmup-epochs", "2", "--batch-size", "32",
+            res = trial.cli("start-chain", "--seed", "7", "--wait", "--json", *CHAIN,
                             capture_output=True, text=True, timeout=600)
             assert res.returncode == 0, res.stderr[-3000:]
             runs.append(json.loads(res.stdout))
