@@ -11,8 +11,10 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from fedrelay import params as run_params
 from fedrelay.cli.common import (INSECURE_HELP, TLS_HELP, console, err_console, fail, setup_logging, stop_on_sigterm,
                                  transport_from)
+from fedrelay.registry import STRATEGIES
 
 app = typer.Typer(help="fedrelay coordinator: plans chains, assigns roles, keeps the ledger.",
                   no_args_is_help=True, add_completion=False)
@@ -73,7 +75,10 @@ def start_chain(
     peers: str = typer.Option("", "--peers", help="Comma-separated site names \\[default: every registered peer]."),
     order: str = typer.Option("random", "--order", help="random (fixed by --seed) | given (as --peers lists them)."),
     seed: int = typer.Option(..., "--seed", help="Fixes the order, each site's train/validation split and the training."),
-    strategy: str = typer.Option("fedelmy", "--strategy", help="fedelmy | fedseq"),
+    strategy: str = typer.Option("fedelmy", "--strategy", help="What each site does: "
+                                 + "; ".join(f"{s.name}: {s.summary}" for s in STRATEGIES.values()) + "."),
+    rounds: int = typer.Option(1, "--rounds", "-T", help="T: passes over the chain (few-shot cycles, FedELMY "
+                               "supplementary Alg. 1; warm-up in round 1 only); 1 = one-shot."),
     models_per_site: int = typer.Option(5, "--models-per-site", "-S", help="S: pool models trained per site."),
     local_epochs: int = typer.Option(2, "--local-epochs", "-E", help="E: epochs per pool model (fedseq: S*E in all)."),
     warmup_epochs: int = typer.Option(2, "--warmup-epochs", help="Ew: warm-up epochs at the first site."),
@@ -89,17 +94,20 @@ def start_chain(
     tls: Path = TLS,
     insecure: bool = INSECURE,
 ) -> None:
-    """Start a one-shot chain over the registered peers."""
-    from fedrelay.v1 import common_pb2
-
+    """Start a chain over the registered peers (one-shot, or T rounds with --rounds)."""
+    chosen = dict(strategy=strategy, models_per_site=models_per_site, local_epochs=local_epochs,
+                  warmup_epochs=warmup_epochs, alpha=alpha, beta=beta, lr=lr, batch_size=batch_size,
+                  weight_decay=weight_decay, selection=selection)
+    try:
+        run_params.check(chosen)
+        run_params.check_rounds(rounds)
+    except ValueError as exc:
+        fail(str(exc))
     client = _client(coordinator, tls, insecure)
-    params = common_pb2.TrainingParams(
-        strategy=strategy, models_per_site=models_per_site, local_epochs=local_epochs,
-        warmup_epochs=warmup_epochs, alpha=alpha, beta=beta, lr=lr, batch_size=batch_size,
-        weight_decay=weight_decay, selection=selection)
     names = [p.strip() for p in peers.split(",") if p.strip()]
     try:
-        reply = client.start_chain(peers=names, order=order, seed=seed, arch=model, params=params)
+        reply = client.start_chain(peers=names, order=order, seed=seed, arch=model, params=run_params.to_pb(chosen),
+                                   rounds=rounds)
     except grpc.RpcError as exc:
         _rpc_fail(exc, coordinator)
     out = err_console if as_json else console
@@ -109,11 +117,13 @@ def start_chain(
         else:
             console.print(f"run [bold]{reply.run_id}[/] started: {' -> '.join(reply.order)}")
         return
-    out.print(f"run [bold]{reply.run_id}[/]: {strategy}, chain order {' -> '.join(reply.order)}", highlight=False)
+    cycles = f", {rounds} rounds" if rounds > 1 else ""
+    out.print(f"run [bold]{reply.run_id}[/]: {strategy}{cycles}, chain order {' -> '.join(reply.order)}",
+              highlight=False)
     for w in reply.warnings:
         out.print(f"[yellow]warning:[/] {w}", highlight=False)
     per_site = models_per_site * local_epochs
-    total = warmup_epochs + per_site * len(reply.order)
+    total = warmup_epochs + per_site * len(reply.order) * rounds
     try:
         _follow(client, reply.run_id, total, out)
         summary = client.run(reply.run_id)
@@ -170,23 +180,37 @@ def _fmt_bytes(n: int | None) -> str:
     return "-" if n is None else f"{n:,}"
 
 
+def _status(h: dict) -> str:
+    """A transfer's standing in the ledger: both ends agree, one has spoken, or they disagree."""
+    return {"done": "[green]done[/]", "disputed": "[red]disputed[/]"}.get(h["status"], h["status"])
+
+
 def render_summary(s: dict) -> None:
-    console.print(f"\n[bold]run {s['run_id']}[/] ({s['strategy']}, {s['arch']}, seed {s['seed']}): [bold]{s['status']}[/]",
-                  highlight=False)
+    rounds = s.get("rounds", 1)
+    cycles = f", {rounds} rounds" if rounds > 1 else ""
+    console.print(f"\n[bold]run {s['run_id']}[/] ({s['strategy']}{cycles}, {s['arch']}, seed {s['seed']}): "
+                  f"[bold]{s['status']}[/]", highlight=False)
     console.print("chain order: " + " -> ".join(s["order"]), highlight=False)
     t = Table(title="hops (chain transfers)")
-    for col in ("hop", "sender → receiver", "payload bytes", "wire bytes", "SHA-256", "seconds", "attempts"):
-        t.add_column(col, justify="right" if "bytes" in col or col in ("hop", "seconds", "attempts") else "left")
+    columns = ("hop", *(("round",) if rounds > 1 else ()), "sender → receiver", "payload bytes", "wire bytes",
+               "SHA-256", "seconds", "attempts", "ledger")
+    for col in columns:
+        t.add_column(col, justify="right" if "bytes" in col or col in ("hop", "round", "seconds", "attempts") else "left")
     for h in s["hops"]:
         tries = str(h["attempts"]) + (f" (resumed at {_fmt_bytes(h['resumed_from'])})" if h["resumed_from"] else "")
-        t.add_row(str(h["hop"]), f"{h['sender']} → {h['receiver']}", _fmt_bytes(h["payload_bytes"]),
-                  _fmt_bytes(h["wire_bytes"]), h["sha256"][:16] + "…", f"{h['seconds']:.3f}", tries)
+        t.add_row(str(h["hop"]), *((str(h["round"]),) if rounds > 1 else ()), f"{h['sender']} → {h['receiver']}",
+                  _fmt_bytes(h["payload_bytes"]), _fmt_bytes(h["wire_bytes"]), (h["sha256"] or "")[:16] + "…",
+                  f"{h['seconds']:.3f}", tries, _status(h))
     console.print(t)
-    n = len(s["order"])
     exp = s["expected_total_bytes"]
     verdict = "" if exp is None else (" [green](equal)[/]" if s["total_bytes"] == exp else " [red](differs)[/]")
-    console.print(f"total payload bytes on the chain: {_fmt_bytes(s['total_bytes'])}; (N-1)·M = {n - 1} × "
-                  f"{_fmt_bytes(s['model_bytes'])} = {_fmt_bytes(exp)}{verdict}", highlight=False)
+    console.print(f"total payload bytes on the chain: {_fmt_bytes(s['total_bytes'])}; planned hops × M = "
+                  f"{s['planned_hops']} × {_fmt_bytes(s['model_bytes'])} = {_fmt_bytes(exp)}{verdict}", highlight=False)
+    disputed = [h for h in s["hops"] + s["final_transfers"] if h["status"] == "disputed"]
+    for h in disputed:
+        console.print(f"[red]disputed:[/] {h['sender']} → {h['receiver']} (transfer {h['hop']}): the sender reported "
+                      f"sha256 {(h['sha256'] or '')[:16]}…, {_fmt_bytes(h['payload_bytes'])} bytes; the receiver kept "
+                      f"sha256 {h['receiver_sha256'][:16]}…, {_fmt_bytes(h['receiver_bytes'])} bytes", highlight=False)
     if s["final_transfers"]:
         fb = sum(h["payload_bytes"] for h in s["final_transfers"])
         console.print(f"final model copied to {len(s['final_transfers'])} sites for evaluation: {fb:,} bytes "

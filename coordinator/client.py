@@ -9,40 +9,51 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from fedrelay import wire
+from fedrelay import params as run_params, wire
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2
+
+PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final"}
 
 
 def summary_dict(s: cpb.RunSummary) -> dict:
     """A run summary as the JSON object of ``show --json`` / ``start-chain --wait --json``.
 
-    Keys: run_id, strategy, status (running|finished|failed), order (site names), model_bytes
-    (M, bytes; null before the first hop), hops (chain transfers: sender, receiver, payload_bytes,
-    wire_bytes (every attempt's), sha256, seconds, attempts, resumed_from (bytes the receiver
-    already held when the last attempt began)), total_bytes (sum of the hops' payload bytes),
-    expected_total_bytes ((N-1)*M), final (null until the run has finished: sha256, accuracy,
+    Keys: run_id, strategy, status (running|finished|failed), order (site names), rounds (T),
+    model_bytes (M, bytes; null before the first transfer both ends agree on), hops (chain
+    transfers: hop, round, sender, receiver, payload_bytes, wire_bytes (every attempt's), sha256,
+    seconds, attempts, resumed_from (bytes the receiver already held when the last attempt
+    began), status (done: sender and receiver agree; sent / received: one end has reported so
+    far; disputed: they disagree), receiver_sha256 and receiver_bytes (what the receiver
+    attests it kept)), total_bytes (sum of the hops' payload bytes as their senders reported),
+    planned_hops (hops of the run's plan, with hops made before a reroute dropped them),
+    expected_total_bytes (planned_hops * M), plan (the current plan: purpose, index, round,
+    sender, receiver), final_site, final (null until the run has finished: sha256, accuracy,
     per_site: site -> {accuracy, test_samples}), final_transfers, params, seed, arch,
     class_index, warnings, error, insecure, created, ended (unix seconds), skipped (sites routed
     around because they stayed down) and contributors (the sites whose training is in the final
     model, in chain order).
     """
     def hop(h):
-        return {"hop": h.hop, "sender": h.sender, "receiver": h.receiver, "payload_bytes": h.payload_bytes,
-                "wire_bytes": h.wire_bytes, "sha256": h.sha256, "seconds": round(h.ended - h.started, 6),
-                "started": h.started, "ended": h.ended, "attempts": h.attempts, "resumed_from": h.resumed_from}
+        return {"hop": h.hop, "round": h.round, "sender": h.sender, "receiver": h.receiver,
+                "payload_bytes": h.payload_bytes, "wire_bytes": h.wire_bytes, "sha256": h.sha256,
+                "seconds": round(h.ended - h.started, 6), "started": h.started, "ended": h.ended,
+                "attempts": h.attempts, "resumed_from": h.resumed_from, "status": h.status,
+                "receiver_sha256": h.receiver_sha256, "receiver_bytes": h.receiver_bytes}
 
-    p = s.params
     out = {
         "run_id": s.run_id, "strategy": s.strategy, "status": s.status, "order": list(s.order),
+        "rounds": s.rounds or 1,
         "model_bytes": s.model_bytes or None,
         "hops": [hop(h) for h in s.hops],
         "total_bytes": sum(h.payload_bytes for h in s.hops),
-        "expected_total_bytes": (len(s.order) - 1) * s.model_bytes if s.model_bytes else None,
+        "planned_hops": s.planned_hops,
+        "expected_total_bytes": s.planned_hops * s.model_bytes if s.model_bytes else None,
+        "plan": [{"purpose": PURPOSE_NAMES.get(t.purpose, "?"), "index": t.index, "round": t.round,
+                  "sender": t.sender, "receiver": t.receiver} for t in s.plan],
+        "final_site": s.final_site or None,
         "final": None,
         "final_transfers": [hop(h) for h in s.final_transfers],
-        "params": {"strategy": p.strategy, "models_per_site": p.models_per_site, "local_epochs": p.local_epochs,
-                   "warmup_epochs": p.warmup_epochs, "alpha": p.alpha, "beta": p.beta, "lr": p.lr,
-                   "batch_size": p.batch_size, "weight_decay": p.weight_decay, "selection": p.selection},
+        "params": run_params.to_dict(s.params),
         "seed": s.seed, "arch": s.arch, "class_index": list(s.class_index), "warnings": list(s.warnings),
         "error": s.error or None, "insecure": s.insecure, "created": s.created, "ended": s.ended or None,
         "skipped": list(s.skipped), "contributors": list(s.contributors),
@@ -75,9 +86,9 @@ class OperatorClient:
         self.close()
 
     def start_chain(self, *, peers: list[str], order: str, seed: int, arch: str,
-                    params: common_pb2.TrainingParams) -> cpb.StartChainReply:
+                    params: common_pb2.TrainingParams, rounds: int = 1) -> cpb.StartChainReply:
         return self.stub.StartChain(cpb.StartChainRequest(peers=peers, order=order, seed=seed, arch=arch,
-                                                          params=params), timeout=120.0)
+                                                          params=params, rounds=rounds), timeout=120.0)
 
     def watch(self, run_id: str, after_seq: int = 0) -> Iterator[cpb.RunEvent]:
         return self.stub.WatchRun(cpb.WatchRunRequest(run_id=run_id, after_seq=after_seq))

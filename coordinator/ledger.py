@@ -1,9 +1,13 @@
 """The ledger: the coordinator's only state, in SQLite.
 
-Tables: ``peers`` (registrations), ``runs`` (one row per chain, with its plan and outcome),
-``hops`` (every model transfer: the chain's hops and the final model's copies, each with
-sender, receiver, payload bytes, bytes on the wire as counted by the sender, SHA-256, start
-and end times in unix seconds), ``evaluations`` (per-site accuracy of a run's final model),
+Tables: ``peers`` (registrations), ``runs`` (one row per run, with its outcome), ``plans``
+(every version of a run's transfer plan: version 0 as started, one more per reroute),
+``hops`` (what the senders reported of each planned transfer: the chain's hops and the final
+model's copies, each with sender, receiver, payload bytes, bytes on the wire as counted by the
+sender, SHA-256, schema digest, start and end times in unix seconds), ``receipts`` (what the
+receivers attested of the same transfers: sender, bytes kept, SHA-256, schema digest; a transfer
+is *done* only when both ends agree, :func:`transfer_status`), ``evaluations`` (per-site
+accuracy of a run's final model),
 ``metrics`` (per-epoch training progress) and ``events`` (the ordered log that ``WatchRun``
 streams). Writes are serialised by one lock; the file uses WAL so readers never block.
 """
@@ -40,7 +44,21 @@ CREATE TABLE IF NOT EXISTS runs (
     final_sha256 TEXT, final_site TEXT,
     accuracy REAL,
     error TEXT,
-    insecure INTEGER NOT NULL DEFAULT 1
+    insecure INTEGER NOT NULL DEFAULT 1,
+    rounds INTEGER NOT NULL DEFAULT 1,  -- T
+    schema_sha256 TEXT              -- the payload schema of the run's first done transfer
+);
+CREATE TABLE IF NOT EXISTS plans (
+    run_id TEXT NOT NULL, version INTEGER NOT NULL,
+    plan TEXT NOT NULL,             -- JSON of coordinator.plan.Plan
+    time REAL NOT NULL,
+    PRIMARY KEY (run_id, version)
+);
+CREATE TABLE IF NOT EXISTS receipts (
+    run_id TEXT NOT NULL, purpose TEXT NOT NULL, hop INTEGER NOT NULL, receiver TEXT NOT NULL,
+    sender TEXT NOT NULL, payload_bytes INTEGER NOT NULL, sha256 TEXT NOT NULL,
+    schema_sha256 TEXT NOT NULL, received REAL NOT NULL,
+    PRIMARY KEY (run_id, purpose, hop, receiver)
 );
 CREATE TABLE IF NOT EXISTS hops (
     run_id TEXT NOT NULL,
@@ -52,6 +70,8 @@ CREATE TABLE IF NOT EXISTS hops (
     started REAL NOT NULL, ended REAL NOT NULL,
     attempts INTEGER NOT NULL DEFAULT 1,      -- streams the transfer took
     resumed_from INTEGER NOT NULL DEFAULT 0,  -- bytes the receiver held when the last stream began
+    round INTEGER NOT NULL DEFAULT 1,
+    schema_sha256 TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (run_id, purpose, hop, receiver)
 );
 CREATE TABLE IF NOT EXISTS evaluations (
@@ -86,6 +106,24 @@ CREATE TABLE IF NOT EXISTS end_notices (  -- "the run is over", owed to every si
 """
 
 TERMINAL = ("finished", "failed")
+SENDER_SIDE = ("sender", "payload_bytes", "sha256", "schema_sha256")
+
+
+class LedgerConflict(ValueError):
+    """A report contradicts what the ledger already holds for the same transfer."""
+
+
+def transfer_status(sent: dict | None, received: dict | None) -> str:
+    """``done`` when the sender's report and the receiver's attestation agree on sender, bytes,
+    SHA-256 and schema; ``sent`` / ``received`` while only one end has spoken; ``disputed`` when
+    they disagree."""
+    if sent is None:
+        return "received"
+    if received is None:
+        return "sent"
+    same = all(sent[k] == received[k] for k in ("sender", "payload_bytes", "sha256")) and (
+        not sent["schema_sha256"] or sent["schema_sha256"] == received["schema_sha256"])
+    return "done" if same else "disputed"
 
 
 class Ledger:
@@ -106,10 +144,14 @@ class Ledger:
 
     def _migrate(self) -> None:
         """Bring a ledger written by an older fedrelay up to this schema (columns added since)."""
-        have = {r["name"] for r in self._db.execute("PRAGMA table_info(hops)")}
-        for column in ("attempts INTEGER NOT NULL DEFAULT 1", "resumed_from INTEGER NOT NULL DEFAULT 0"):
-            if column.split()[0] not in have:
-                self._db.execute(f"ALTER TABLE hops ADD COLUMN {column}")
+        added = {"hops": ("attempts INTEGER NOT NULL DEFAULT 1", "resumed_from INTEGER NOT NULL DEFAULT 0",
+                          "round INTEGER NOT NULL DEFAULT 1", "schema_sha256 TEXT NOT NULL DEFAULT ''"),
+                 "runs": ("rounds INTEGER NOT NULL DEFAULT 1", "schema_sha256 TEXT")}
+        for table, columns in added.items():
+            have = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            for column in columns:
+                if column.split()[0] not in have:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
 
     def close(self) -> None:
         with self._lock:
@@ -150,14 +192,60 @@ class Ledger:
     # -- runs ----------------------------------------------------------------------------------
     def create_run(self, run_id: str, *, strategy: str, arch: str, seed: int, params: dict,
                    chain: list[dict], class_index: list[str], model: dict, warnings: list[str],
-                   insecure: bool) -> None:
-        self._exec(
-            """INSERT INTO runs (run_id, created, status, strategy, arch, seed, params, chain,
-                                 class_index, model, warnings, insecure)
-               VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-            (run_id, time.time(), strategy, arch, seed, json.dumps(params), json.dumps(chain),
-             json.dumps(class_index), json.dumps(model), json.dumps(warnings), int(insecure)),
-        )
+                   insecure: bool, rounds: int = 1, plan: dict | None = None) -> None:
+        """Record a new running run and, when given, version 0 of its plan (one transaction)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                now = time.time()
+                self._db.execute(
+                    """INSERT INTO runs (run_id, created, status, strategy, arch, seed, params, chain,
+                                         class_index, model, warnings, insecure, rounds)
+                       VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                    (run_id, now, strategy, arch, seed, json.dumps(params), json.dumps(chain),
+                     json.dumps(class_index), json.dumps(model), json.dumps(warnings), int(insecure), rounds),
+                )
+                if plan is not None:
+                    self._db.execute("INSERT INTO plans (run_id, version, plan, time) VALUES (?, 0, ?, ?)",
+                                     (run_id, json.dumps(plan), now))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    # -- plans ---------------------------------------------------------------------------------
+    def plans(self, run_id: str) -> list[dict]:
+        """Every version of the run's plan, oldest first: ``[{"version", "plan", "time"}]``."""
+        rows = self._all("SELECT version, plan, time FROM plans WHERE run_id = ? ORDER BY version", (run_id,))
+        for r in rows:
+            r["plan"] = json.loads(r["plan"])
+        return rows
+
+    def reroute(self, run_id: str, plan: dict, skips: list[tuple[str, str]]) -> int | None:
+        """Record, in one transaction, the sites newly routed around (``[(site, reason)]``) and
+        the plan that goes around them, as the next version. Returns that version, or None when
+        every site given was already skipped (nothing written)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                now = time.time()
+                new = 0
+                for site, reason in skips:
+                    new += self._db.execute(
+                        "INSERT OR IGNORE INTO skips (run_id, site, time, reason) VALUES (?, ?, ?, ?)",
+                        (run_id, site, now, reason)).rowcount
+                if not new:
+                    self._db.execute("ROLLBACK")
+                    return None
+                version = self._db.execute("SELECT COALESCE(MAX(version), -1) + 1 FROM plans WHERE run_id = ?",
+                                           (run_id,)).fetchone()[0]
+                self._db.execute("INSERT INTO plans (run_id, version, plan, time) VALUES (?, ?, ?, ?)",
+                                 (run_id, version, json.dumps(plan), now))
+                self._db.execute("COMMIT")
+                return version
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def run(self, run_id: str) -> dict[str, Any] | None:
         rows = self._all("SELECT * FROM runs WHERE run_id = ?", (run_id,))
@@ -220,24 +308,67 @@ class Ledger:
     # -- hops ----------------------------------------------------------------------------------
     def record_hop(self, run_id: str, purpose: str, hop: int, sender: str, receiver: str,
                    payload_bytes: int, wire_bytes: int, sha256: str, started: float,
-                   ended: float, attempts: int = 1, resumed_from: int = 0) -> bool:
-        """Record one transfer (sizes in bytes, times in unix seconds; ``wire_bytes`` counts every
-        attempt, ``resumed_from`` the bytes the receiver held when the last one began). Returns
-        False when it was already recorded (a retried report)."""
+                   ended: float, attempts: int = 1, resumed_from: int = 0, round: int = 1,
+                   schema_sha256: str = "") -> bool:
+        """Record the sender's report of one transfer (sizes in bytes, times in unix seconds;
+        ``wire_bytes`` counts every attempt, ``resumed_from`` the bytes the receiver held when the
+        last one began). Returns False when the same report was already recorded (a retry).
+        Raises ``LedgerConflict`` when a different one was: nothing is overwritten."""
         with self._lock:
             cur = self._db.execute(
                 """INSERT OR IGNORE INTO hops (run_id, purpose, hop, sender, receiver, payload_bytes,
-                                              wire_bytes, sha256, started, ended, attempts, resumed_from)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                                              wire_bytes, sha256, started, ended, attempts, resumed_from,
+                                              round, schema_sha256)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                 (run_id, purpose, hop, sender, receiver, payload_bytes, wire_bytes, sha256, started, ended,
-                 max(1, attempts), resumed_from),
+                 max(1, attempts), resumed_from, round, schema_sha256),
             )
-            return cur.rowcount == 1
+            if cur.rowcount == 1:
+                return True
+            have = self._db.execute("SELECT sender, payload_bytes, sha256 FROM hops WHERE run_id = ? AND "
+                                    "purpose = ? AND hop = ? AND receiver = ?", (run_id, purpose, hop, receiver)).fetchone()
+            if tuple(have) != (sender, payload_bytes, sha256):
+                raise LedgerConflict(f"{purpose} transfer {hop} to {receiver} was already reported as "
+                                     f"{have['sender']} -> {receiver}, {have['payload_bytes']} bytes, sha256 {have['sha256'][:12]}")
+            return False
+
+    def record_receipt(self, run_id: str, purpose: str, hop: int, sender: str, receiver: str,
+                       payload_bytes: int, sha256: str, schema_sha256: str, received: float) -> bool:
+        """Record the receiver's attestation of one transfer (what it verified and kept). Returns
+        False for a repeat of the same attestation; raises ``LedgerConflict`` for a different one."""
+        with self._lock:
+            cur = self._db.execute(
+                """INSERT OR IGNORE INTO receipts (run_id, purpose, hop, receiver, sender, payload_bytes, sha256,
+                                                   schema_sha256, received) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                (run_id, purpose, hop, receiver, sender, payload_bytes, sha256, schema_sha256, received))
+            if cur.rowcount == 1:
+                return True
+            have = self._db.execute("SELECT sender, payload_bytes, sha256, schema_sha256 FROM receipts WHERE "
+                                    "run_id = ? AND purpose = ? AND hop = ? AND receiver = ?",
+                                    (run_id, purpose, hop, receiver)).fetchone()
+            if tuple(have) != (sender, payload_bytes, sha256, schema_sha256):
+                raise LedgerConflict(f"{purpose} transfer {hop} to {receiver} was already attested as "
+                                     f"from {have['sender']}, {have['payload_bytes']} bytes, sha256 {have['sha256'][:12]}")
+            return False
 
     def hops(self, run_id: str, purpose: str = "chain") -> list[dict[str, Any]]:
-        return self._all(
-            "SELECT * FROM hops WHERE run_id = ? AND purpose = ? ORDER BY hop, receiver", (run_id, purpose)
-        )
+        """The transfers of ``purpose`` that either end has reported, by (hop, receiver): the
+        sender's columns (None where only the receiver has spoken), ``receipt`` (the receiver's
+        attestation as a dict, or None) and ``status`` (:func:`transfer_status`)."""
+        sent = {(r["hop"], r["receiver"]): r for r in self._all(
+            "SELECT * FROM hops WHERE run_id = ? AND purpose = ?", (run_id, purpose))}
+        got = {(r["hop"], r["receiver"]): r for r in self._all(
+            "SELECT * FROM receipts WHERE run_id = ? AND purpose = ?", (run_id, purpose))}
+        out = []
+        for key in sorted(set(sent) | set(got)):
+            row = dict(sent.get(key) or {"run_id": run_id, "purpose": purpose, "hop": key[0], "receiver": key[1],
+                                         "sender": got[key]["sender"], "payload_bytes": None, "wire_bytes": None,
+                                         "sha256": None, "started": None, "ended": None, "attempts": 0,
+                                         "resumed_from": 0, "round": None, "schema_sha256": ""})
+            row["receipt"] = got.get(key)
+            row["status"] = transfer_status(sent.get(key), got.get(key))
+            out.append(row)
+        return out
 
     # -- routing around sites that stayed down -----------------------------------------------------
     def add_skip(self, run_id: str, site: str, reason: str) -> bool:

@@ -14,7 +14,7 @@ plan. Words (README "How a run flows"):
 - a site routed around (it stayed down) loses all its later visits; two visits of the same site
   that become adjacent collapse into one (a site never sends to itself).
 
-The expected bytes of a run come from its plan (:func:`expected_hops`), not from a formula.
+The expected bytes of a run come from its plan (``len(plan.hops)`` × M), not from a formula.
 """
 
 from __future__ import annotations
@@ -132,6 +132,18 @@ class Plan:
     def part(self, site: str) -> SitePart:
         return SitePart(tuple(t for t in self.transfers if site in (t.sender, t.receiver)),
                         tuple(v.round for v in self.visits if v.site == site))
+
+    def part_pb(self, site: str, address: dict[str, str]) -> dict:
+        """``site``'s part as the fields of an ``Assignment`` / ``RerouteRequest``: ``transfers``
+        (PlannedTransfer), ``peers`` (SiteRef of every site they name, at ``address[name]``) and
+        ``visits`` (the rounds it trains in)."""
+        from fedrelay.v1 import common_pb2
+
+        part = self.part(site)
+        names = sorted({n for t in part.transfers for n in (t.sender, t.receiver)} - {site})
+        return {"transfers": [t.to_pb() for t in part.transfers],
+                "peers": [common_pb2.SiteRef(name=n, address=address[n]) for n in names],
+                "visits": list(part.visits)}
 
     def to_json(self) -> dict:
         return {"visits": [[v.index, v.round, v.site] for v in self.visits],

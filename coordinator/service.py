@@ -23,8 +23,9 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, wire
-from fedrelay.coordinator.ledger import TERMINAL, Ledger
+from fedrelay import __version__, params as run_params, wire
+from fedrelay.coordinator.ledger import TERMINAL, Ledger, LedgerConflict
+from fedrelay.coordinator.plan import FINAL, HOP, Plan, Transfer, chain_plan, replan
 from fedrelay.coordinator.planner import PeerInfo, PlanError, plan_chain
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 
@@ -33,33 +34,12 @@ log = logging.getLogger("fedrelay.coordinator")
 HEARTBEAT_SECONDS = 10
 END_NOTICE_RETRY = 10.0  # seconds before an end notice a live site did not take is sent again
 DEFAULT_PEER_TIMEOUT = 120.0  # seconds a site may go without a heartbeat before it is routed around
-PURPOSES = {common_pb2.CHAIN_HOP: "chain", common_pb2.FINAL_MODEL: "final"}
-STRATEGIES = ("fedelmy", "fedseq")
-SELECTIONS = ("best-val", "last-epoch")
+PURPOSES = {common_pb2.CHAIN_HOP: "chain", common_pb2.FINAL_MODEL: "final"}  # wire -> ledger
+PLAN_PURPOSE = {"chain": HOP, "final": FINAL}  # ledger -> plan
 
 
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-
-
-def params_dict(p: common_pb2.TrainingParams) -> dict:
-    return {
-        "strategy": p.strategy, "models_per_site": p.models_per_site, "local_epochs": p.local_epochs,
-        "warmup_epochs": p.warmup_epochs, "alpha": p.alpha, "beta": p.beta, "lr": p.lr,
-        "batch_size": p.batch_size, "weight_decay": p.weight_decay, "selection": p.selection,
-    }
-
-
-def check_params(p: common_pb2.TrainingParams) -> None:
-    """Raise ``PlanError`` for hyperparameters no peer could run."""
-    if p.strategy not in STRATEGIES:
-        raise PlanError(f"unknown strategy {p.strategy!r}: choose one of {', '.join(STRATEGIES)}")
-    if p.selection not in SELECTIONS:
-        raise PlanError(f"unknown selection {p.selection!r}: choose one of {', '.join(SELECTIONS)}")
-    if p.models_per_site < 1 or p.local_epochs < 1:
-        raise PlanError("--models-per-site and --local-epochs must be >= 1")
-    if p.lr <= 0 or p.batch_size < 1 or p.weight_decay < 0 or p.alpha < 0 or p.beta < 0:
-        raise PlanError("--lr and --batch-size must be > 0; --alpha, --beta, weight decay >= 0")
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
@@ -150,6 +130,57 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         skipped = self._skipped(run["run_id"])
         return [c for c in run["chain"] if c["name"] not in skipped]
 
+    def _plan(self, run_id: str) -> tuple[int, Plan]:
+        """(version, plan) of the run's current plan."""
+        latest = self.ledger.plans(run_id)[-1]
+        return latest["version"], Plan.from_json(latest["plan"])
+
+    def _planned(self, run_id: str, purpose: str, index: int, sender: str, receiver: str) -> Transfer | None:
+        """The transfer of any version of the run's plan with these fields, else None. A
+        transfer made before a reroute dropped it is still a planned one (its report may come
+        after the reroute)."""
+        for version in reversed(self.ledger.plans(run_id)):
+            for t in Plan.from_json(version["plan"]).transfers:
+                if (t.purpose, t.index, t.sender, t.receiver) == (PLAN_PURPOSE[purpose], index, sender, receiver):
+                    return t
+        return None
+
+    def _check_report(self, run: dict, purpose: str, index: int, sender: str, receiver: str,
+                      payload_bytes: int, context) -> Transfer:
+        """The checks every transfer report gets: a planned transfer, of the run's model size."""
+        t = self._planned(run["run_id"], purpose, index, sender, receiver)
+        if t is None:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{sender} -> {receiver} is not transfer {index} ({purpose}) of run {run['run_id']}'s plan")
+        if run["model_bytes"] and payload_bytes != run["model_bytes"]:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{payload_bytes} bytes reported; the run's model is {run['model_bytes']} bytes")
+        return t
+
+    def _settle(self, run: dict, purpose: str, index: int, receiver: str) -> None:
+        """After either end reported: a transfer both ends agree on fixes the run's model size and
+        schema (the first one) or must match them; a disagreement becomes a warning event."""
+        row = next((h for h in self.ledger.hops(run["run_id"], purpose)
+                    if (h["hop"], h["receiver"]) == (index, receiver)), None)
+        if row is None:
+            return
+        what = f"hop {index}" if purpose == "chain" else f"final copy to {receiver}"
+        if row["status"] == "done":
+            got = row["receipt"]
+            fresh = self.ledger.run(run["run_id"])
+            if not fresh["model_bytes"]:
+                self.ledger.update_run(run["run_id"], model_bytes=got["payload_bytes"], schema_sha256=got["schema_sha256"])
+            elif fresh["schema_sha256"] and got["schema_sha256"] != fresh["schema_sha256"]:
+                self.ledger.add_event(run["run_id"], "warning", f"{what}: the payload's tensors differ from the "
+                                      "run's model (schema digest)", site=receiver)
+        elif row["status"] == "disputed":
+            got = row["receipt"]
+            self.ledger.add_event(
+                run["run_id"], "warning",
+                f"{what} disputed: {row['sender']} reported {row['payload_bytes']} bytes, sha256 "
+                f"{(row['sha256'] or '')[:12]}; {receiver} attests {got['payload_bytes']} bytes, sha256 "
+                f"{got['sha256'][:12]} from {got['sender']}", site=receiver)
+
     def ReportHop(self, request: cpb.HopReport, context) -> cpb.ReportReply:
         self._as_site(context, request.sender)
         run = self._running_run(request.run_id, context)
@@ -161,25 +192,50 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         purpose = PURPOSES.get(request.purpose)
         if purpose is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "purpose must be CHAIN_HOP or FINAL_MODEL")
-        new = self.ledger.record_hop(request.run_id, purpose, request.hop, request.sender, request.receiver,
-                                     request.payload_bytes, request.wire_bytes, request.sha256,
-                                     request.started, request.ended, request.attempts, request.resumed_from)
+        t = self._check_report(run, purpose, request.hop, request.sender, request.receiver,
+                               request.payload_bytes, context)
+        try:
+            new = self.ledger.record_hop(request.run_id, purpose, request.hop, request.sender, request.receiver,
+                                         request.payload_bytes, request.wire_bytes, request.sha256,
+                                         request.started, request.ended, request.attempts, request.resumed_from,
+                                         round=t.round, schema_sha256=request.schema_sha256)
+        except LedgerConflict as exc:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         if new:
-            if purpose == "chain" and not run["model_bytes"]:
-                self.ledger.update_run(request.run_id, model_bytes=request.payload_bytes)
             seconds = request.ended - request.started
-            what = f"hop {request.hop}" if purpose == "chain" else "final model"
+            what = (f"hop {request.hop}" + (f" (round {t.round})" if run["rounds"] > 1 else "")
+                    if purpose == "chain" else "final model")
             retried = (f", {request.attempts} attempts" if request.attempts > 1 else "") + (
                 f", resumed at byte {request.resumed_from}" if request.resumed_from else "")
             self.ledger.add_event(
                 request.run_id, "hop" if purpose == "chain" else "final_copy",
                 f"{what}: {request.sender} -> {request.receiver}, {request.payload_bytes} bytes, "
                 f"sha256 {request.sha256[:12]}, {seconds:.2f} s{retried}",
-                site=request.sender, hop=request.hop, sender=request.sender, receiver=request.receiver,
-                payload_bytes=request.payload_bytes, wire_bytes=request.wire_bytes,
+                site=request.sender, hop=request.hop, round=t.round, sender=request.sender,
+                receiver=request.receiver, payload_bytes=request.payload_bytes, wire_bytes=request.wire_bytes,
                 sha256=request.sha256, seconds=seconds, attempts=max(1, request.attempts),
                 resumed_from=request.resumed_from,
             )
+            self._settle(run, purpose, request.hop, request.receiver)
+        return cpb.ReportReply(duplicate=not new)
+
+    def ReportReceipt(self, request: cpb.ReceiptReport, context) -> cpb.ReportReply:
+        """The receiver's side of a transfer: what it verified and kept (see ``_settle``)."""
+        self._as_site(context, request.receiver)
+        run = self._running_run(request.run_id, context)
+        self._site_in_run(run, request.receiver, context)
+        purpose = PURPOSES.get(request.purpose)
+        if purpose is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "purpose must be CHAIN_HOP or FINAL_MODEL")
+        self._check_report(run, purpose, request.hop, request.sender, request.receiver, request.payload_bytes, context)
+        try:
+            new = self.ledger.record_receipt(request.run_id, purpose, request.hop, request.sender, request.receiver,
+                                             request.payload_bytes, request.sha256, request.schema_sha256,
+                                             request.received)
+        except LedgerConflict as exc:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        if new:
+            self._settle(run, purpose, request.hop, request.receiver)
         return cpb.ReportReply(duplicate=not new)
 
     def ReportProgress(self, request: cpb.ProgressReport, context) -> cpb.ReportReply:
@@ -210,18 +266,25 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def ReportFinal(self, request: cpb.FinalReport, context) -> cpb.ReportReply:
         self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
-        last = self._live_order(run)[-1]["name"]
+        last = self._plan(request.run_id)[1].final_site
         if request.site != last:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"only the last site ({last}) reports the final model")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"only the final site ({last}) reports the final model")
         if run["final_sha256"]:
-            return cpb.ReportReply(duplicate=True)
+            if run["final_sha256"] == request.sha256:
+                return cpb.ReportReply(duplicate=True)
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"the final model was already reported with sha256 "
+                                                          f"{run['final_sha256']}")
+        copies = {h["sha256"] for h in self.ledger.hops(request.run_id, "final") if h["sender"] == request.site}
+        if copies - {request.sha256, None}:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the final model's sha256 differs from the copies "
+                                                            f"{request.site} reported sending")
         self.ledger.update_run(request.run_id, final_sha256=request.sha256, final_site=request.site,
                                model_bytes=run["model_bytes"] or request.model_bytes)
         self.ledger.add_event(request.run_id, "final",
                               f"final model from {request.site}: sha256 {request.sha256}, "
                               f"{request.model_bytes} bytes", site=request.site,
                               sha256=request.sha256, model_bytes=request.model_bytes)
-        self._eval_pool.submit(self._evaluate_run, request.run_id)
+        self._submit_evaluation(request.run_id)
         return cpb.ReportReply()
 
     def ReportFailure(self, request: cpb.FailureReport, context) -> cpb.ReportReply:
@@ -240,20 +303,28 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     # -- routing around a site that stayed down ---------------------------------------------------
     def start_monitor(self, stop: threading.Event, interval: float = 1.0) -> None:
-        """Watch running chains every ``interval`` seconds and route around sites whose last
-        heartbeat is older than ``peer_timeout`` (see ``check_route``)."""
+        """Watch running runs every ``interval`` seconds: route around sites whose last heartbeat
+        is older than ``peer_timeout`` (``check_route``), deliver reroutes and end notices. A
+        failing step is logged with its traceback and tried again at the next tick; it never
+        ends the monitor (which would silently stop every reroute and end notice)."""
+        def tick() -> None:
+            for run_id in self.ledger.running_run_ids():
+                try:
+                    self.check_route(run_id)
+                except Exception:  # noqa: BLE001 - one bad run must not stop the others
+                    log.exception("route check of run %s failed", run_id)
+            for step in (self._send_reroutes, self._send_end_notices):
+                try:
+                    step()
+                except Exception:  # noqa: BLE001 - tried again next tick
+                    log.exception("monitor: %s failed", step.__name__)
+
         def loop() -> None:
             while not stop.wait(interval):
-                for run_id in self.ledger.running_run_ids():
-                    try:
-                        self.check_route(run_id)
-                    except Exception:  # noqa: BLE001 - one bad run must not stop the monitor
-                        log.exception("route check of run %s failed", run_id)
-                self._send_reroutes()
                 try:
-                    self._send_end_notices()
-                except Exception:  # noqa: BLE001 - the monitor goes on
-                    log.exception("sending end notices failed")
+                    tick()
+                except Exception:  # noqa: BLE001 - e.g. the ledger briefly unreadable
+                    log.exception("monitor tick failed")
 
         threading.Thread(target=loop, name="route-monitor", daemon=True).start()
 
@@ -263,76 +334,65 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return {n for n in names if now - seen.get(n, 0) > self.peer_timeout}
 
     def check_route(self, run_id: str) -> list[str]:
-        """Route a running chain around sites that stayed down; returns the sites newly skipped.
+        """Route a running run around sites that stayed down; returns the sites newly skipped.
 
-        The model of a one-shot chain sits at one site at a time: the receiver of the latest
-        hop (or the first site). If that site is down past ``peer_timeout``, its model is lost
-        with it: the latest live site that sent a model before it sends its model again, to
-        the next live site, and every site in between is skipped (their training is not in the
-        final model). If the site that should receive next is down, it is skipped and the
-        holder sends past it. A first site that dies before sending makes the next live site
-        the first (it warms up a fresh model). Skips are recorded in the ledger and shown in the
-        run's summary (``skipped``, ``contributors``); every site whose neighbours change gets a
-        ``Peer.Reroute``.
+        The model of a chain sits at one visit at a time: the latest visit of the plan that its
+        hop has reached (or the first visit). If that visit's site is down past
+        ``peer_timeout``, the model is lost with it: the latest earlier visit whose site is live
+        sends its model again, to the next live visit, and the sites of the visits in between
+        are skipped (for the rest of the run). If the site of the next visit is down, it is
+        skipped and the holder sends past it. With no live earlier visit, the first live visit
+        starts afresh (a warm-up). Skips and the new plan (``plan.replan``) are written to the
+        ledger together; every site whose part of the plan changed gets a ``Peer.Reroute``.
         """
         run = self.ledger.run(run_id)
         if run is None or run["status"] != "running" or run["final_sha256"]:
             return []
-        live = [c["name"] for c in self._live_order(run)]
-        dead = self._dead(live)
-        if not dead:
+        _, plan = self._plan(run_id)
+        skipped = self._skipped(run_id)
+        order = [c["name"] for c in run["chain"]]
+        dead = self._dead(order)
+        if not dead - skipped:
             return []
-        hops = [h for h in self.ledger.hops(run_id) if h["receiver"] in live]
-        holder = hops[-1]["receiver"] if hops else live[0]
-        skip: list[str] = []
-        if holder in dead:
-            senders = [h["sender"] for h in hops if h["sender"] in live and h["sender"] not in dead]
-            source = senders[-1] if senders else None
-            start = live.index(source) + 1 if source else 0
-            skip = [n for n in live[start:live.index(holder) + 1]]
+        visits = list(plan.visits)
+        reached = {(h["hop"], h["receiver"]) for h in self.ledger.hops(run_id)}
+        at = max(i for i, v in enumerate(visits) if i == 0 or (v.index, v.site) in reached)
+        holder = visits[at]
+        if holder.site in dead:
+            earlier = [i for i in range(at - 1, -1, -1) if visits[i].site not in dead | skipped]
+            src = earlier[0] if earlier else None
+            resume = visits[src] if src is not None else None
+            skip = {v.site for v in visits[(src + 1 if src is not None else 0):at + 1]} - {getattr(resume, "site", None)}
+        elif at + 1 < len(visits) and visits[at + 1].site in dead:
+            resume, skip = holder, {visits[at + 1].site}
         else:
-            after = live[live.index(holder) + 1:]
-            if after and after[0] in dead:
-                skip = [after[0]]
-        if not skip:
             return []
-        if len(skip) >= len(live):
+        if not set(order) - skipped - skip:
             self._fail(run_id, "every site of the chain is unreachable")
             return []
-        for name in skip:
-            if self.ledger.add_skip(run_id, name, f"no heartbeat for more than {self.peer_timeout:.0f} s"):
-                self.ledger.add_event(run_id, "skip", f"{name} unreachable for more than {self.peer_timeout:.0f} s: "
-                                      "routed around it", site=name)
-        self._plan_reroutes(run, live)
-        return skip
+        reason = f"no heartbeat for more than {self.peer_timeout:.0f} s"
+        new = replan(order, run["rounds"], plan, skipped | skip, resume)
+        version = self.ledger.reroute(run_id, new.to_json(), [(n, reason) for n in sorted(skip)])
+        if version is None:
+            return []
+        for name in sorted(skip):
+            self.ledger.add_event(run_id, "skip", f"{name} unreachable for more than {self.peer_timeout:.0f} s: "
+                                  "routed around it", site=name)
+        self._queue_reroutes(run, plan, new, version)
+        return sorted(skip)
 
-    @staticmethod
-    def _route(names: list[str]) -> tuple[dict[str, tuple[str | None, str | None]], str, tuple[str, ...]]:
-        """(site -> (predecessor, successor), last site, final recipients) of a chain order."""
-        neighbours = {n: (names[i - 1] if i else None, names[i + 1] if i + 1 < len(names) else None)
-                      for i, n in enumerate(names)}
-        return neighbours, names[-1], tuple(names[:-1])
-
-    def _plan_reroutes(self, run: dict, old_live: list[str]) -> None:
-        """Queue a Reroute for every live site whose neighbours (or, for the last, recipients) changed."""
-        new_live = [c["name"] for c in self._live_order(run)]
-        (old, old_last, old_rec), (new, last, rec) = self._route(old_live), self._route(new_live)
+    def _queue_reroutes(self, run: dict, old: Plan, new: Plan, version: int) -> None:
+        """Queue a Reroute for every live site whose part of the plan differs between ``old``
+        and ``new``: its new transfers, the addresses of the sites they name and its visits."""
+        skipped = self._skipped(run["run_id"])
         address = {c["name"]: self._address(c["name"], c["address"]) for c in run["chain"]}
-        version = len(self.ledger.skips(run["run_id"]))
-        skipped = sorted(self._skipped(run["run_id"]))
-        # The last site goes last, so that the others know it before it copies the final model.
-        for n in sorted(new_live, key=lambda m: m == last):
-            if old.get(n) == new[n] and old_last == last and not (n == last and old_rec != rec):
+        live = [c["name"] for c in run["chain"] if c["name"] not in skipped]
+        # The final site goes last, so that the others know it before it copies the final model.
+        for n in sorted(live, key=lambda m: m == new.final_site):
+            if old.part(n) == new.part(n):
                 continue
-            pred, succ = new[n]
-            r = peer_pb2.RerouteRequest(run_id=run["run_id"], last_site=last, skipped=skipped, route_version=version)
-            if pred:
-                r.predecessor.CopyFrom(common_pb2.SiteRef(name=pred, address=address[pred]))
-            if succ:
-                r.successor.CopyFrom(common_pb2.SiteRef(name=succ, address=address[succ]))
-            else:
-                r.final_recipients.extend(common_pb2.SiteRef(name=m, address=address[m]) for m in rec)
-            self._pending[(run["run_id"], n)] = r
+            self._pending[(run["run_id"], n)] = peer_pb2.RerouteRequest(
+                run_id=run["run_id"], skipped=sorted(skipped), route_version=version, **new.part_pb(n, address))
 
     def _send_reroutes(self) -> None:
         for (run_id, site), request in list(self._pending.items()):
@@ -342,9 +402,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 with self._peer_channel({"name": site, "address": address}) as ch:
                     peer_pb2_grpc.PeerStub(ch).Reroute(request, timeout=wire.CONTROL_TIMEOUT)
                 self._pending.pop((run_id, site), None)
-                self.ledger.add_event(run_id, "state", f"{site}: rerouted (predecessor "
-                                      f"{request.predecessor.name or 'none'}, successor {request.successor.name or 'none'})",
-                                      site=site)
+                hops = ", ".join(f"hop {t.index} {t.sender}->{t.receiver}" for t in request.transfers
+                                 if t.purpose == common_pb2.CHAIN_HOP) or "no hops"
+                self.ledger.add_event(run_id, "state", f"{site}: rerouted ({hops})", site=site)
             except grpc.RpcError as exc:
                 log.warning("reroute of %s in run %s not delivered yet: %s", site, run_id, wire.status_message(exc))
 
@@ -404,9 +464,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """After a restart: finish what the ledger says was under way. Runs whose final model was
         reported but not yet evaluated are evaluated now; the other running runs carry on by
         themselves (peers retry their reports until the coordinator answers). Reroutes are
-        recomputed from the ledger's skips and sent again to every site whose route differs from
-        the original order (peers apply a route version once: those that had it ignore it), so
-        a restart between recording a skip and reaching the sites loses nothing. Returns the
+        sent again from the ledger's current plan to every site whose part differs from the
+        plan as started (peers apply a route version once: those that had it ignore it), so a
+        restart between recording a reroute and reaching the sites loses nothing. Returns the
         ids of the runs picked up."""
         picked = []
         for run_id in self.ledger.run_ids():
@@ -414,11 +474,25 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if run["status"] == "running":
                 picked.append(run_id)
                 self.ledger.add_event(run_id, "state", "coordinator restarted: run picked up from the ledger")
+                plans = self.ledger.plans(run_id)
                 if run["final_sha256"]:
-                    self._eval_pool.submit(self._evaluate_run, run_id)
-                elif self.ledger.skips(run_id):
-                    self._plan_reroutes(run, [c["name"] for c in run["chain"]])
+                    self._submit_evaluation(run_id)
+                elif len(plans) > 1:
+                    self._queue_reroutes(run, Plan.from_json(plans[0]["plan"]), Plan.from_json(plans[-1]["plan"]),
+                                         plans[-1]["version"])
         return picked
+
+    def _submit_evaluation(self, run_id: str) -> None:
+        """Evaluate the run's final model in the background. An unexpected error there is logged
+        and fails the run with its reason (it used to vanish with the dropped future, leaving the
+        run 'running' for ever)."""
+        def done(future) -> None:
+            exc = future.exception()
+            if exc is not None:
+                log.error("evaluation of run %s failed", run_id, exc_info=exc)
+                self._fail(run_id, f"evaluation failed at the coordinator: {type(exc).__name__}: {exc}")
+
+        self._eval_pool.submit(self._evaluate_run, run_id).add_done_callback(done)
 
     def _evaluate_run(self, run_id: str) -> None:
         run = self.ledger.run(run_id)
@@ -460,14 +534,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                      shape=(p["channels"], p["height"], p["width"]), device=p["device"])
             for p in self.ledger.peers()
         ]
+        rounds = request.rounds or 1
+        params = run_params.to_dict(request.params)
         try:
-            check_params(request.params)
-            plan = plan_chain(peers, names=list(request.peers) or None, order=request.order or "random",
-                              seed=request.seed, arch=request.arch or "cnn")
-        except PlanError as exc:
+            run_params.check(params)  # once, completely, before anything is written
+            run_params.check_rounds(rounds)
+            chosen = plan_chain(peers, names=list(request.peers) or None, order=request.order or "random",
+                                seed=request.seed, arch=request.arch or "cnn")
+            plan = chain_plan(chosen.names, rounds)
+        except ValueError as exc:  # PlanError too
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         unreachable = []
-        for p in plan.order:
+        for p in chosen.order:
             try:
                 with self._peer_channel(p) as ch:
                     st = peer_pb2_grpc.PeerStub(ch).GetStatus(peer_pb2.StatusRequest(), timeout=self.probe_timeout)
@@ -479,41 +557,38 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "peers not reachable: " + "; ".join(unreachable))
         run_id = new_run_id()
-        chain = [{"name": p.name, "address": p.address} for p in plan.order]
-        params = params_dict(request.params)
-        self.ledger.create_run(run_id, strategy=params["strategy"], arch=plan.model["arch"], seed=request.seed,
-                               params=params, chain=chain, class_index=plan.class_index, model=plan.model,
-                               warnings=plan.warnings, insecure=self.insecure)
+        chain = [{"name": p.name, "address": p.address} for p in chosen.order]
+        self.ledger.create_run(run_id, strategy=params["strategy"], arch=chosen.model["arch"], seed=request.seed,
+                               params=params, chain=chain, class_index=chosen.class_index, model=chosen.model,
+                               warnings=chosen.warnings, insecure=self.insecure, rounds=rounds, plan=plan.to_json())
+        cycles = f", {rounds} rounds ({len(plan.hops)} hops)" if rounds > 1 else ""
         self.ledger.add_event(run_id, "started", f"run {run_id}: {params['strategy']} over "
-                              f"{len(chain)} sites: {' -> '.join(plan.names)}", order=plan.names)
-        for w in plan.warnings:
+                              f"{len(chain)} sites{cycles}: {' -> '.join(chosen.names)}", order=chosen.names,
+                              rounds=rounds)
+        for w in chosen.warnings:
             self.ledger.add_event(run_id, "warning", w)
-        spec = common_pb2.ModelSpec(arch=plan.model["arch"], in_channels=plan.model["in_channels"],
-                                    height=plan.model["height"], width=plan.model["width"],
-                                    num_classes=plan.model["num_classes"])
-        refs = [common_pb2.SiteRef(name=p.name, address=p.address) for p in plan.order]
-        n = len(refs)
-        # Assign from the last site back to the first, so every successor knows the run before
-        # its predecessor can finish; the first site starts training as soon as it is assigned.
+        spec = common_pb2.ModelSpec(arch=chosen.model["arch"], in_channels=chosen.model["in_channels"],
+                                    height=chosen.model["height"], width=chosen.model["width"],
+                                    num_classes=chosen.model["num_classes"])
+        address = {c["name"]: c["address"] for c in chain}
+        n = len(chain)
+        # Assign from the last site back to the first, so every receiver knows the run before its
+        # sender can finish; the first site starts training as soon as it is assigned.
         for pos in reversed(range(n)):
+            site = chosen.names[pos]
             a = peer_pb2.Assignment(
                 run_id=run_id, position=pos, chain_length=n, seed=request.seed, params=request.params,
-                model=spec, class_index=plan.class_index, site=refs[pos].name, order=plan.names)
-            if pos > 0:
-                a.predecessor.CopyFrom(refs[pos - 1])
-            if pos < n - 1:
-                a.successor.CopyFrom(refs[pos + 1])
-            else:
-                a.final_recipients.extend(refs[:-1])
+                model=spec, class_index=chosen.class_index, site=site, order=chosen.names, rounds=rounds,
+                **plan.part_pb(site, address))
             try:
-                with self._peer_channel(refs[pos]) as ch:
+                with self._peer_channel(chosen.order[pos]) as ch:
                     peer_pb2_grpc.PeerStub(ch).Assign(a, timeout=wire.CONTROL_TIMEOUT)
             except grpc.RpcError as exc:
-                error = f"assignment refused by {refs[pos].name}: {wire.status_message(exc)}"
-                self._fail(run_id, error, site=refs[pos].name)
+                error = f"assignment refused by {site}: {wire.status_message(exc)}"
+                self._fail(run_id, error, site=site)
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
         self.ledger.add_event(run_id, "assigned", "every site has its assignment")
-        return cpb.StartChainReply(run_id=run_id, order=plan.names, warnings=plan.warnings)
+        return cpb.StartChainReply(run_id=run_id, order=chosen.names, warnings=chosen.warnings)
 
     def WatchRun(self, request: cpb.WatchRunRequest, context):
         self._as_operator(context)
@@ -559,16 +634,28 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {request.run_id!r}")
         if not run["final_sha256"]:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id} has no final model yet")
-        last = run["chain"][-1]
-        try:
-            with self._peer_channel(last) as ch:
+        # The site that produced the final model, then any site whose copy of it both ends attested.
+        holders = [run["final_site"]] + [h["receiver"] for h in self.ledger.hops(request.run_id, "final")
+                                         if h["status"] == "done" and h["sha256"] == run["final_sha256"]]
+        errors = []
+        for name in dict.fromkeys(h for h in holders if h):
+            with self._peer_channel({"name": name, "address": self._address(name)}) as ch:
                 stream = peer_pb2_grpc.PeerStub(ch).FetchModel(
                     peer_pb2.FetchModelRequest(run_id=request.run_id, sha256=run["final_sha256"]),
                     timeout=wire.transfer_timeout(run["model_bytes"] or 0))
-                yield from stream
-        except grpc.RpcError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"cannot fetch the final model from {last['name']}: {wire.status_message(exc)}")
+                try:
+                    first = next(stream)  # the header: this site holds the model
+                except grpc.RpcError as exc:
+                    errors.append(f"{name}: {wire.status_message(exc)}")
+                    continue
+                yield first
+                try:
+                    yield from stream
+                except grpc.RpcError as exc:
+                    context.abort(grpc.StatusCode.UNAVAILABLE,
+                                  f"the final model's stream from {name} broke: {wire.status_message(exc)}")
+                return
+        context.abort(grpc.StatusCode.UNAVAILABLE, "cannot fetch the final model: " + "; ".join(errors))
 
     # -- summaries --------------------------------------------------------------------------------
     def summary(self, run_id: str) -> cpb.RunSummary | None:
@@ -580,17 +667,28 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             model_bytes=run["model_bytes"] or 0, status=run["status"], seed=run["seed"], arch=run["arch"],
             class_index=run["class_index"], warnings=run["warnings"], error=run["error"] or "",
             created=run["created"], ended=run["ended"] or 0, insecure=bool(run["insecure"]),
-            params=common_pb2.TrainingParams(**run["params"]),
+            params=run_params.to_pb(run["params"]), rounds=run["rounds"], final_site=run["final_site"] or "",
         )
+        plans = self.ledger.plans(run_id)
+        plan = Plan.from_json(plans[-1]["plan"]) if plans else None
         skipped = self._skipped(run_id)
         s.skipped.extend(c["name"] for c in run["chain"] if c["name"] in skipped)
         s.contributors.extend(c["name"] for c in run["chain"] if c["name"] not in skipped)
+        reported = {}
         for purpose, field in (("chain", s.hops), ("final", s.final_transfers)):
             for h in self.ledger.hops(run_id, purpose):
+                got = h["receipt"] or {}
+                reported[(purpose, h["hop"], h["receiver"])] = h
                 field.add(hop=h["hop"], sender=h["sender"], receiver=h["receiver"],
-                          payload_bytes=h["payload_bytes"], wire_bytes=h["wire_bytes"], sha256=h["sha256"],
-                          started=h["started"], ended=h["ended"], attempts=h["attempts"],
-                          resumed_from=h["resumed_from"])
+                          payload_bytes=h["payload_bytes"] or 0, wire_bytes=h["wire_bytes"] or 0,
+                          sha256=h["sha256"] or "", started=h["started"] or 0, ended=h["ended"] or 0,
+                          attempts=h["attempts"], resumed_from=h["resumed_from"], round=h["round"] or 0,
+                          status=h["status"], receiver_sha256=got.get("sha256", ""),
+                          receiver_bytes=got.get("payload_bytes", 0))
+        if plan is not None:
+            s.plan.extend(t.to_pb() for t in plan.transfers)
+            kept = {("chain", t.index, t.receiver) for t in plan.hops}
+            s.planned_hops = len(kept) + sum(1 for k in reported if k[0] == "chain" and k not in kept)
         if run["status"] == "finished":
             s.final.sha256 = run["final_sha256"] or ""
             s.final.accuracy = run["accuracy"] or 0.0

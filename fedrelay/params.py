@@ -50,7 +50,7 @@ def to_dict(p) -> dict:
 def to_pb(d: dict):
     from fedrelay.v1 import common_pb2
 
-    return common_pb2.TrainingParams(**{k: d[k] for k in NAMES})
+    return common_pb2.TrainingParams(**{k: d[k] for k in NAMES if k in d})
 
 
 def check(d: dict) -> None:

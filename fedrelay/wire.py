@@ -223,6 +223,30 @@ def sha256_file(path: str | Path, chunk: int = CHUNK_BYTES) -> str:
     return h.hexdigest()
 
 
+def schema_digest(path: str | Path) -> str:
+    """SHA-256 (hex) of a safetensors file's schema: its tensors' names, dtypes and shapes, read
+    from the file's header alone (no torch; the data are not read). Both ends of a transfer
+    report it, so the ledger can check that a payload is the run's model (or the strategy's
+    payload) and not only that its bytes match. Raises ``ValueError`` for a file whose header
+    is not safetensors."""
+    import json
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (length,) = struct.unpack("<Q", head)
+        if length > MAX_MESSAGE_BYTES:
+            raise ValueError(f"{path}: safetensors header of {length} bytes is too large")
+        try:
+            header = json.loads(f.read(length))
+            entries = sorted((k, v["dtype"], list(v["shape"])) for k, v in header.items() if k != "__metadata__")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{path}: not a safetensors header: {exc}") from None
+    return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()
+
+
 def encode_state(state: dict) -> bytes:
     """A state dict (name -> CPU tensor) as safetensors bytes.
 

@@ -10,7 +10,8 @@ import grpc
 
 from fedrelay import __version__, wire
 from fedrelay.peer.data import SiteData, load_site
-from fedrelay.peer.node import DEFAULT_STALL_TIMEOUT, CoordinatorLink, PeerNode, backoff_delays
+from fedrelay.peer.node import DEFAULT_STALL_TIMEOUT, PeerNode
+from fedrelay.peer.reporting import CoordinatorLink, backoff_delays
 from fedrelay.peer.servicer import PeerServicer
 from fedrelay.peer.transfer import add_peer_servicer
 from fedrelay.v1 import coordinator_pb2 as cpb
@@ -58,7 +59,8 @@ def registration(name: str, address: str, data: SiteData, device: str) -> cpb.Re
 
 def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: threading.Event) -> None:
     """Register until the coordinator answers, then re-register every heartbeat (this also
-    re-registers after a coordinator restart)."""
+    re-registers after a coordinator restart). An unexpected error is logged with its traceback
+    and the heartbeat goes on (a silent end would get the site routed around)."""
     period = None
     delays = backoff_delays(cap=10.0)
     while not stop.is_set():
@@ -74,6 +76,10 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
                 log.error("the coordinator refused the registration: %s", exc.details())
             else:
                 log.warning("coordinator %s not reachable (%s); retrying", link.address, wire.status_message(exc))
+            period = None
+            stop.wait(next(delays))
+        except Exception:  # noqa: BLE001 - say so, and keep heartbeating
+            log.exception("heartbeat failed; retrying")
             period = None
             stop.wait(next(delays))
 

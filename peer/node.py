@@ -1,127 +1,38 @@
 """The peer's run state machine: assigned (waiting) -> receiving -> training -> sending
-(-> distributing at the last site) -> done; "failed" when this site's work failed, "ended"
+(-> distributing at the final site) -> done; "failed" when this site's work failed, "ended"
 when the coordinator ended the run while this site was still working on it (``end_run``).
+A run of T rounds goes through receiving -> training -> sending once per visit (round).
 
-One ``PeerNode`` per daemon holds the site's data (decoded once) and its runs. Each run has a
-folder in the state dir::
-
-    runs/<run_id>/assignment.pb        the coordinator's Assignment (protobuf, our own message)
-    runs/<run_id>/state.json           state, detail, transfers done, final digest
-    runs/<run_id>/received.safetensors the predecessor's pool average (m0), once verified
-    runs/<run_id>/warmup.safetensors   the first site's warm-up model (its m0)
-    runs/<run_id>/pool/model-<j>.safetensors  each finished pool model
-    runs/<run_id>/outgoing.safetensors the pool average to send (the final model at the last site)
-
-Every file is written atomically, and the worker skips the steps whose results are on disk, so
-a restarted daemon carries on with the same command (received models are not asked for again,
-finished pool models are not trained again, an unsent model is sent).
+One ``PeerNode`` per daemon holds the site's data (decoded once) and its runs
+(``fedrelay.peer.runs``: files, the site's part of the plan). Every file is written atomically,
+and the worker skips the steps whose results are on disk, so a restarted daemon carries on with
+the same command (received models are not asked for again, finished pool models are not
+trained again, an unsent model is sent, an unreported receipt is reported).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
-import random
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, wire
+from fedrelay import __version__, params as run_params, registry, wire
 from fedrelay.peer.data import SiteData
+from fedrelay.peer.reporting import RETRYABLE, CoordinatorLink, Reporter, backoff_delays
+from fedrelay.peer.runs import ACTIVE, Run, sent_key
 from fedrelay.peer.transfer import (TransferError, check_header_fields, held_bytes, receive_model,
                                     remove_partials, send_model)
-from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2
+from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2
 
 log = logging.getLogger("fedrelay.peer")
 
 DEFAULT_STALL_TIMEOUT = 60.0  # seconds
 REROUTE_GRACE = 120.0  # seconds a final-model copy retries a refusal after a reroute (see _deliver)
-ACTIVE = ("assigned", "receiving", "training", "sending", "distributing")
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
-             grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL,
-             grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
-
-
-def backoff_delays(first: float = 0.5, cap: float = 15.0):
-    """Exponential backoff with full jitter: 0.5 s, 1 s, 2 s, ... capped at ``cap`` seconds."""
-    delay = first
-    while True:
-        yield random.uniform(0.5 * delay, delay)
-        delay = min(cap, delay * 2)
-
-
-class CoordinatorLink:
-    """The peer's calls to the coordinator (whose certificate must name ``coordinator`` under
-    TLS). Reports are retried until ``retry_for`` seconds pass."""
-
-    def __init__(self, address: str, transport: wire.Transport = wire.INSECURE):
-        self.address = address
-        self._channel = transport.channel(address, expect=wire.COORDINATOR_IDENTITY)
-        self.stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
-
-    def call(self, method: str, request, *, retry_for: float = 0.0, stop: threading.Event | None = None):
-        deadline = time.monotonic() + retry_for
-        for delay in backoff_delays():
-            try:
-                return getattr(self.stub, method)(request, timeout=wire.CONTROL_TIMEOUT)
-            except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE or time.monotonic() + delay > deadline:
-                    raise
-                log.warning("coordinator %s: %s failed (%s); retrying", self.address, method, wire.status_message(exc))
-                if stop is None:
-                    time.sleep(delay)
-                elif stop.wait(delay):
-                    raise
-
-    def close(self) -> None:
-        self._channel.close()
-
-
-@dataclass
-class Run:
-    assignment: peer_pb2.Assignment
-    folder: Path
-    state: str = "assigned"
-    detail: str = ""
-    sent: list[str] = field(default_factory=list)   # receivers already holding our model
-    final_sha256: str = ""
-    received: threading.Event = field(default_factory=threading.Event)
-    rerouted: threading.Event = field(default_factory=threading.Event)
-    ended: threading.Event = field(default_factory=threading.Event)  # the coordinator ended the run (EndRun)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def run_id(self) -> str:
-        return self.assignment.run_id
-
-    @property
-    def is_first(self) -> bool:
-        """No predecessor: this site warms up the chain's first model (also after a reroute)."""
-        return not self.assignment.HasField("predecessor")
-
-    @property
-    def is_last(self) -> bool:
-        """No successor: this site's pool average is the final model (also after a reroute)."""
-        return not self.assignment.HasField("successor")
-
-    @property
-    def last_site(self) -> str:
-        return self.assignment.last_site or self.assignment.order[-1]
-
-    def path(self, name: str) -> Path:
-        return self.folder / name
-
-    def save(self) -> None:
-        doc = {"state": self.state, "detail": self.detail, "sent": self.sent, "final_sha256": self.final_sha256}
-        wire.atomic_write(self.path("state.json"), json.dumps(doc, indent=1).encode())
-
-
-PROGRESS_QUEUE = 1000  # progress reports a peer holds while the coordinator is slow or unreachable
+PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final model"}
 
 
 class PeerNode:
@@ -153,9 +64,7 @@ class PeerNode:
         self._route_lock = threading.Lock()
         self._streams: dict[Path, _Stream] = {}  # destination -> the Handoff stream writing it
         self._tensors: dict[tuple, tuple] = {}
-        self._progress: queue.Queue = queue.Queue(maxsize=PROGRESS_QUEUE)  # reports not yet sent
-        self._progress_thread: threading.Thread | None = None
-        self._progress_lock = threading.Lock()
+        self.reporter = Reporter(coordinator, lambda: self.stop)
         self.stop = threading.Event()
         self._load_runs()
 
@@ -163,22 +72,19 @@ class PeerNode:
     def _load_runs(self) -> None:
         for folder in sorted((self.state_dir / "runs").glob("*")):
             try:
-                a = peer_pb2.Assignment.FromString((folder / "assignment.pb").read_bytes())
-                doc = json.loads((folder / "state.json").read_text())
+                run = Run.load(folder)
             except (OSError, ValueError) as exc:
                 log.warning("ignoring unreadable run folder %s: %s", folder, exc)
                 continue
-            run = Run(a, folder, doc.get("state", "assigned"), doc.get("detail", ""),
-                      doc.get("sent", []), doc.get("final_sha256", ""))
-            if run.path("received.safetensors").exists() or run.is_first:
-                run.received.set()
-            if run.state == "ended":
-                run.ended.set()
-            self.runs[a.run_id] = run
+            self.runs[run.run_id] = run
 
     def resume(self) -> None:
-        """Restart the workers of runs that were active when the daemon stopped."""
+        """Restart the workers of runs that were active when the daemon stopped, and report the
+        receipts the coordinator had not taken yet."""
         for run in self.runs.values():
+            for key, r in run.receipts.items():
+                if not r["reported"]:
+                    self._send_receipt(run, key)
             if run.state in ACTIVE:
                 log.info("resuming run %s (was %s)", run.run_id, run.state)
                 self._start_worker(run)
@@ -194,6 +100,8 @@ class PeerNode:
             raise ValueError("inconsistent position, chain length and order")
         if a.order[a.position] != self.name:
             raise ValueError(f"order[{a.position}] is {a.order[a.position]!r}, not {self.name!r}")
+        run_params.check_rounds(a.rounds or 1)
+        self._check_part(a.order, a.rounds or 1, a.transfers, a.peers, a.visits)
         missing = [c for c in self.data.class_names if c not in set(a.class_index)]
         if missing:
             raise ValueError(f"this site's classes {missing} are not in the run's class index")
@@ -209,24 +117,36 @@ class PeerNode:
                 return run.state
             folder = self.state_dir / "runs" / a.run_id
             folder.mkdir(parents=True, exist_ok=True)
-            wire.atomic_write(folder / "assignment.pb", a.SerializeToString())
             run = Run(a, folder)
-            if run.is_first:
-                run.received.set()
+            run.save_assignment(a)
             run.save()
             self.runs[a.run_id] = run
         self._report_state(run)
         self._start_worker(run)
         return run.state
 
+    def _check_part(self, order, rounds: int, transfers, peers, visits) -> None:
+        """A part of a plan this site can carry out. Raises ``ValueError``."""
+        sites = set(order)
+        named = {ref.name for ref in peers}
+        if any(not 1 <= r <= rounds for r in visits) or list(visits) != sorted(set(visits)):
+            raise ValueError(f"visits {list(visits)} are not distinct rounds in 1..{rounds}")
+        for t in transfers:
+            if t.purpose not in PURPOSE_NAMES:
+                raise ValueError(f"planned transfer with unknown purpose {t.purpose}")
+            if self.name not in (t.sender, t.receiver) or t.sender == t.receiver:
+                raise ValueError(f"planned transfer {t.sender} -> {t.receiver} is not this site's")
+            other = t.receiver if t.sender == self.name else t.sender
+            if other not in sites or other not in named:
+                raise ValueError(f"planned transfer names {other!r}, which is not a site of the run with an address")
+            if t.purpose == common_pb2.CHAIN_HOP and not 1 <= t.index < rounds * len(order):
+                raise ValueError(f"hop {t.index} is outside the plan's {rounds * len(order) - 1} hops")
+
     @staticmethod
     def _train_config(a: peer_pb2.Assignment):
         from fedrelay.peer.training import TrainConfig
 
-        p = a.params
-        return TrainConfig(strategy=p.strategy, models_per_site=p.models_per_site, local_epochs=p.local_epochs,
-                           warmup_epochs=p.warmup_epochs, alpha=p.alpha, beta=p.beta, lr=p.lr,
-                           batch_size=p.batch_size, weight_decay=p.weight_decay, selection=p.selection)
+        return TrainConfig(**run_params.to_dict(a.params))
 
     @staticmethod
     def _spec(a: peer_pb2.Assignment):
@@ -241,22 +161,28 @@ class PeerNode:
         """Receive a model stream from the peer whose certificate names ``caller`` (``None`` on a
         plaintext daemon: then only the header's ``sender`` is checked).
 
-        Accepted only from the run's assigned predecessor (CHAIN_HOP, hop = this site's
-        position) or its last site (FINAL_MODEL), whose certificate name must also be the
-        header's ``sender``. A stream that sends nothing for ``stall_timeout`` seconds, or runs
-        past ``wire.transfer_timeout`` of its declared size, is dropped (DEADLINE_EXCEEDED).
+        Accepted only for a transfer of this site's part of the run's plan (a hop whose index is
+        ``header.hop``, or a final copy), from the sender the plan names, whose certificate name
+        must also be the header's ``sender``. A stream that sends nothing for ``stall_timeout``
+        seconds, or runs past ``wire.transfer_timeout`` of its declared size, is dropped
+        (DEADLINE_EXCEEDED).
 
         Resume (issue #5): the bytes of a stream from that legitimate sender that broke, stalled
         or was superseded stay in the run folder (``transfer.partial_path``, one per
         destination), and a later stream with ``header.offset`` carries on from them
         (``transfer_offset`` tells the sender where); a refused stream leaves nothing.
 
-        Replays: a transfer is taken once per (run, hop, SHA-256). The same transfer again (a
-        retry by the legitimate sender, whose first receipt was lost) has no effect: nothing is
-        read past the header, nothing is written, the run's state is unchanged, and the answer
-        is the first receipt marked ``duplicate=True``, so the sender knows its model arrived. A
-        different model for a transfer already taken is refused (ALREADY_EXISTS); the same bytes
-        from anyone else are refused (PERMISSION_DENIED) before any check on the content.
+        Replays: a transfer is taken once per (run, transfer, SHA-256). The same transfer again
+        (a retry by the legitimate sender, whose first receipt was lost) has no effect: nothing
+        is read past the header, nothing is written, the run's state is unchanged, and the
+        answer is the first receipt marked ``duplicate=True``, so the sender knows its model
+        arrived. A different model for a transfer already taken is refused (ALREADY_EXISTS); the
+        same bytes from anyone else are refused (PERMISSION_DENIED) before any check on the
+        content.
+
+        Once a payload is kept, the site attests it to the coordinator
+        (``Coordinator.ReportReceipt``: sender, bytes, SHA-256, schema digest), in the background
+        and again after a restart until the coordinator took it.
 
         Raises ``TransferError`` (with the status to answer).
         """
@@ -265,17 +191,16 @@ class PeerNode:
 
         def check_header(h: common_pb2.TransferHeader) -> Path:
             try:
-                run, dest = self._check_transfer(h, caller)
+                run, t, dest = self._check_transfer(h, caller)
             except _Duplicate as dup:
                 holder["duplicate"] = dup.args
                 raise
             self._claim(dest, mine)
-            holder["dest"] = dest
-            holder["run"] = run
+            holder.update(dest=dest, run=run, transfer=t)
             if h.purpose == common_pb2.CHAIN_HOP:
                 # In memory only: a refused stream leaves nothing changed on disk.
                 holder["was"] = (run.state, run.detail)
-                self._set_state(run, "receiving", f"from {h.sender}", persist=False)
+                self._set_state(run, "receiving", f"hop {h.hop} from {h.sender}", persist=False)
             return dest
 
         def check_payload(data: bytes) -> None:
@@ -296,66 +221,74 @@ class PeerNode:
         finally:
             watched.close()
             self._release(mine)
-        run = holder["run"]
-        h = got.header
+        run, t, h = holder["run"], holder["transfer"], got.header
         if h.purpose == common_pb2.CHAIN_HOP:
-            log.info("run %s: received hop %d from %s (%d bytes, sha256 %s)", run.run_id, h.hop, h.sender,
-                     got.size, got.sha256[:12])
-            run.received.set()
+            log.info("run %s: received hop %d (round %d) from %s (%d bytes, sha256 %s)", run.run_id, h.hop,
+                     t.round, h.sender, got.size, got.sha256[:12])
         else:
             run.final_sha256 = got.sha256
-            run.save()
+        key = sent_key(t)
+        run.receipts[key] = {"reported": False, "report": {
+            "run_id": run.run_id, "purpose": int(h.purpose), "hop": h.hop, "sender": t.sender, "receiver": self.name,
+            "payload_bytes": got.size, "sha256": got.sha256, "schema_sha256": wire.schema_digest(got.path),
+            "received": time.time()}}
+        run.save()
+        self._send_receipt(run, key)
+        run.wake.set()
         return peer_pb2.HandoffReceipt(run_id=run.run_id, hop=h.hop, receiver=self.name,
                                        received_bytes=got.size, sha256=got.sha256)
 
-    def _check_transfer(self, h: common_pb2.TransferHeader, caller: str | None) -> tuple[Run, Path]:
-        """The checks of a transfer's header against the run (see ``handoff``; its fields were
-        checked by ``transfer.check_header_fields``): returns (run, destination).
-        Raises ``TransferError``, or ``_Duplicate(run, dest, sha256, hop)`` when this exact
-        payload was already accepted."""
+    def _send_receipt(self, run: Run, key: str) -> None:
+        def delivered() -> None:
+            run.receipts[key]["reported"] = True
+            run.save()
+
+        self.reporter.receipt(cpb.ReceiptReport(**run.receipts[key]["report"]), delivered)
+
+    def _check_transfer(self, h: common_pb2.TransferHeader, caller: str | None):
+        """The checks of a transfer's header against the run's plan (see ``handoff``; its fields
+        were checked by ``transfer.check_header_fields``): returns (run, planned transfer,
+        destination). Raises ``TransferError``, or ``_Duplicate(run, dest, sha256, hop)`` when
+        this exact payload was already accepted."""
         run = self.runs.get(h.run_id)
         if run is None:
             raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"no assignment for run {h.run_id!r} (yet)")
         if run.ended.is_set():
             raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"run {h.run_id} was ended by the coordinator")
-        a = run.assignment
-        if caller is not None:
-            expected = a.predecessor.name if h.purpose == common_pb2.CHAIN_HOP else run.last_site
-            if h.purpose == common_pb2.CHAIN_HOP and run.is_first:
-                expected = None
-            if caller != expected:
-                what = "predecessor" if h.purpose == common_pb2.CHAIN_HOP else "last site"
-                raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
-                                    f"certificate identity {caller!r} is not this site's {what} in run {h.run_id}")
-            if h.sender != caller:
-                raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
-                                    f"header.sender {h.sender!r} is not the certificate identity {caller!r}")
-        if h.purpose == common_pb2.CHAIN_HOP:
-            if run.is_first or h.sender != a.predecessor.name:
-                raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
-                                    f"{h.sender!r} is not this site's predecessor in run {h.run_id}")
-            if h.hop != a.position:
-                raise TransferError(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"hop {h.hop} does not end at this site (expected hop {a.position})")
-            dest = run.path("received.safetensors")
-        elif h.purpose == common_pb2.FINAL_MODEL:
-            if h.sender != run.last_site or h.hop != 0:
-                raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
-                                    f"{h.sender!r} is not the last site of run {h.run_id}")
-            dest = run.path("final.safetensors")
-        else:
+        if h.purpose not in PURPOSE_NAMES:
             raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "unknown transfer purpose")
-        cap = self._payload_cap(a)
+        if h.purpose == common_pb2.FINAL_MODEL and h.hop != 0:
+            raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "a final-model copy has hop 0")
+        t = run.planned_into(h.purpose, h.hop)
+        if t is None:
+            if h.purpose == common_pb2.CHAIN_HOP:
+                raise TransferError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"hop {h.hop} does not end at this site in run {h.run_id}'s plan")
+            raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                f"{h.sender!r} is not the last site of run {h.run_id} (no final copy is planned here)")
+        what = "predecessor" if h.purpose == common_pb2.CHAIN_HOP else "last site"
+        if caller is not None and caller != t.sender:
+            raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                f"certificate identity {caller!r} is not this site's {what} in run {h.run_id} "
+                                f"(the plan names {t.sender!r})")
+        if caller is not None and h.sender != caller:
+            raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                f"header.sender {h.sender!r} is not the certificate identity {caller!r}")
+        if h.sender != t.sender:
+            raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                f"{h.sender!r} is not this site's {what} in run {h.run_id} (the plan names {t.sender!r})")
+        cap = self._payload_cap(run.assignment)
         if h.total_bytes > cap:
             raise TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"declared size {h.total_bytes} bytes exceeds this run's cap of {cap} bytes")
+        dest = run.destination(t)
         if dest.exists():
             have = wire.sha256_file(dest)
             if have == h.sha256:
                 raise _Duplicate(run, dest, have, h.hop)
             raise TransferError(grpc.StatusCode.ALREADY_EXISTS,
                                 f"a different model was already accepted for this transfer (sha256 {have})")
-        return run, dest
+        return run, t, dest
 
     def transfer_offset(self, h: common_pb2.TransferHeader, caller: str | None = None) -> peer_pb2.TransferOffsetReply:
         """How many bytes of the payload ``h`` describes this site holds from a broken stream.
@@ -366,11 +299,12 @@ class PeerNode:
         """
         check_header_fields(h)  # what receive_model checks first on a Handoff
         try:
-            _, dest = self._check_transfer(h, caller)
+            _, _, dest = self._check_transfer(h, caller)
         except _Duplicate:
             return peer_pb2.TransferOffsetReply(offset=h.total_bytes, complete=True)
         self._end_stream(dest)
         return peer_pb2.TransferOffsetReply(offset=min(held_bytes(dest, h.sha256), h.total_bytes))
+
 
     def _end_stream(self, dest: Path, wait: float = 10.0) -> None:
         """Close the stream into ``dest`` still open here, if any; its bytes are kept. Raises
@@ -467,7 +401,8 @@ class PeerNode:
         return 4 * state_bytes(PeerNode._spec(a)) + (1 << 20)
 
     def _check_model_bytes(self, a: peer_pb2.Assignment, data: bytes) -> None:
-        """Parse a payload with safetensors and check it is the run's model. Raises ``ValueError``."""
+        """Parse a payload with safetensors and check it against the strategy's payload schema
+        (the run's model). Raises ``ValueError``."""
         from fedrelay.peer.models import check_state
 
         check_state(wire.decode_state(data), self._spec(a))
@@ -500,57 +435,96 @@ class PeerNode:
                     log.error("could not report the failure: %s", wire.status_message(rpc_exc))
 
     def _work_steps(self, run: Run) -> None:
-        outgoing = run.path("outgoing.safetensors")
-        if not outgoing.exists():
-            if not run.is_first and not run.received.is_set():
-                self._set_state(run, "assigned", f"waiting for the model from {run.assignment.predecessor.name}")
-                # A reroute may make this site the first (its predecessors stayed down).
-                while not run.received.wait(1.0) and not run.is_first:
+        """Every visit of this site, in round order: wait for its hop (none at the chain's first
+        visit), train, send the model on; the final site then copies the final model to every
+        other site. The route may change meanwhile (``reroute``): each step reads the current
+        part of the plan, so a visit that lost its hop is dropped, and one that became the
+        chain's first starts afresh."""
+        r = 0
+        while True:
+            later = [v for v in run.visits if v > r]
+            if not later:
+                break
+            r = later[0]
+            outgoing = run.visit_dir(r) / "outgoing.safetensors"
+            if not outgoing.exists():
+                if not self._wait_for_hop(run, r):
                     if self.stop.is_set():
                         return
-                    if run.ended.is_set():
-                        raise RunEnded(run.run_id)
-            self._train(run, outgoing)
-        sha = wire.sha256_file(outgoing)
-        size = outgoing.stat().st_size
-        while True:  # a reroute while delivering changes the successor, or makes this site the last
-            a = run.assignment
-            if run.is_last:
-                run.final_sha256 = sha
-                run.save()
-                if not self._distribute(run, outgoing, sha, size):
+                    r = 0  # the route changed: look at the visits again from the start
                     continue
-                self._report("ReportFinal", cpb.FinalReport(run_id=run.run_id, site=self.name, sha256=sha,
-                                                            model_bytes=size))
-                break
-            # Hop h ends at the site in position h of the order (skipped positions have no hop).
-            hop = list(a.order).index(a.successor.name)
-            header = common_pb2.TransferHeader(run_id=run.run_id, hop=hop, sender=self.name,
-                                               total_bytes=size, sha256=sha, purpose=common_pb2.CHAIN_HOP)
-            self._set_state(run, "sending", f"hop {hop} to {a.successor.name}")
-            if self._deliver(run, a.successor, header, outgoing):
-                break
+                self._train(run, r, outgoing)
+            if not self._send_on(run, r, outgoing):
+                if self.stop.is_set():
+                    return
+                r = 0
+                continue
         self._set_state(run, "done", "")
 
-    def _train(self, run: Run, outgoing: Path) -> None:
+    def _wait_for_hop(self, run: Run, r: int) -> bool:
+        """Wait until visit ``r``'s hop has arrived (True at once at the chain's first visit).
+        False when the daemon stops or a reroute took the visit away. Raises ``RunEnded``."""
+        while True:
+            run.wake.clear()
+            if r not in run.visits:
+                return False
+            t = run.inbound(r)
+            if t is None or run.destination(t).exists():
+                return True
+            if run.state not in ("assigned", "receiving"):
+                self._set_state(run, "assigned", f"waiting for hop {t.index} from {t.sender}")
+            if self.stop.is_set():
+                return False
+            if run.ended.is_set():
+                raise RunEnded(run.run_id)
+            run.wake.wait(1.0)
+
+    def _send_on(self, run: Run, r: int, outgoing: Path) -> bool:
+        """Send visit ``r``'s model to the next visit, or, at the chain's last visit, copy the
+        final model to every other site and report it. False when a reroute changed this
+        visit's route meanwhile (the caller looks again) or the daemon stops."""
+        sha = wire.sha256_file(outgoing)
+        size = outgoing.stat().st_size
+        while True:
+            if r not in run.visits or self.stop.is_set():
+                return False
+            t = run.outbound(r)
+            if t is None:  # the chain's last visit: this is the final model
+                run.final_sha256 = sha
+                run.save()
+                self._set_state(run, "distributing", "final model to every site")
+                if all(self._deliver(run, c, outgoing, sha, size) for c in run.final_copies) and run.is_final_site:
+                    self._report("ReportFinal", cpb.FinalReport(run_id=run.run_id, site=self.name, sha256=sha,
+                                                                model_bytes=size))
+                    return True
+                continue
+            self._set_state(run, "sending", f"hop {t.index} to {t.receiver}")
+            if self._deliver(run, t, outgoing, sha, size):
+                return True
+
+    def _train(self, run: Run, r: int, outgoing: Path) -> None:
+        """Visit ``r``'s local training (the run's strategy, from the registry). Round 1 seeds
+        are ``derive_seed(seed, "site", position)`` (a one-shot run's); round r > 1 adds
+        ``("round", r)``. The warm-up happens only at the chain's first visit (no hop in)."""
         from fedrelay.peer.data import train_val_split
         from fedrelay.peer.training import derive_seed, run_site
 
         a = run.assignment
+        folder = run.visit_dir(r)
         with self._train_lock:
-            self._set_state(run, "training", "")
+            self._set_state(run, "training", f"round {r}" if (a.rounds or 1) > 1 else "")
             spec, cfg = self._spec(a), self._train_config(a)
             images, labels = self._site_tensors("train", a.class_index)
             train, val = train_val_split(images, labels, seed=derive_seed(a.seed, "split", self.name))
+            t = run.inbound(r)
             m0 = None
-            if run.path("received.safetensors").exists():
-                m0 = wire.decode_state(run.path("received.safetensors").read_bytes())
-            elif run.path("warmup.safetensors").exists():  # a restarted first site: no second warm-up
-                m0 = wire.decode_state(run.path("warmup.safetensors").read_bytes())
-            pool_dir = run.path("pool")
+            if t is not None:
+                m0 = wire.decode_state(run.destination(t).read_bytes())
+            elif (folder / "warmup.safetensors").exists():  # a restarted first site: no second warm-up
+                m0 = wire.decode_state((folder / "warmup.safetensors").read_bytes())
+            pool_dir = folder / "pool"
             finished = []
-            n_models = cfg.models_per_site if cfg.strategy == "fedelmy" else 1
-            for j in range(1, n_models + 1):
+            for j in range(1, registry.load(cfg.strategy).models_to_keep(cfg) + 1):
                 p = pool_dir / f"model-{j}.safetensors"
                 if not p.exists():
                     break
@@ -563,28 +537,34 @@ class PeerNode:
                 if run.ended.is_set():  # stops the training at the end of this epoch
                     raise RunEnded(run.run_id)
                 val_acc = info.get("val_accuracy")
-                self._report_progress(cpb.ProgressReport(
+                self.reporter.progress(cpb.ProgressReport(
                     run_id=run.run_id, site=self.name, kind="epoch", stage=info["stage"], model=info["model"],
                     epoch=info["epoch"], epochs=info["epochs"], train_loss=info["train_loss"],
                     val_accuracy=-1.0 if val_acc is None else val_acc, seconds=info["seconds"]))
 
-            seed = derive_seed(a.seed, "site", a.position)
+            seed = derive_seed(a.seed, "site", a.position) if r == 1 else derive_seed(a.seed, "site", a.position,
+                                                                                       "round", r)
             started = time.time()
             send, pool = run_site(m0, spec, train, val, cfg, seed, self.device, finished=finished,
                                   on_epoch=on_epoch, on_model=on_model,
-                                  on_warmup=lambda state: wire.atomic_write(run.path("warmup.safetensors"),
+                                  on_warmup=lambda state: wire.atomic_write(folder / "warmup.safetensors",
                                                                             wire.encode_state(state)))
             wire.atomic_write(outgoing, wire.encode_state(send))
-            log.info("run %s: trained %d pool models in %.1f s", run.run_id, len(pool) - 1, time.time() - started)
+            log.info("run %s: round %d: trained %d pool models in %.1f s", run.run_id, r, len(pool) - 1,
+                     time.time() - started)
 
-    def _deliver(self, run: Run, to: common_pb2.SiteRef, header: common_pb2.TransferHeader, path: Path) -> bool:
-        """Send ``path`` to ``to`` with retries (exponential backoff and jitter), then report it.
+    def _deliver(self, run: Run, t: common_pb2.PlannedTransfer, path: Path, sha: str, size: int) -> bool:
+        """Send ``path`` for the planned transfer ``t`` with retries (exponential backoff and
+        jitter), then report it to the coordinator.
 
-        Returns False, having sent nothing, when a reroute took ``to`` off this site's route
-        meanwhile; True once delivered (or delivered before)."""
-        key = to.name if header.purpose == common_pb2.CHAIN_HOP else f"final:{to.name}"
+        Returns False, having sent nothing, when a reroute took ``t`` off this site's part of the
+        plan meanwhile; True once delivered (or delivered before)."""
+        key = sent_key(t)
         if key in run.sent:
             return True
+        header = common_pb2.TransferHeader(run_id=run.run_id, hop=t.index, sender=self.name, total_bytes=size,
+                                           sha256=sha, purpose=t.purpose)
+        to = run.peer(t.receiver)
         version = run.assignment.route_version
         started = time.monotonic()
         deadline = started + self.send_deadline
@@ -592,8 +572,9 @@ class PeerNode:
         for delay in backoff_delays():
             if run.ended.is_set():
                 raise RunEnded(run.run_id)
-            if run.assignment.route_version != version and not self._still_routed(run, to, header):
-                log.info("run %s: %s is no longer on this site's route; not sending to it", run.run_id, to.name)
+            if run.assignment.route_version != version and not self._still_planned(run, t):
+                log.info("run %s: %s to %s is no longer in this site's plan; not sending it", run.run_id,
+                         PURPOSE_NAMES[t.purpose], t.receiver)
                 return False
             try:
                 # Under TLS the receiver's certificate must name the site we mean to reach.
@@ -604,10 +585,11 @@ class PeerNode:
             except grpc.RpcError as exc:
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     to = self._resolve(to)
-                # A recipient of the final model may not know yet that a reroute made this site the
-                # last: its refusal is retried for a while (the route reaches it within seconds).
-                rerouting = (exc.code() == grpc.StatusCode.PERMISSION_DENIED and run.assignment.route_version > 0
-                             and time.monotonic() - started < REROUTE_GRACE)
+                # A receiver may not know yet that a reroute changed its plan (a final copy from a
+                # new final site, a hop from a new sender): its refusal is retried for a while (the
+                # route reaches it within seconds).
+                rerouting = (exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT)
+                             and run.assignment.route_version > 0 and time.monotonic() - started < REROUTE_GRACE)
                 if (exc.code() not in RETRYABLE and not rerouting) or time.monotonic() + delay > deadline:
                     raise RuntimeError(f"cannot deliver to {to.name} at {to.address}: {wire.status_message(exc)}") from exc
                 log.warning("run %s: delivery to %s failed (%s); retrying in %.1f s", run.run_id, to.name,
@@ -617,15 +599,15 @@ class PeerNode:
                     raise RuntimeError("daemon stopping") from exc
                 run.rerouted.clear()
         if sent.receipt.duplicate:  # a retry of a transfer that had arrived: acknowledged, no effect
-            log.info("run %s: %s already held this model (sha256 %s)", run.run_id, to.name, header.sha256[:12])
+            log.info("run %s: %s already held this model (sha256 %s)", run.run_id, to.name, sha[:12])
         if sent.resumed_from:
             log.info("run %s: resumed the transfer to %s at byte %d of %d", run.run_id, to.name,
                      sent.resumed_from, sent.payload_bytes)
-        purpose = header.purpose
         self._report("ReportHop", cpb.HopReport(
-            run_id=run.run_id, hop=header.hop, purpose=purpose, sender=self.name, receiver=to.name,
-            payload_bytes=sent.payload_bytes, wire_bytes=counter[0], sha256=header.sha256,
-            started=sent.started, ended=sent.ended, attempts=attempts, resumed_from=sent.resumed_from))
+            run_id=run.run_id, hop=t.index, purpose=t.purpose, sender=self.name, receiver=to.name,
+            payload_bytes=sent.payload_bytes, wire_bytes=counter[0], sha256=sha, started=sent.started,
+            ended=sent.ended, attempts=attempts, resumed_from=sent.resumed_from, round=t.round,
+            schema_sha256=wire.schema_digest(path)))
         run.sent.append(key)
         run.save()
         return True
@@ -657,31 +639,17 @@ class PeerNode:
         return to
 
     @staticmethod
-    def _still_routed(run: Run, to: common_pb2.SiteRef, header: common_pb2.TransferHeader) -> bool:
-        a = run.assignment
-        if header.purpose == common_pb2.CHAIN_HOP:
-            return a.HasField("successor") and a.successor.name == to.name
-        return run.is_last and any(r.name == to.name for r in a.final_recipients)
-
-    def _distribute(self, run: Run, path: Path, sha: str, size: int) -> bool:
-        """Last site: copy the final model to every other site of the chain, for evaluation.
-        False when a reroute changed the route meanwhile (the caller looks again)."""
-        self._set_state(run, "distributing", "final model to every site")
-        header = common_pb2.TransferHeader(run_id=run.run_id, hop=0, sender=self.name, total_bytes=size,
-                                           sha256=sha, purpose=common_pb2.FINAL_MODEL)
-        for ref in list(run.assignment.final_recipients):
-            if not self._deliver(run, ref, header, path) and not run.is_last:
-                return False
-        return run.is_last
+    def _still_planned(run: Run, t: common_pb2.PlannedTransfer) -> bool:
+        return any(p == t for p in run.assignment.transfers)
 
     # -- rerouting --------------------------------------------------------------------------------------
     def reroute(self, r: peer_pb2.RerouteRequest) -> str:
-        """Take a new route for a run from the coordinator (idempotent per route version).
+        """Take a new part of the run's plan from the coordinator (idempotent per route version).
 
-        The assignment's predecessor, successor, final recipients and last site are replaced
-        and persisted. A site that had finished (its model delivered to a site that then stayed
-        down) starts again from its outgoing model, which it still holds. Raises
-        ``LookupError`` (unknown run) or ``ValueError`` (a stale or inconsistent route).
+        The assignment's transfers, peers and visits are replaced and persisted. A site that had
+        finished (its model delivered to a site that then stayed down) starts again from its
+        outgoing model, which it still holds. Raises ``LookupError`` (unknown run) or
+        ``ValueError`` (a stale or inconsistent route).
         """
         run = self.runs.get(r.run_id)
         if run is None:
@@ -690,32 +658,22 @@ class PeerNode:
             a = run.assignment
             if r.route_version <= a.route_version:
                 return run.state  # already applied
-            order = set(a.order)
-            for ref in [*([r.predecessor] if r.HasField("predecessor") else []),
-                        *([r.successor] if r.HasField("successor") else []), *r.final_recipients]:
-                if ref.name not in order or ref.name == self.name:
-                    raise ValueError(f"{ref.name!r} cannot be a neighbour of {self.name} in run {r.run_id}")
+            self._check_part(a.order, a.rounds or 1, r.transfers, r.peers, r.visits)
             new = peer_pb2.Assignment()
             new.CopyFrom(a)
-            new.ClearField("predecessor")
-            new.ClearField("successor")
-            del new.final_recipients[:]
-            if r.HasField("predecessor"):
-                new.predecessor.CopyFrom(r.predecessor)
-            if r.HasField("successor"):
-                new.successor.CopyFrom(r.successor)
-            new.final_recipients.extend(r.final_recipients)
-            new.last_site = r.last_site
+            for name in ("transfers", "peers", "visits"):
+                new.ClearField(name)
+                getattr(new, name).extend(getattr(r, name))
             new.route_version = r.route_version
-            wire.atomic_write(run.path("assignment.pb"), new.SerializeToString())
-            run.assignment = new
-            log.info("run %s: rerouted (v%d): predecessor %s, successor %s; skipped %s", r.run_id, r.route_version,
-                     new.predecessor.name or "none (first)", new.successor.name or "none (last)",
-                     ", ".join(r.skipped) or "none")
+            run.save_assignment(new)
+            hops = ", ".join(f"hop {t.index} {t.sender}->{t.receiver}" for t in r.transfers
+                             if t.purpose == common_pb2.CHAIN_HOP) or "none"
+            log.info("run %s: rerouted (v%d): visits %s, hops %s; skipped %s", r.run_id, r.route_version,
+                     list(r.visits), hops, ", ".join(r.skipped) or "none")
             run.rerouted.set()
-            if run.is_first:
-                run.received.set()
-            restart = run.state in ("done", "failed") and run.path("outgoing.safetensors").exists()
+            run.wake.set()
+            restart = run.state in ("done", "failed") and any(
+                (run.visit_dir(v) / "outgoing.safetensors").exists() for v in run.visits)
         if restart:
             self._set_state(run, "sending", "rerouted")
             self._start_worker(run)
@@ -740,10 +698,13 @@ class PeerNode:
             newly = run.state in ACTIVE and not run.ended.is_set()
             if newly:
                 run.ended.set()
+                run.wake.set()
         if newly:
             self._set_state(run, "ended", f"run {status} at the coordinator" + (f": {reason}" if reason else ""),
                             force=True)
-        removed = remove_partials(run.folder)
+        removed = sum(remove_partials(folder) for folder in
+                      {run.folder, *(run.visit_dir(v) for v in range(1, (run.assignment.rounds or 1) + 1))}
+                      if folder.is_dir())
         if removed:
             log.info("run %s: removed %d bytes of partial transfers", run_id, removed)
         return run.state, removed
@@ -754,7 +715,7 @@ class PeerNode:
         run = self.runs.get(run_id)
         if run is None:
             raise LookupError(f"unknown run {run_id!r}")
-        path = run.path("outgoing.safetensors" if run.is_last else "final.safetensors")
+        path = run.final_model
         if not path.exists():
             raise LookupError(f"this site holds no final model of run {run_id}")
         have = wire.sha256_file(path)
@@ -800,36 +761,8 @@ class PeerNode:
         self._report_state(run)
 
     def _report_state(self, run: Run) -> None:
-        self._report_progress(cpb.ProgressReport(run_id=run.run_id, site=self.name, kind="state",
-                                                 state=run.state, detail=run.detail))
-
-    def _report_progress(self, report: cpb.ProgressReport) -> None:
-        """Progress (epochs, state changes) is best effort and never blocks the caller: it is
-        queued for one reporter thread, which gives each report one try of up to 5 s. A link to
-        the coordinator that drops packets used to hold the training thread 5 s per epoch and a
-        Handoff handler 5 s when a stream broke. When :data:`PROGRESS_QUEUE` reports are
-        waiting, a new one is dropped (logged at debug level)."""
-        if self.coordinator is None:
-            return
-        try:
-            self._progress.put_nowait(report)
-        except queue.Full:
-            log.debug("progress report dropped: %d reports are waiting", PROGRESS_QUEUE)
-            return
-        with self._progress_lock:
-            if self._progress_thread is None:
-                self._progress_thread = threading.Thread(target=self._progress_loop, name="progress", daemon=True)
-                self._progress_thread.start()
-
-    def _progress_loop(self) -> None:
-        while True:
-            report = self._progress.get()
-            try:
-                self.coordinator.stub.ReportProgress(report, timeout=5.0)
-            except grpc.RpcError as exc:
-                log.debug("progress report lost: %s", wire.status_message(exc))
-            finally:
-                self._progress.task_done()
+        self.reporter.progress(cpb.ProgressReport(run_id=run.run_id, site=self.name, kind="state",
+                                                  state=run.state, detail=run.detail))
 
     def _report(self, method: str, request) -> None:
         """Reports that the ledger must have are retried for up to 10 minutes."""
@@ -853,4 +786,3 @@ class _Stream:
         self.cancel = threading.Event()
         self.done = threading.Event()
         self.dest: Path | None = None
-

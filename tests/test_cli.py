@@ -85,6 +85,16 @@ def test_unreachable_coordinator_is_a_clear_error():
     assert "not reachable" in res.stderr and "Traceback" not in res.stderr
 
 
+def test_bad_chain_parameters_are_refused_before_the_coordinator_is_called():
+    """``--lr nan`` used to pass every check and leave a failed run in the ledger; the CLI now
+    checks every parameter first (the coordinator, unreachable here, is never called)."""
+    for flags, words in ((("--lr", "nan"), "--lr must be a finite number"), (("--rounds", "0"), "--rounds"),
+                         (("--strategy", "fedavg"), "unknown strategy")):
+        res = run("coordinator", "start-chain", "--seed", "1", *flags, "--coordinator", "127.0.0.1:9", "--insecure")
+        assert res.returncode == 1 and words in res.stderr and "Traceback" not in res.stderr
+        assert "not reachable" not in res.stderr
+
+
 def test_missing_dataset_says_how_to_get_it(tmp_path):
     res = run("coordinator", "split-dataset", "fashion-mnist", "--sites", "2", "--out", str(tmp_path / "o"),
               "--source", str(tmp_path))

@@ -7,7 +7,9 @@ import json
 import pytest
 
 from fedrelay.coordinator.ledger import Ledger
+from fedrelay.coordinator.plan import chain_plan, replan
 from fedrelay.coordinator.planner import PeerInfo, PlanError, plan_chain
+from fedrelay.v1 import common_pb2
 
 
 def peer(name, classes=None, shape=(1, 28, 28)):
@@ -81,7 +83,7 @@ def test_ledger_records_each_hop_once_and_streams_events():
 def _running(led: Ledger, names: list[str]) -> None:
     led.create_run("r", strategy="fedelmy", arch="cnn", seed=1, params={},
                    chain=[{"name": n, "address": f"127.0.0.1:{2000 + i}"} for i, n in enumerate(names)],
-                   class_index=["c"], model={}, warnings=[], insecure=True)
+                   class_index=["c"], model={}, warnings=[], insecure=True, plan=chain_plan(names).to_json())
 
 
 def test_a_restarted_coordinator_recomputes_the_reroutes_from_the_ledger():
@@ -93,14 +95,22 @@ def test_a_restarted_coordinator_recomputes_the_reroutes_from_the_ledger():
     led = Ledger(":memory:")
     _running(led, ["a", "b", "c", "d", "e"])
     led.upsert_peer("c", "10.0.0.3:7000", [], (1, 28, 28), "cpu", "x")  # c came back elsewhere
-    led.add_skip("r", "b", "down")
+    names = ["a", "b", "c", "d", "e"]
+    plan = chain_plan(names)
+    led.reroute("r", replan(names, 1, plan, {"b"}, plan.visits[0]).to_json(), [("b", "down")])
     service = CoordinatorService(led)
     assert service.recover() == ["r"]
     pending = {site: r for (run, site), r in service._pending.items() if run == "r"}
     assert sorted(pending) == ["a", "c", "e"]  # e: the last site copies the final model to fewer sites
-    assert pending["a"].successor.name == "c" and pending["a"].successor.address == "10.0.0.3:7000"
-    assert pending["c"].predecessor.name == "a" and pending["c"].successor.name == "d"
-    assert [r.name for r in pending["e"].final_recipients] == ["a", "c", "d"]
+
+    def hops(r, **match):
+        return [(t.index, t.sender, t.receiver) for t in r.transfers if t.purpose == common_pb2.CHAIN_HOP
+                and all(getattr(t, k) == v for k, v in match.items())]
+
+    assert hops(pending["a"], sender="a") == [(2, "a", "c")]
+    assert {p.name: p.address for p in pending["a"].peers}["c"] == "10.0.0.3:7000"
+    assert hops(pending["c"], receiver="c") == [(2, "a", "c")] and hops(pending["c"], sender="c") == [(3, "c", "d")]
+    assert [t.receiver for t in pending["e"].transfers if t.purpose == common_pb2.FINAL_MODEL] == ["a", "c", "d"]
     assert {r.route_version for r in pending.values()} == {1} and list(pending["a"].skipped) == ["b"]
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from fedrelay import wire
 from fedrelay.coordinator.ledger import Ledger
+from fedrelay.coordinator.plan import chain_plan, replan
 from fedrelay.coordinator.service import CoordinatorService
 from fedrelay.peer.data import load_site
 from fedrelay.peer.node import PeerNode
@@ -31,25 +32,27 @@ def test_duplicate_assignment_has_no_second_effect(three_sites, tmp_path):
 
 def test_duplicate_reroute_has_no_second_effect(three_sites, tmp_path):
     node = PeerNode("site-b", "127.0.0.1:1", load_site(three_sites[0]), tmp_path, "cpu", None, start_workers=False)
-    a = assignment("r2")
-    a.order[:] = ["site-a", "site-b", "site-c"]
-    a.chain_length = 3
-    node.assign(a)
-    r = peer_pb2.RerouteRequest(run_id="r2", route_version=1, last_site="site-b",
-                                final_recipients=[common_pb2.SiteRef(name="site-a", address="127.0.0.1:1")])
-    r.predecessor.CopyFrom(common_pb2.SiteRef(name="site-a", address="127.0.0.1:1"))
+    order = ["site-a", "site-b", "site-c"]
+    node.assign(assignment("r2", order=order))
+    # site-c stays down: site-b becomes the chain's final site (replanned as the coordinator does).
+    plan = chain_plan(order)
+    around = replan(order, 1, plan, {"site-c"}, plan.visits[1])
+    r = peer_pb2.RerouteRequest(run_id="r2", route_version=1, skipped=["site-c"],
+                                **around.part_pb("site-b", {"site-a": "127.0.0.1:1"}))
     node.reroute(r)
     run = node.runs["r2"]
-    assert run.is_last and run.last_site == "site-b" and run.assignment.route_version == 1
+    assert run.is_final_site and around.final_site == "site-b" and run.assignment.route_version == 1
     stamp = (tmp_path / "runs" / "r2" / "assignment.pb").stat().st_mtime_ns
     node.reroute(r)  # the same route again: nothing changes
     assert (tmp_path / "runs" / "r2" / "assignment.pb").stat().st_mtime_ns == stamp
     stale = peer_pb2.RerouteRequest(run_id="r2", route_version=0)
     node.reroute(stale)  # an older route is ignored
-    assert run.assignment.route_version == 1 and run.is_last
+    assert run.assignment.route_version == 1 and run.is_final_site
     with pytest.raises(ValueError):
-        node.reroute(peer_pb2.RerouteRequest(run_id="r2", route_version=2,
-                                             successor=common_pb2.SiteRef(name="nowhere", address="x:1")))
+        node.reroute(peer_pb2.RerouteRequest(
+            run_id="r2", route_version=2, visits=[1], peers=[common_pb2.SiteRef(name="nowhere", address="x:1")],
+            transfers=[common_pb2.PlannedTransfer(purpose=common_pb2.CHAIN_HOP, index=2, round=1, sender="site-b",
+                                                  receiver="nowhere")]))
 
 
 def test_duplicate_reports_have_no_second_effect(tmp_path):
@@ -58,7 +61,7 @@ def test_duplicate_reports_have_no_second_effect(tmp_path):
     service.eval_retry = 0.0
     chain = [{"name": "a", "address": "127.0.0.1:9"}, {"name": "b", "address": "127.0.0.1:9"}]
     ledger.create_run("r", strategy="fedelmy", arch="cnn", seed=1, params={}, chain=chain, class_index=["x"],
-                      model={}, warnings=[], insecure=True)
+                      model={}, warnings=[], insecure=True, plan=chain_plan(["a", "b"]).to_json())
     server, port = wire.make_server("127.0.0.1:0")
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     server.start()

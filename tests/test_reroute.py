@@ -101,6 +101,12 @@ def test_the_last_site_down_after_receiving_makes_its_predecessor_last(trial):
 
     assert hashlib.sha256(last.read_bytes()).hexdigest() == done["final"]["sha256"]  # c's pool average
     assert set(done["final"]["per_site"]) == {a, b, c}
+    # fetch-model asks the site that produced the final model (c), not the order's last (d, down).
+    out = trial.workdir / "rerouted-final.safetensors"
+    res = trial.cli("fetch-model", run["run_id"], "-o", str(out), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == done["final"]["sha256"]
+    assert done["final_site"] == c
     trial.restart(d)
     trial.wait_ready(d)
     # d resumes the training it was doing when it went down; the end notice stops it ("ended").

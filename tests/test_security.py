@@ -22,12 +22,14 @@ from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.service import CoordinatorService
 from fedrelay.peer.data import load_site
 from fedrelay.peer.models import ModelSpec, build_model
-from fedrelay.peer.node import CoordinatorLink, PeerNode
+from fedrelay.peer.node import PeerNode
+from fedrelay.peer.reporting import CoordinatorLink
 from fedrelay.peer.servicer import PeerServicer
 from fedrelay.peer.transfer import add_peer_servicer, send_model
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 
 from test_transfer import CLASSES, stream
+from test_transfer import assignment as transfer_assignment
 
 SPEC = ModelSpec("cnn", 1, (28, 28), 10)
 ORDER = ["site-a", "site-b", "site-c"]
@@ -60,15 +62,8 @@ def ids(tmp_path_factory) -> dict[str, wire.Transport]:
 
 
 def assignment(run_id: str) -> peer_pb2.Assignment:
-    return peer_pb2.Assignment(
-        run_id=run_id, position=1, chain_length=3, seed=1, site="site-b", order=ORDER,
-        predecessor=common_pb2.SiteRef(name="site-a", address="127.0.0.1:1"),
-        successor=common_pb2.SiteRef(name="site-c", address="127.0.0.1:2"),
-        params=common_pb2.TrainingParams(strategy="fedelmy", models_per_site=1, local_epochs=1, warmup_epochs=1,
-                                         alpha=1, beta=1, lr=1e-3, batch_size=32, weight_decay=1e-4,
-                                         selection="best-val"),
-        model=common_pb2.ModelSpec(arch="cnn", in_channels=1, height=28, width=28, num_classes=10),
-        class_index=CLASSES)
+    """site-b's assignment in a 3-site chain over ORDER (test_transfer's, with site-c after it)."""
+    return transfer_assignment(run_id, order=ORDER)
 
 
 RUNS = ("replay", "bad", "fuzz", "final", "after", "stall", "cut")

@@ -24,10 +24,14 @@ SPEC = ModelSpec("cnn", 1, (28, 28), 10)
 CLASSES = sorted(FASHION_MNIST_CLASSES)
 
 
-def assignment(run_id: str) -> peer_pb2.Assignment:
+def assignment(run_id: str, order=("site-a", "site-b"), site: str = "site-b", rounds: int = 1) -> peer_pb2.Assignment:
+    """site-b's assignment in a chain over ``order`` (its part of the plan from the real planner)."""
+    from fedrelay.coordinator.plan import chain_plan
+
+    part = chain_plan(list(order), rounds).part_pb(site, {n: f"127.0.0.1:{i + 1}" for i, n in enumerate(order)})
     return peer_pb2.Assignment(
-        run_id=run_id, position=1, chain_length=2, seed=1, site="site-b", order=["site-a", "site-b"],
-        predecessor=common_pb2.SiteRef(name="site-a", address="127.0.0.1:1"),
+        run_id=run_id, position=list(order).index(site), chain_length=len(order), seed=1, site=site,
+        order=list(order), rounds=rounds, **part,
         params=common_pb2.TrainingParams(strategy="fedelmy", models_per_site=1, local_epochs=1, warmup_epochs=1,
                                          alpha=1, beta=1, lr=1e-3, batch_size=32, weight_decay=1e-4,
                                          selection="best-val"),
@@ -191,7 +195,7 @@ def test_progress_reports_never_block_the_caller(three_sites, tmp_path):
     node = PeerNode("site-b", "127.0.0.1:1", load_site(three_sites[0]), tmp_path, "cpu", link, start_workers=False)
     started = time.monotonic()
     for epoch in range(1, 21):
-        node._report_progress(cpb.ProgressReport(run_id="r", site="site-b", kind="epoch", epoch=epoch))
+        node.reporter.progress(cpb.ProgressReport(run_id="r", site="site-b", kind="epoch", epoch=epoch))
     assert time.monotonic() - started < 1.0  # 20 reports queued, none waited for
     release.set()
     deadline = time.monotonic() + 10

@@ -61,6 +61,20 @@ class SiteRef(_message.Message):
     address: str
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
+class PlannedTransfer(_message.Message):
+    __slots__ = ("purpose", "index", "round", "sender", "receiver")
+    PURPOSE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    purpose: Purpose
+    index: int
+    round: int
+    sender: str
+    receiver: str
+    def __init__(self, purpose: _Optional[_Union[Purpose, str]] = ..., index: _Optional[int] = ..., round: _Optional[int] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ...) -> None: ...
+
 class TransferHeader(_message.Message):
     __slots__ = ("run_id", "hop", "sender", "total_bytes", "sha256", "purpose", "offset")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

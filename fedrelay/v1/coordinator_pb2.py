@@ -26,7 +26,7 @@ from fedrelay.v1 import common_pb2 as fedrelay_dot_v1_dot_common__pb2
 from fedrelay.v1 import peer_pb2 as fedrelay_dot_v1_dot_peer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66\x65\x64relay/v1/coordinator.proto\x12\x0b\x66\x65\x64relay.v1\x1a\x18\x66\x65\x64relay/v1/common.proto\x1a\x16\x66\x65\x64relay/v1/peer.proto\"7\n\nClassCount\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05train\x18\x02 \x01(\x04\x12\x0c\n\x04test\x18\x03 \x01(\x04\"\xac\x01\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\x07\x63lasses\x18\x03 \x03(\x0b\x32\x17.fedrelay.v1.ClassCount\x12\x10\n\x08\x63hannels\x18\x04 \x01(\r\x12\x0e\n\x06height\x18\x05 \x01(\r\x12\r\n\x05width\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x0f\n\x07version\x18\x08 \x01(\t\";\n\rRegisterReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\r\"\"\n\x12ResolveSiteRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xf4\x01\n\tHopReport\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0b\n\x03hop\x18\x02 \x01(\r\x12%\n\x07purpose\x18\x03 \x01(\x0e\x32\x14.fedrelay.v1.Purpose\x12\x0e\n\x06sender\x18\x04 \x01(\t\x12\x10\n\x08receiver\x18\x05 \x01(\t\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\x12\n\nwire_bytes\x18\x07 \x01(\x04\x12\x0e\n\x06sha256\x18\x08 \x01(\t\x12\x0f\n\x07started\x18\t \x01(\x01\x12\r\n\x05\x65nded\x18\n \x01(\x01\x12\x10\n\x08\x61ttempts\x18\x0b \x01(\r\x12\x14\n\x0cresumed_from\x18\x0c \x01(\x04\"\xd3\x01\n\x0eProgressReport\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12\r\n\x05stage\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\r\x12\r\n\x05\x65poch\x18\x08 \x01(\r\x12\x0e\n\x06\x65pochs\x18\t \x01(\r\x12\x12\n\ntrain_loss\x18\n \x01(\x01\x12\x14\n\x0cval_accuracy\x18\x0b \x01(\x01\x12\x0f\n\x07seconds\x18\x0c \x01(\x01\"P\n\x0b\x46inalReport\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x13\n\x0bmodel_bytes\x18\x04 \x01(\x04\"<\n\rFailureReport\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\" \n\x0bReportReply\x12\x11\n\tduplicate\x18\x01 \x01(\x08\"z\n\x11StartChainRequest\x12\r\n\x05peers\x18\x01 \x03(\t\x12\r\n\x05order\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12+\n\x06params\x18\x04 \x01(\x0b\x32\x1b.fedrelay.v1.TrainingParams\x12\x0c\n\x04\x61rch\x18\x05 \x01(\t\"B\n\x0fStartChainReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05order\x18\x02 \x03(\t\x12\x10\n\x08warnings\x18\x03 \x03(\t\"4\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"u\n\x08RunEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04time\x18\x03 \x01(\x01\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0c\n\x04site\x18\x05 \x01(\t\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x11\n\tdata_json\x18\x07 \x01(\t\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xbd\x01\n\tHopRecord\x12\x0b\n\x03hop\x18\x01 \x01(\r\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x10\n\x08receiver\x18\x03 \x01(\t\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x04\x12\x12\n\nwire_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x0f\n\x07started\x18\x07 \x01(\x01\x12\r\n\x05\x65nded\x18\x08 \x01(\x01\x12\x10\n\x08\x61ttempts\x18\t \x01(\r\x12\x14\n\x0cresumed_from\x18\n \x01(\x04\"6\n\x0cSiteAccuracy\x12\x10\n\x08\x61\x63\x63uracy\x18\x01 \x01(\x01\x12\x14\n\x0ctest_samples\x18\x02 \x01(\x04\"\xb3\x01\n\x0b\x46inalResult\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63uracy\x18\x02 \x01(\x01\x12\x37\n\x08per_site\x18\x03 \x03(\x0b\x32%.fedrelay.v1.FinalResult.PerSiteEntry\x1aI\n\x0cPerSiteEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.fedrelay.v1.SiteAccuracy:\x02\x38\x01\"\xba\x03\n\nRunSummary\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08strategy\x18\x02 \x01(\t\x12\r\n\x05order\x18\x03 \x03(\t\x12\x13\n\x0bmodel_bytes\x18\x04 \x01(\x04\x12$\n\x04hops\x18\x05 \x03(\x0b\x32\x16.fedrelay.v1.HopRecord\x12\'\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x18.fedrelay.v1.FinalResult\x12\x0e\n\x06status\x18\x07 \x01(\t\x12+\n\x06params\x18\x08 \x01(\x0b\x32\x1b.fedrelay.v1.TrainingParams\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x0c\n\x04\x61rch\x18\n \x01(\t\x12\x13\n\x0b\x63lass_index\x18\x0b \x03(\t\x12\x10\n\x08warnings\x18\x0c \x03(\t\x12\r\n\x05\x65rror\x18\r \x01(\t\x12\x0f\n\x07\x63reated\x18\x0e \x01(\x01\x12\r\n\x05\x65nded\x18\x0f \x01(\x01\x12/\n\x0f\x66inal_transfers\x18\x10 \x03(\x0b\x32\x16.fedrelay.v1.HopRecord\x12\x10\n\x08insecure\x18\x11 \x01(\x08\x12\x0f\n\x07skipped\x18\x12 \x03(\t\x12\x14\n\x0c\x63ontributors\x18\x13 \x03(\t\"\x11\n\x0fListRunsRequest\"6\n\rListRunsReply\x12%\n\x04runs\x18\x01 \x03(\x0b\x32\x17.fedrelay.v1.RunSummary\"\x12\n\x10ListPeersRequest\"\xa9\x01\n\nPeerRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\x07\x63lasses\x18\x03 \x03(\x0b\x32\x17.fedrelay.v1.ClassCount\x12\x10\n\x08\x63hannels\x18\x04 \x01(\r\x12\x0e\n\x06height\x18\x05 \x01(\r\x12\r\n\x05width\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x11\n\tlast_seen\x18\x08 \x01(\x01\"8\n\x0eListPeersReply\x12&\n\x05peers\x18\x01 \x03(\x0b\x32\x17.fedrelay.v1.PeerRecord2\xd1\x06\n\x0b\x43oordinator\x12\x44\n\x08Register\x12\x1c.fedrelay.v1.RegisterRequest\x1a\x1a.fedrelay.v1.RegisterReply\x12=\n\tReportHop\x12\x16.fedrelay.v1.HopReport\x1a\x18.fedrelay.v1.ReportReply\x12G\n\x0eReportProgress\x12\x1b.fedrelay.v1.ProgressReport\x1a\x18.fedrelay.v1.ReportReply\x12\x41\n\x0bReportFinal\x12\x18.fedrelay.v1.FinalReport\x1a\x18.fedrelay.v1.ReportReply\x12\x45\n\rReportFailure\x12\x1a.fedrelay.v1.FailureReport\x1a\x18.fedrelay.v1.ReportReply\x12\x44\n\x0bResolveSite\x12\x1f.fedrelay.v1.ResolveSiteRequest\x1a\x14.fedrelay.v1.SiteRef\x12J\n\nStartChain\x12\x1e.fedrelay.v1.StartChainRequest\x1a\x1c.fedrelay.v1.StartChainReply\x12\x41\n\x08WatchRun\x12\x1c.fedrelay.v1.WatchRunRequest\x1a\x15.fedrelay.v1.RunEvent0\x01\x12=\n\x06GetRun\x12\x1a.fedrelay.v1.GetRunRequest\x1a\x17.fedrelay.v1.RunSummary\x12\x44\n\x08ListRuns\x12\x1c.fedrelay.v1.ListRunsRequest\x1a\x1a.fedrelay.v1.ListRunsReply\x12G\n\tListPeers\x12\x1d.fedrelay.v1.ListPeersRequest\x1a\x1b.fedrelay.v1.ListPeersReply\x12G\n\nFetchModel\x12\x1e.fedrelay.v1.FetchModelRequest\x1a\x17.fedrelay.v1.ModelChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66\x65\x64relay/v1/coordinator.proto\x12\x0b\x66\x65\x64relay.v1\x1a\x18\x66\x65\x64relay/v1/common.proto\x1a\x16\x66\x65\x64relay/v1/peer.proto\"7\n\nClassCount\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05train\x18\x02 \x01(\x04\x12\x0c\n\x04test\x18\x03 \x01(\x04\"\xac\x01\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\x07\x63lasses\x18\x03 \x03(\x0b\x32\x17.fedrelay.v1.ClassCount\x12\x10\n\x08\x63hannels\x18\x04 \x01(\r\x12\x0e\n\x06height\x18\x05 \x01(\r\x12\r\n\x05width\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x0f\n\x07version\x18\x08 \x01(\t\";\n\rRegisterReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\r\"\"\n\x12ResolveSiteRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x9a\x02\n\tHopReport\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0b\n\x03hop\x18\x02 \x01(\r\x12%\n\x07purpose\x18\x03 \x01(\x0e\x32\x14.fedrelay.v1.Purpose\x12\x0e\n\x06sender\x18\x04 \x01(\t\x12\x10\n\x08receiver\x18\x05 \x01(\t\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\x12\n\nwire_bytes\x18\x07 \x01(\x04\x12\x0e\n\x06sha256\x18\x08 \x01(\t\x12\x0f\n\x07started\x18\t \x01(\x01\x12\r\n\x05\x65nded\x18\n \x01(\x01\x12\x10\n\x08\x61ttempts\x18\x0b \x01(\r\x12\x14\n\x0cresumed_from\x18\x0c \x01(\x04\x12\r\n\x05round\x18\r \x01(\r\x12\x15\n\rschema_sha256\x18\x0e \x01(\t\"\xc5\x01\n\rReceiptReport\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12%\n\x07purpose\x18\x02 \x01(\x0e\x32\x14.fedrelay.v1.Purpose\x12\x0b\n\x03hop\x18\x03 \x01(\r\x12\x0e\n\x06sender\x18\x04 \x01(\t\x12\x10\n\x08receiver\x18\x05 \x01(\t\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\x0e\n\x06sha256\x18\x07 \x01(\t\x12\x15\n\rschema_sha256\x18\x08 \x01(\t\x12\x10\n\x08received\x18\t \x01(\x01\"\xd3\x01\n\x0eProgressReport\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12\r\n\x05stage\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\r\x12\r\n\x05\x65poch\x18\x08 \x01(\r\x12\x0e\n\x06\x65pochs\x18\t \x01(\r\x12\x12\n\ntrain_loss\x18\n \x01(\x01\x12\x14\n\x0cval_accuracy\x18\x0b \x01(\x01\x12\x0f\n\x07seconds\x18\x0c \x01(\x01\"P\n\x0b\x46inalReport\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x13\n\x0bmodel_bytes\x18\x04 \x01(\x04\"<\n\rFailureReport\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\" \n\x0bReportReply\x12\x11\n\tduplicate\x18\x01 \x01(\x08\"\x8a\x01\n\x11StartChainRequest\x12\r\n\x05peers\x18\x01 \x03(\t\x12\r\n\x05order\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12+\n\x06params\x18\x04 \x01(\x0b\x32\x1b.fedrelay.v1.TrainingParams\x12\x0c\n\x04\x61rch\x18\x05 \x01(\t\x12\x0e\n\x06rounds\x18\x06 \x01(\r\"B\n\x0fStartChainReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05order\x18\x02 \x03(\t\x12\x10\n\x08warnings\x18\x03 \x03(\t\"4\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"u\n\x08RunEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04time\x18\x03 \x01(\x01\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0c\n\x04site\x18\x05 \x01(\t\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x11\n\tdata_json\x18\x07 \x01(\t\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x8d\x02\n\tHopRecord\x12\x0b\n\x03hop\x18\x01 \x01(\r\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x10\n\x08receiver\x18\x03 \x01(\t\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x04\x12\x12\n\nwire_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x0f\n\x07started\x18\x07 \x01(\x01\x12\r\n\x05\x65nded\x18\x08 \x01(\x01\x12\x10\n\x08\x61ttempts\x18\t \x01(\r\x12\x14\n\x0cresumed_from\x18\n \x01(\x04\x12\r\n\x05round\x18\x0b \x01(\r\x12\x0e\n\x06status\x18\x0c \x01(\t\x12\x17\n\x0freceiver_sha256\x18\r \x01(\t\x12\x16\n\x0ereceiver_bytes\x18\x0e \x01(\x04\"6\n\x0cSiteAccuracy\x12\x10\n\x08\x61\x63\x63uracy\x18\x01 \x01(\x01\x12\x14\n\x0ctest_samples\x18\x02 \x01(\x04\"\xb3\x01\n\x0b\x46inalResult\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63uracy\x18\x02 \x01(\x01\x12\x37\n\x08per_site\x18\x03 \x03(\x0b\x32%.fedrelay.v1.FinalResult.PerSiteEntry\x1aI\n\x0cPerSiteEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.fedrelay.v1.SiteAccuracy:\x02\x38\x01\"\xa0\x04\n\nRunSummary\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08strategy\x18\x02 \x01(\t\x12\r\n\x05order\x18\x03 \x03(\t\x12\x13\n\x0bmodel_bytes\x18\x04 \x01(\x04\x12$\n\x04hops\x18\x05 \x03(\x0b\x32\x16.fedrelay.v1.HopRecord\x12\'\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x18.fedrelay.v1.FinalResult\x12\x0e\n\x06status\x18\x07 \x01(\t\x12+\n\x06params\x18\x08 \x01(\x0b\x32\x1b.fedrelay.v1.TrainingParams\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x0c\n\x04\x61rch\x18\n \x01(\t\x12\x13\n\x0b\x63lass_index\x18\x0b \x03(\t\x12\x10\n\x08warnings\x18\x0c \x03(\t\x12\r\n\x05\x65rror\x18\r \x01(\t\x12\x0f\n\x07\x63reated\x18\x0e \x01(\x01\x12\r\n\x05\x65nded\x18\x0f \x01(\x01\x12/\n\x0f\x66inal_transfers\x18\x10 \x03(\x0b\x32\x16.fedrelay.v1.HopRecord\x12\x10\n\x08insecure\x18\x11 \x01(\x08\x12\x0f\n\x07skipped\x18\x12 \x03(\t\x12\x14\n\x0c\x63ontributors\x18\x13 \x03(\t\x12\x0e\n\x06rounds\x18\x14 \x01(\r\x12*\n\x04plan\x18\x15 \x03(\x0b\x32\x1c.fedrelay.v1.PlannedTransfer\x12\x12\n\nfinal_site\x18\x16 \x01(\t\x12\x14\n\x0cplanned_hops\x18\x17 \x01(\r\"\x11\n\x0fListRunsRequest\"6\n\rListRunsReply\x12%\n\x04runs\x18\x01 \x03(\x0b\x32\x17.fedrelay.v1.RunSummary\"\x12\n\x10ListPeersRequest\"\xa9\x01\n\nPeerRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\x07\x63lasses\x18\x03 \x03(\x0b\x32\x17.fedrelay.v1.ClassCount\x12\x10\n\x08\x63hannels\x18\x04 \x01(\r\x12\x0e\n\x06height\x18\x05 \x01(\r\x12\r\n\x05width\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x11\n\tlast_seen\x18\x08 \x01(\x01\"8\n\x0eListPeersReply\x12&\n\x05peers\x18\x01 \x03(\x0b\x32\x17.fedrelay.v1.PeerRecord2\x98\x07\n\x0b\x43oordinator\x12\x44\n\x08Register\x12\x1c.fedrelay.v1.RegisterRequest\x1a\x1a.fedrelay.v1.RegisterReply\x12=\n\tReportHop\x12\x16.fedrelay.v1.HopReport\x1a\x18.fedrelay.v1.ReportReply\x12\x45\n\rReportReceipt\x12\x1a.fedrelay.v1.ReceiptReport\x1a\x18.fedrelay.v1.ReportReply\x12G\n\x0eReportProgress\x12\x1b.fedrelay.v1.ProgressReport\x1a\x18.fedrelay.v1.ReportReply\x12\x41\n\x0bReportFinal\x12\x18.fedrelay.v1.FinalReport\x1a\x18.fedrelay.v1.ReportReply\x12\x45\n\rReportFailure\x12\x1a.fedrelay.v1.FailureReport\x1a\x18.fedrelay.v1.ReportReply\x12\x44\n\x0bResolveSite\x12\x1f.fedrelay.v1.ResolveSiteRequest\x1a\x14.fedrelay.v1.SiteRef\x12J\n\nStartChain\x12\x1e.fedrelay.v1.StartChainRequest\x1a\x1c.fedrelay.v1.StartChainReply\x12\x41\n\x08WatchRun\x12\x1c.fedrelay.v1.WatchRunRequest\x1a\x15.fedrelay.v1.RunEvent0\x01\x12=\n\x06GetRun\x12\x1a.fedrelay.v1.GetRunRequest\x1a\x17.fedrelay.v1.RunSummary\x12\x44\n\x08ListRuns\x12\x1c.fedrelay.v1.ListRunsRequest\x1a\x1a.fedrelay.v1.ListRunsReply\x12G\n\tListPeers\x12\x1d.fedrelay.v1.ListPeersRequest\x1a\x1b.fedrelay.v1.ListPeersReply\x12G\n\nFetchModel\x12\x1e.fedrelay.v1.FetchModelRequest\x1a\x17.fedrelay.v1.ModelChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,45 +44,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESOLVESITEREQUEST']._serialized_start=389
   _globals['_RESOLVESITEREQUEST']._serialized_end=423
   _globals['_HOPREPORT']._serialized_start=426
-  _globals['_HOPREPORT']._serialized_end=670
-  _globals['_PROGRESSREPORT']._serialized_start=673
-  _globals['_PROGRESSREPORT']._serialized_end=884
-  _globals['_FINALREPORT']._serialized_start=886
-  _globals['_FINALREPORT']._serialized_end=966
-  _globals['_FAILUREREPORT']._serialized_start=968
-  _globals['_FAILUREREPORT']._serialized_end=1028
-  _globals['_REPORTREPLY']._serialized_start=1030
-  _globals['_REPORTREPLY']._serialized_end=1062
-  _globals['_STARTCHAINREQUEST']._serialized_start=1064
-  _globals['_STARTCHAINREQUEST']._serialized_end=1186
-  _globals['_STARTCHAINREPLY']._serialized_start=1188
-  _globals['_STARTCHAINREPLY']._serialized_end=1254
-  _globals['_WATCHRUNREQUEST']._serialized_start=1256
-  _globals['_WATCHRUNREQUEST']._serialized_end=1308
-  _globals['_RUNEVENT']._serialized_start=1310
-  _globals['_RUNEVENT']._serialized_end=1427
-  _globals['_GETRUNREQUEST']._serialized_start=1429
-  _globals['_GETRUNREQUEST']._serialized_end=1460
-  _globals['_HOPRECORD']._serialized_start=1463
-  _globals['_HOPRECORD']._serialized_end=1652
-  _globals['_SITEACCURACY']._serialized_start=1654
-  _globals['_SITEACCURACY']._serialized_end=1708
-  _globals['_FINALRESULT']._serialized_start=1711
-  _globals['_FINALRESULT']._serialized_end=1890
-  _globals['_FINALRESULT_PERSITEENTRY']._serialized_start=1817
-  _globals['_FINALRESULT_PERSITEENTRY']._serialized_end=1890
-  _globals['_RUNSUMMARY']._serialized_start=1893
-  _globals['_RUNSUMMARY']._serialized_end=2335
-  _globals['_LISTRUNSREQUEST']._serialized_start=2337
-  _globals['_LISTRUNSREQUEST']._serialized_end=2354
-  _globals['_LISTRUNSREPLY']._serialized_start=2356
-  _globals['_LISTRUNSREPLY']._serialized_end=2410
-  _globals['_LISTPEERSREQUEST']._serialized_start=2412
-  _globals['_LISTPEERSREQUEST']._serialized_end=2430
-  _globals['_PEERRECORD']._serialized_start=2433
-  _globals['_PEERRECORD']._serialized_end=2602
-  _globals['_LISTPEERSREPLY']._serialized_start=2604
-  _globals['_LISTPEERSREPLY']._serialized_end=2660
-  _globals['_COORDINATOR']._serialized_start=2663
-  _globals['_COORDINATOR']._serialized_end=3512
+  _globals['_HOPREPORT']._serialized_end=708
+  _globals['_RECEIPTREPORT']._serialized_start=711
+  _globals['_RECEIPTREPORT']._serialized_end=908
+  _globals['_PROGRESSREPORT']._serialized_start=911
+  _globals['_PROGRESSREPORT']._serialized_end=1122
+  _globals['_FINALREPORT']._serialized_start=1124
+  _globals['_FINALREPORT']._serialized_end=1204
+  _globals['_FAILUREREPORT']._serialized_start=1206
+  _globals['_FAILUREREPORT']._serialized_end=1266
+  _globals['_REPORTREPLY']._serialized_start=1268
+  _globals['_REPORTREPLY']._serialized_end=1300
+  _globals['_STARTCHAINREQUEST']._serialized_start=1303
+  _globals['_STARTCHAINREQUEST']._serialized_end=1441
+  _globals['_STARTCHAINREPLY']._serialized_start=1443
+  _globals['_STARTCHAINREPLY']._serialized_end=1509
+  _globals['_WATCHRUNREQUEST']._serialized_start=1511
+  _globals['_WATCHRUNREQUEST']._serialized_end=1563
+  _globals['_RUNEVENT']._serialized_start=1565
+  _globals['_RUNEVENT']._serialized_end=1682
+  _globals['_GETRUNREQUEST']._serialized_start=1684
+  _globals['_GETRUNREQUEST']._serialized_end=1715
+  _globals['_HOPRECORD']._serialized_start=1718
+  _globals['_HOPRECORD']._serialized_end=1987
+  _globals['_SITEACCURACY']._serialized_start=1989
+  _globals['_SITEACCURACY']._serialized_end=2043
+  _globals['_FINALRESULT']._serialized_start=2046
+  _globals['_FINALRESULT']._serialized_end=2225
+  _globals['_FINALRESULT_PERSITEENTRY']._serialized_start=2152
+  _globals['_FINALRESULT_PERSITEENTRY']._serialized_end=2225
+  _globals['_RUNSUMMARY']._serialized_start=2228
+  _globals['_RUNSUMMARY']._serialized_end=2772
+  _globals['_LISTRUNSREQUEST']._serialized_start=2774
+  _globals['_LISTRUNSREQUEST']._serialized_end=2791
+  _globals['_LISTRUNSREPLY']._serialized_start=2793
+  _globals['_LISTRUNSREPLY']._serialized_end=2847
+  _globals['_LISTPEERSREQUEST']._serialized_start=2849
+  _globals['_LISTPEERSREQUEST']._serialized_end=2867
+  _globals['_PEERRECORD']._serialized_start=2870
+  _globals['_PEERRECORD']._serialized_end=3039
+  _globals['_LISTPEERSREPLY']._serialized_start=3041
+  _globals['_LISTPEERSREPLY']._serialized_end=3097
+  _globals['_COORDINATOR']._serialized_start=3100
+  _globals['_COORDINATOR']._serialized_end=4020
 # @@protoc_insertion_point(module_scope)

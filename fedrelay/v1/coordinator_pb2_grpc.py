@@ -46,6 +46,11 @@ class CoordinatorStub:
                 request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.HopReport.SerializeToString,
                 response_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.ReportReply.FromString,
                 _registered_method=True)
+        self.ReportReceipt = channel.unary_unary(
+                '/fedrelay.v1.Coordinator/ReportReceipt',
+                request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ReceiptReport.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.ReportReply.FromString,
+                _registered_method=True)
         self.ReportProgress = channel.unary_unary(
                 '/fedrelay.v1.Coordinator/ReportProgress',
                 request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ProgressReport.SerializeToString,
@@ -109,7 +114,17 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportHop(self, request, context):
-        """A sender reports one finished transfer (chain hop or final-model copy). Idempotent per (run, hop, receiver).
+        """A sender reports one finished transfer (chain hop or final-model copy). Accepted only for a
+        transfer of the run's plan, from its planned sender, once (the same report again is a
+        duplicate; a different one is refused with ALREADY_EXISTS).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportReceipt(self, request, context):
+        """A receiver attests what it verified and kept (sender, size, SHA-256, tensor schema). The
+        ledger marks a transfer done only when sender and receiver agree; a disagreement is recorded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -192,6 +207,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'ReportHop': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportHop,
                     request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.HopReport.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ReportReply.SerializeToString,
+            ),
+            'ReportReceipt': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportReceipt,
+                    request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.ReceiptReport.FromString,
                     response_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ReportReply.SerializeToString,
             ),
             'ReportProgress': grpc.unary_unary_rpc_method_handler(
@@ -298,6 +318,33 @@ class Coordinator:
             target,
             '/fedrelay.v1.Coordinator/ReportHop',
             fedrelay_dot_v1_dot_coordinator__pb2.HopReport.SerializeToString,
+            fedrelay_dot_v1_dot_coordinator__pb2.ReportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportReceipt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Coordinator/ReportReceipt',
+            fedrelay_dot_v1_dot_coordinator__pb2.ReceiptReport.SerializeToString,
             fedrelay_dot_v1_dot_coordinator__pb2.ReportReply.FromString,
             options,
             channel_credentials,

@@ -36,54 +36,52 @@ class TransferOffsetReply(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("run_id", "position", "chain_length", "predecessor", "successor", "final_recipients", "seed", "params", "model", "class_index", "site", "order", "last_site", "route_version")
+    __slots__ = ("run_id", "position", "chain_length", "seed", "params", "model", "class_index", "site", "order", "route_version", "rounds", "transfers", "peers", "visits")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     CHAIN_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    PREDECESSOR_FIELD_NUMBER: _ClassVar[int]
-    SUCCESSOR_FIELD_NUMBER: _ClassVar[int]
-    FINAL_RECIPIENTS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CLASS_INDEX_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
-    LAST_SITE_FIELD_NUMBER: _ClassVar[int]
     ROUTE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    VISITS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     position: int
     chain_length: int
-    predecessor: _common_pb2.SiteRef
-    successor: _common_pb2.SiteRef
-    final_recipients: _containers.RepeatedCompositeFieldContainer[_common_pb2.SiteRef]
     seed: int
     params: _common_pb2.TrainingParams
     model: _common_pb2.ModelSpec
     class_index: _containers.RepeatedScalarFieldContainer[str]
     site: str
     order: _containers.RepeatedScalarFieldContainer[str]
-    last_site: str
     route_version: int
-    def __init__(self, run_id: _Optional[str] = ..., position: _Optional[int] = ..., chain_length: _Optional[int] = ..., predecessor: _Optional[_Union[_common_pb2.SiteRef, _Mapping]] = ..., successor: _Optional[_Union[_common_pb2.SiteRef, _Mapping]] = ..., final_recipients: _Optional[_Iterable[_Union[_common_pb2.SiteRef, _Mapping]]] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., model: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., class_index: _Optional[_Iterable[str]] = ..., site: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., last_site: _Optional[str] = ..., route_version: _Optional[int] = ...) -> None: ...
+    rounds: int
+    transfers: _containers.RepeatedCompositeFieldContainer[_common_pb2.PlannedTransfer]
+    peers: _containers.RepeatedCompositeFieldContainer[_common_pb2.SiteRef]
+    visits: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., position: _Optional[int] = ..., chain_length: _Optional[int] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., model: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., class_index: _Optional[_Iterable[str]] = ..., site: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., route_version: _Optional[int] = ..., rounds: _Optional[int] = ..., transfers: _Optional[_Iterable[_Union[_common_pb2.PlannedTransfer, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[_common_pb2.SiteRef, _Mapping]]] = ..., visits: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RerouteRequest(_message.Message):
-    __slots__ = ("run_id", "predecessor", "successor", "final_recipients", "last_site", "skipped", "route_version")
+    __slots__ = ("run_id", "skipped", "route_version", "transfers", "peers", "visits")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
-    PREDECESSOR_FIELD_NUMBER: _ClassVar[int]
-    SUCCESSOR_FIELD_NUMBER: _ClassVar[int]
-    FINAL_RECIPIENTS_FIELD_NUMBER: _ClassVar[int]
-    LAST_SITE_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     ROUTE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    VISITS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
-    predecessor: _common_pb2.SiteRef
-    successor: _common_pb2.SiteRef
-    final_recipients: _containers.RepeatedCompositeFieldContainer[_common_pb2.SiteRef]
-    last_site: str
     skipped: _containers.RepeatedScalarFieldContainer[str]
     route_version: int
-    def __init__(self, run_id: _Optional[str] = ..., predecessor: _Optional[_Union[_common_pb2.SiteRef, _Mapping]] = ..., successor: _Optional[_Union[_common_pb2.SiteRef, _Mapping]] = ..., final_recipients: _Optional[_Iterable[_Union[_common_pb2.SiteRef, _Mapping]]] = ..., last_site: _Optional[str] = ..., skipped: _Optional[_Iterable[str]] = ..., route_version: _Optional[int] = ...) -> None: ...
+    transfers: _containers.RepeatedCompositeFieldContainer[_common_pb2.PlannedTransfer]
+    peers: _containers.RepeatedCompositeFieldContainer[_common_pb2.SiteRef]
+    visits: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., skipped: _Optional[_Iterable[str]] = ..., route_version: _Optional[int] = ..., transfers: _Optional[_Iterable[_Union[_common_pb2.PlannedTransfer, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[_common_pb2.SiteRef, _Mapping]]] = ..., visits: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RerouteReply(_message.Message):
     __slots__ = ("run_id", "state")

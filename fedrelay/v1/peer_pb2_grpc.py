@@ -117,7 +117,7 @@ class PeerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Reroute(self, request, context):
-        """The coordinator changes this site's neighbours in a run, to route around a site that
+        """The coordinator changes this site's part of a run's plan, to route around a site that
         stayed down. Idempotent for the same route version.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -1,0 +1,145 @@
+"""The peer's calls to the coordinator: one channel, one retry policy, and the two reporters.
+
+- :class:`CoordinatorLink`: the one channel to the coordinator (whose certificate must name
+  ``coordinator`` under TLS), reused by every call, and :func:`backoff_delays`, the one retry
+  policy (exponential backoff with full jitter), used by reports and deliveries alike.
+- :class:`Reporter`: two background threads. Progress (epochs, state changes) is best effort and
+  never blocks the caller: one try of up to 5 s each, dropped when :data:`PROGRESS_QUEUE` reports
+  wait. Receipts (what this site verified and kept, ``Coordinator.ReportReceipt``) must reach the
+  ledger: each is retried until the coordinator answers; the caller persists them and hands them
+  again after a restart. A thread that hits an unexpected error logs it and goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from typing import Callable
+
+import grpc
+
+from fedrelay import wire
+from fedrelay.v1 import coordinator_pb2_grpc
+
+log = logging.getLogger("fedrelay.peer")
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL,
+             grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
+PROGRESS_QUEUE = 1000  # progress reports a peer holds while the coordinator is slow or unreachable
+
+
+def backoff_delays(first: float = 0.5, cap: float = 15.0):
+    """Exponential backoff with full jitter: 0.5 s, 1 s, 2 s, ... capped at ``cap`` seconds."""
+    delay = first
+    while True:
+        yield random.uniform(0.5 * delay, delay)
+        delay = min(cap, delay * 2)
+
+
+class CoordinatorLink:
+    """The peer's calls to the coordinator over one channel. Reports are retried until
+    ``retry_for`` seconds pass."""
+
+    def __init__(self, address: str, transport: wire.Transport = wire.INSECURE):
+        self.address = address
+        self._channel = transport.channel(address, expect=wire.COORDINATOR_IDENTITY)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+
+    def call(self, method: str, request, *, retry_for: float = 0.0, stop: threading.Event | None = None,
+             timeout: float = wire.CONTROL_TIMEOUT):
+        """Call ``method`` with ``request``; retry retryable failures (backoff_delays) for up to
+        ``retry_for`` seconds, or until ``stop`` is set. Raises the last ``grpc.RpcError``."""
+        deadline = time.monotonic() + retry_for
+        for delay in backoff_delays():
+            try:
+                return getattr(self.stub, method)(request, timeout=timeout)
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("coordinator %s: %s failed (%s); retrying", self.address, method, wire.status_message(exc))
+                if stop is None:
+                    time.sleep(delay)
+                elif stop.wait(delay):
+                    raise
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class Reporter:
+    """Background delivery of progress (best effort) and receipts (retried until delivered)."""
+
+    def __init__(self, link: CoordinatorLink | None, stop: Callable[[], threading.Event]):
+        self.link = link
+        self._stop = stop  # the daemon's stop event (it may be replaced after construction)
+        self._progress: queue.Queue = queue.Queue(maxsize=PROGRESS_QUEUE)
+        self._receipts: queue.Queue = queue.Queue()
+        self._threads: dict[str, threading.Thread] = {}
+        self._lock = threading.Lock()
+
+    def progress(self, report) -> None:
+        """Queue a ``ProgressReport``; never blocks (dropped, at debug level, when the queue is full)."""
+        if self.link is None:
+            return
+        try:
+            self._progress.put_nowait(report)
+        except queue.Full:
+            log.debug("progress report dropped: %d reports are waiting", PROGRESS_QUEUE)
+            return
+        self._ensure("progress", self._progress_loop)
+
+    def receipt(self, report, on_delivered: Callable[[], None]) -> None:
+        """Queue a ``ReceiptReport``; ``on_delivered()`` runs once the coordinator took it (or
+        refused it for good: the refusal is logged)."""
+        if self.link is None:
+            return
+        self._receipts.put((report, on_delivered))
+        self._ensure("receipts", self._receipt_loop)
+
+    def _ensure(self, name: str, target) -> None:
+        with self._lock:
+            if name not in self._threads:
+                self._threads[name] = threading.Thread(target=self._guarded, args=(name, target),
+                                                       name=name, daemon=True)
+                self._threads[name].start()
+
+    def _guarded(self, name: str, target) -> None:
+        while True:
+            try:
+                target()
+                return
+            except Exception:  # noqa: BLE001 - say so, and keep reporting
+                log.exception("the %s reporter failed; restarting it", name)
+                time.sleep(1.0)
+
+    def _progress_loop(self) -> None:
+        while True:
+            report = self._progress.get()
+            try:
+                self.link.stub.ReportProgress(report, timeout=5.0)
+            except grpc.RpcError as exc:
+                log.debug("progress report lost: %s", wire.status_message(exc))
+            finally:
+                self._progress.task_done()
+
+    def _receipt_loop(self) -> None:
+        while True:
+            report, on_delivered = self._receipts.get()
+            while True:
+                try:
+                    self.link.call("ReportReceipt", report, retry_for=600, stop=self._stop())
+                except grpc.RpcError as exc:
+                    if exc.code() in RETRYABLE and not self._stop().is_set():
+                        continue  # keep trying: the ledger must have it
+                    if exc.code() not in RETRYABLE:
+                        log.error("the coordinator refused the receipt of run %s transfer %d: %s",
+                                  report.run_id, report.hop, wire.status_message(exc))
+                        on_delivered()
+                    break
+                on_delivered()
+                break
