@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from .models import ModelSpec, _build_seeded, build_model, expected_signature, state_signature
+from .states import State, average_states, build_loaded, check_signature, clone_state, flatten, param_names
 
 __all__ = [
     "State",
@@ -71,7 +72,6 @@ __all__ = [
     "run_site",
 ]
 
-State = dict[str, torch.Tensor]
 Dataset = tuple[Tensor, Tensor]
 EpochCallback = Callable[[dict], None]
 ModelCallback = Callable[[int, State], None]
@@ -209,83 +209,6 @@ def derive_seed(*parts) -> int:
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
 
-# --------------------------------------------------------------------------- states
-
-
-def average_states(states: Sequence[Mapping[str, Tensor]]) -> State:
-    """Uniform mean of every state_dict entry (paper Eq. 5/6; reference ``mean_average_weights``).
-
-    Parameters, BatchNorm ``running_mean``/``running_var`` and ``num_batches_tracked``
-    are all averaged; there is no weighting by data size.  Sums are taken in float64
-    in the order of ``states``.  Floating entries are cast back to their dtype.
-    Integer entries (``num_batches_tracked``) are averaged in float64 and cast back to
-    their integer dtype, which truncates toward zero, like the reference code's
-    ``true_divide`` followed by the cast to long on load.
-
-    Returns:
-        A new state with the key order of ``states[0]``; new contiguous CPU tensors.
-
-    Raises:
-        ValueError: ``states`` is empty, or the states differ in keys, shapes or dtypes.
-    """
-    states = list(states)
-    if not states:
-        raise ValueError("average_states needs at least one state")
-    first = states[0]
-    keys = list(first.keys())
-    for index, state in enumerate(states[1:], start=1):
-        if set(state.keys()) != set(keys):
-            missing = sorted(set(keys) - set(state.keys()))
-            extra = sorted(set(state.keys()) - set(keys))
-            raise ValueError(f"state {index} has different keys: missing {missing[:5]}, extra {extra[:5]}")
-        for key in keys:
-            a, b = first[key], state[key]
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise ValueError(
-                    f"state {index} entry {key!r} is {tuple(b.shape)} {b.dtype}, "
-                    f"expected {tuple(a.shape)} {a.dtype}"
-                )
-    count = len(states)
-    result: State = {}
-    with torch.no_grad():
-        for key in keys:
-            dtype = first[key].dtype
-            total = torch.zeros(first[key].shape, dtype=torch.float64)
-            for state in states:
-                total += state[key].detach().to(device="cpu", dtype=torch.float64)
-            mean = total / count
-            result[key] = mean.to(dtype).contiguous()
-    return result
-
-
-def _clone_state(state: Mapping[str, Tensor]) -> State:
-    """Detached, contiguous CPU copies of every entry."""
-    return {k: v.detach().to(device="cpu", copy=True).contiguous() for k, v in state.items()}
-
-
-def _check_state(state: Mapping[str, Tensor], expected: dict, what: str) -> None:
-    try:
-        got = state_signature(state)
-    except TypeError as exc:
-        raise ValueError(f"{what} is not a state dict: {exc}") from None
-    if got != expected:
-        missing = sorted(set(expected) - set(got))
-        extra = sorted(set(got) - set(expected))
-        wrong = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])
-        raise ValueError(
-            f"{what} does not fit the model: missing {missing[:5]}, unexpected {extra[:5]}, "
-            f"wrong shape/dtype {wrong[:5]}"
-        )
-
-
-def _build_loaded(spec: ModelSpec, state: Mapping[str, Tensor]) -> nn.Module:
-    """Build a model and load ``state`` without disturbing the global RNG."""
-    with torch.random.fork_rng(devices=[]):
-        model = build_model(spec)
-    model.load_state_dict(state)
-    return model
-
-
 # --------------------------------------------------------------------------- distances
 
 
@@ -396,7 +319,7 @@ class _Regulariser:
         if not self.active:
             return
         with torch.no_grad():
-            self.m0 = _flatten(m0_params).to(device)
+            self.m0 = flatten(m0_params).to(device)
             if self.use_d1:
                 pool_params = list(pool_params)
                 if not pool_params:
@@ -404,14 +327,14 @@ class _Regulariser:
                 # Two streaming passes in float64 on the CPU: one flat member at a time.
                 total = torch.zeros(self.m0.numel(), dtype=torch.float64)
                 for member in pool_params:
-                    flat = _flatten(member)
+                    flat = flatten(member)
                     if flat.numel() != self.m0.numel():
                         raise ValueError("pool_params members do not match m0_params")
                     total += flat.to(device="cpu", dtype=torch.float64)
                 centroid = total / len(pool_params)
                 spread = 0.0
                 for member in pool_params:
-                    spread += float((_flatten(member).to(device="cpu", dtype=torch.float64) - centroid).pow(2).sum())
+                    spread += float((flatten(member).to(device="cpu", dtype=torch.float64) - centroid).pow(2).sum())
                 self.centroid = centroid.to(dtype=self.m0.dtype, device=device)
                 self.spread = spread / len(pool_params)
 
@@ -432,13 +355,6 @@ class _Regulariser:
             diff = flat - self.centroid
             dist1 = torch.dot(diff, diff) + self.spread
         return dist1, dist2
-
-
-def _flatten(params: Sequence[Tensor]) -> Tensor:
-    params = list(params)
-    if not params:
-        raise ValueError("no parameters given")
-    return torch.cat([p.detach().reshape(-1) for p in params])
 
 
 # --------------------------------------------------------------------------- training
@@ -569,7 +485,7 @@ def _fit(
             accuracy = None
         if use_best and accuracy > best_accuracy:  # strictly better; epoch 1 always kept
             best_accuracy = accuracy
-            best_state = _clone_state(model.state_dict())
+            best_state = clone_state(model.state_dict())
         if on_epoch is not None:
             on_epoch(
                 {
@@ -583,7 +499,7 @@ def _fit(
                 }
             )
     if best_state is None:  # last-epoch selection, empty val, or zero epochs
-        best_state = _clone_state(model.state_dict())
+        best_state = clone_state(model.state_dict())
     return best_state
 
 
@@ -673,15 +589,11 @@ def warm_up(model: nn.Module, train, val, cfg: TrainConfig, seed: int, device, o
     cfg.validate()
     if cfg.warmup_epochs == 0:
         _check_data(train, "train", allow_empty=False)
-        return _clone_state(model.state_dict())
+        return clone_state(model.state_dict())
     return _fit(
         model, train, val, cfg, _generator(derive_seed(seed, "warmup")), device,
         epochs=cfg.warmup_epochs, stage="warmup", index=0, on_epoch=on_epoch,
     )
-
-
-def _param_names(model: nn.Module) -> list[str]:
-    return [name for name, _ in model.named_parameters()]
 
 
 def train_pool(
@@ -727,18 +639,18 @@ def train_pool(
     with torch.random.fork_rng(devices=[]):
         reference = build_model(spec)
     expected = state_signature(reference)
-    names = _param_names(reference)
-    _check_state(m0, expected, "m0")
+    names = param_names(reference)
+    check_signature(m0, expected, "m0")
     finished = list(finished)
     if len(finished) > cfg.models_per_site:
         raise ValueError(f"{len(finished)} finished models but models_per_site is {cfg.models_per_site}")
     for j, state in enumerate(finished, start=1):
-        _check_state(state, expected, f"finished model {j}")
+        check_signature(state, expected, f"finished model {j}")
     pool: list = [m0, *finished]
     m0_params = [m0[name] for name in names]
     for j in range(len(finished) + 1, cfg.models_per_site + 1):
         start = average_states(pool)
-        model = _build_loaded(spec, start)
+        model = build_loaded(spec, start)
         pool_params = [[member[name] for name in names] for member in (*pool, start)]
         state = _fit(
             model, train, val, cfg, _generator(derive_seed(seed, "pool", j)), device,
@@ -780,8 +692,8 @@ def train_fedseq(
     val = _check_data(val, "val", allow_empty=True)
     _check_data_fits(spec, train, "train")
     _check_data_fits(spec, val, "val")
-    _check_state(m0, expected_signature(spec), "m0")
-    model = _build_loaded(spec, m0)
+    check_signature(m0, expected_signature(spec), "m0")
+    model = build_loaded(spec, m0)
     return _fit(
         model, train, val, cfg, _generator(derive_seed(seed, "fedseq")), device,
         epochs=cfg.models_per_site * cfg.local_epochs, stage="fedseq", index=0, on_epoch=on_epoch,
@@ -852,7 +764,7 @@ def run_site(
     if len(finished) > 1:
         raise ValueError(f"fedseq trains one model per site; got {len(finished)} finished states")
     if finished:
-        _check_state(finished[0], expected_signature(spec), "finished model 1")
+        check_signature(finished[0], expected_signature(spec), "finished model 1")
         trained = finished[0]
     else:
         trained = train_fedseq(m0, spec, train, val, cfg, seed, device, on_epoch=on_epoch)
