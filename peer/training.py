@@ -38,6 +38,7 @@ they found it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import numbers
@@ -50,14 +51,14 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from fedrelay import params
+
 from .models import ModelSpec, _build_seeded, build_model, expected_signature, state_signature
 from .states import State, average_states, build_loaded, check_signature, clone_state, flatten, param_names
 
 __all__ = [
     "State",
     "TrainConfig",
-    "STRATEGIES",
-    "SELECTIONS",
     "derive_seed",
     "average_states",
     "model_parameters_distance_sq",
@@ -76,10 +77,6 @@ Dataset = tuple[Tensor, Tensor]
 EpochCallback = Callable[[dict], None]
 ModelCallback = Callable[[int, State], None]
 
-STRATEGIES = ("fedelmy", "fedseq")
-SELECTIONS = ("best-val", "last-epoch")
-
-
 # --------------------------------------------------------------------------- config
 
 
@@ -88,8 +85,8 @@ class TrainConfig:
     """Hyperparameters of one site's local training.
 
     Attributes:
-        strategy: ``"fedelmy"`` (model pool + distance regulariser) or ``"fedseq"``
-            (one model, plain CE).
+        strategy: a name in :data:`fedrelay.registry.STRATEGIES`: ``"fedelmy"`` (model
+            pool + distance regulariser) or ``"fedseq"`` (one model, plain CE).
         models_per_site: S, pool models trained per site (FedSeq trains one model for
             S*E epochs so that both spend the same number of epochs).
         local_epochs: E, epochs per pool model.
@@ -117,32 +114,9 @@ class TrainConfig:
     selection: str = "best-val"
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field, if any."""
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
-        for name, minimum in (
-            ("models_per_site", 1),
-            ("local_epochs", 1),
-            ("warmup_epochs", 0),
-            ("batch_size", 1),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an int, got {value!r}")
-            if value < minimum:
-                raise ValueError(f"{name} must be >= {minimum}, got {value}")
-        for name, positive in (("alpha", False), ("beta", False), ("lr", True), ("weight_decay", False)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number, got {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value!r}")
-            if positive and value <= 0:
-                raise ValueError(f"{name} must be > 0, got {value!r}")
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value!r}")
+        """Raise ``ValueError`` naming the first bad field, if any, by its start-chain flag
+        (:func:`fedrelay.params.check`, the one check of a run's training parameters)."""
+        params.check(dataclasses.asdict(self))
 
 
 # --------------------------------------------------------------------------- seeds
