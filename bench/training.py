@@ -4,7 +4,7 @@ On one site's data, in one process, with the same model, data, batch size and th
 
 - **plain loop**: a hand-written PyTorch loop (shuffle, forward, cross-entropy, backward, Adam
   step), the reference;
-- **FedSeq**: ``fedrelay.peer.training.train_fedseq`` (what a peer runs for ``--strategy
+- **FedSeq**: ``fedrelay.peer.strategies.fedseq.train_fedseq`` (what a peer runs for ``--strategy
   fedseq``) with last-epoch selection (one validation pass, after the last epoch: like for like
   with the plain loop; this is ``fedseq_vs_plain_loop``) and with best-validation selection
   (a validation pass and a best-epoch copy after every epoch);
@@ -102,7 +102,9 @@ def main(argv=None) -> dict:
     import torch
 
     from fedrelay.peer.models import ModelSpec, build_model
-    from fedrelay.peer.training import TrainConfig, train_fedseq, train_pool, use_deterministic_kernels
+    from fedrelay.peer.strategies.fedelmy import train_pool
+    from fedrelay.peer.strategies.fedseq import train_fedseq
+    from fedrelay.peer.training import TrainConfig, use_deterministic_kernels
 
     device = args.device
     deterministic = device.startswith("cuda") and not args.no_deterministic

@@ -1,10 +1,10 @@
-"""The federated-learning algorithms of one site, as plain functions.
+"""What every strategy shares: one site's local training, as plain functions.
 
 No networking and no files: inputs are tensors, modules and states; outputs are
-states.  A *state* is a ``dict[str, torch.Tensor]`` as returned by
-``nn.Module.state_dict()`` (parameters, BatchNorm running statistics and the int64
-``num_batches_tracked`` counters).  Every state this module returns holds new,
-contiguous CPU tensors, whatever ``device`` the training ran on.
+states (:mod:`fedrelay.peer.states`: a ``dict[str, torch.Tensor]`` as returned by
+``nn.Module.state_dict()``, parameters, BatchNorm running statistics and the int64
+``num_batches_tracked`` counters).  Every state returned here and by the strategies holds
+new, contiguous CPU tensors, whatever ``device`` the training ran on.
 
 Data: ``train`` and ``val`` are ``(images, labels)`` tuples: ``images`` a uint8
 tensor ``N x C x H x W``, ``labels`` an int64 tensor ``N`` of class indices.  Each
@@ -12,34 +12,35 @@ batch is converted to float32 ``/ 255`` on ``device``.  There is no normalisatio
 and no augmentation; this differs from the reference code, which trains CIFAR-10
 with RandomCrop(32, pad 4) + HorizontalFlip (implementation-notes section 1.5).
 
-Algorithms (paper: Wang et al., "One-Shot Sequential Federated Learning for Non-IID
-Data by Enhancing Local Model Diversity", ACM MM 2024, Algorithm 1 and Eq. 5-9;
-behaviour follows the authors' code as described in implementation-notes section 1):
+Read top to bottom: the config, seeds, data checks, :func:`evaluate`, the one training
+loop (:func:`train_one_epoch`, :func:`fit`), the first site's :func:`warm_up`, and
+:func:`run_site`, which warms up and hands the visit to the strategy named by
+``cfg.strategy`` in :mod:`fedrelay.registry`:
 
-* ``"fedelmy"``: each site builds a model pool ``[m0, b1, ..., bS]``.  Model ``bj``
-  starts from the uniform average of the pool so far, trains ``E`` epochs with
-  ``CE - alpha*d1/a + beta*d2/a`` and keeps its best-validation epoch; the site
-  sends the average of the pool (:func:`train_pool`).
-* ``"fedseq"``: the baseline; one model trained from ``m0`` with plain CE for
-  ``S*E`` epochs (:func:`train_fedseq`), which is the model sent on.
+* ``"fedelmy"`` (:mod:`fedrelay.peer.strategies.fedelmy`): each site builds a model pool
+  ``[m0, b1, ..., bS]``.  Model ``bj`` starts from the uniform average of the pool so far,
+  trains ``E`` epochs with ``CE - alpha*d1/a + beta*d2/a`` and keeps its best-validation
+  epoch; the site sends the average of the pool (``train_pool``).
+* ``"fedseq"`` (:mod:`fedrelay.peer.strategies.fedseq`): the baseline; one model trained
+  from ``m0`` with plain CE for ``S*E`` epochs (``train_fedseq``), which is the model sent on.
 
-Determinism: given the same inputs, config and seed, every function here returns
-bit-identical states on the CPU, and on a CUDA GPU once :func:`use_deterministic_kernels`
-has been called (the peer daemon does so unless started with ``--no-deterministic``; by
-default cuDNN and cuBLAS pick kernels whose float sums vary from run to run).  A CPU and a
-GPU, or two GPU models, give different bits for the same run.  Batch order comes from ``torch.Generator`` objects
-seeded with :func:`derive_seed`.  The global torch RNG is seeded only by
-:func:`run_site`, with ``torch.manual_seed(derive_seed(seed, "init"))`` immediately
-before the first site's model is built (atomically with respect to ``build_model``
-in other threads).  Every model construction here runs inside
-``torch.random.fork_rng``, so the functions leave the caller's global RNG state as
-they found it.
+Determinism: given the same inputs, config and seed, every function here and in the
+strategies returns bit-identical states on the CPU, and on a CUDA GPU once
+:func:`use_deterministic_kernels` has been called (the peer daemon does so unless started
+with ``--no-deterministic``; by default cuDNN and cuBLAS pick kernels whose float sums vary
+from run to run).  A CPU and a GPU, or two GPU models, give different bits for the same run.
+Batch order comes from ``torch.Generator`` objects seeded with :func:`derive_seed`.  The
+global torch RNG is seeded only by :func:`run_site`, with
+``torch.manual_seed(derive_seed(seed, "init"))`` immediately before the first site's model
+is built (atomically with respect to ``build_model`` in other threads).  Every model
+construction runs inside ``torch.random.fork_rng``, so the functions leave the caller's
+global RNG state as they found it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import math
 import numbers
 import os
 import time
@@ -50,34 +51,32 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .models import ModelSpec, _build_seeded, build_model, expected_signature, state_signature
+from fedrelay import params, registry
+
+from .models import ModelSpec, _build_seeded
+from .states import State, clone_state
 
 __all__ = [
     "State",
     "TrainConfig",
-    "STRATEGIES",
-    "SELECTIONS",
     "derive_seed",
-    "average_states",
-    "model_parameters_distance_sq",
-    "d1",
-    "d2",
-    "magnitude_scale",
+    "use_deterministic_kernels",
+    "seeded_generator",
+    "check_data",
+    "check_site_data",
     "evaluate",
-    "train_one_model",
+    "train_one_epoch",
+    "fit",
     "warm_up",
-    "train_pool",
-    "train_fedseq",
     "run_site",
 ]
 
-State = dict[str, torch.Tensor]
 Dataset = tuple[Tensor, Tensor]
 EpochCallback = Callable[[dict], None]
 ModelCallback = Callable[[int, State], None]
-
-STRATEGIES = ("fedelmy", "fedseq")
-SELECTIONS = ("best-val", "last-epoch")
+# A strategy's per-batch loss: ``regulariser(ce, params) -> loss``, from the batch's mean
+# cross-entropy (0-d, with gradient) and the model's parameters in ``model.parameters()`` order.
+Regulariser = Callable[[Tensor, list[Tensor]], Tensor]
 
 
 # --------------------------------------------------------------------------- config
@@ -88,8 +87,8 @@ class TrainConfig:
     """Hyperparameters of one site's local training.
 
     Attributes:
-        strategy: ``"fedelmy"`` (model pool + distance regulariser) or ``"fedseq"``
-            (one model, plain CE).
+        strategy: a name in :data:`fedrelay.registry.STRATEGIES`: ``"fedelmy"`` (model
+            pool + distance regulariser) or ``"fedseq"`` (one model, plain CE).
         models_per_site: S, pool models trained per site (FedSeq trains one model for
             S*E epochs so that both spend the same number of epochs).
         local_epochs: E, epochs per pool model.
@@ -117,32 +116,9 @@ class TrainConfig:
     selection: str = "best-val"
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field, if any."""
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
-        for name, minimum in (
-            ("models_per_site", 1),
-            ("local_epochs", 1),
-            ("warmup_epochs", 0),
-            ("batch_size", 1),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an int, got {value!r}")
-            if value < minimum:
-                raise ValueError(f"{name} must be >= {minimum}, got {value}")
-        for name, positive in (("alpha", False), ("beta", False), ("lr", True), ("weight_decay", False)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number, got {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value!r}")
-            if positive and value <= 0:
-                raise ValueError(f"{name} must be > 0, got {value!r}")
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value!r}")
+        """Raise ``ValueError`` naming the first bad field, if any, by its start-chain flag
+        (:func:`fedrelay.params.check`, the one check of a run's training parameters)."""
+        params.check(dataclasses.asdict(self))
 
 
 # --------------------------------------------------------------------------- seeds
@@ -209,242 +185,23 @@ def derive_seed(*parts) -> int:
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
 
-# --------------------------------------------------------------------------- states
+def seeded_generator(seed: int) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded with ``seed`` (a :func:`derive_seed` value), for a batch order."""
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed)
+    return generator
 
 
-def average_states(states: Sequence[Mapping[str, Tensor]]) -> State:
-    """Uniform mean of every state_dict entry (paper Eq. 5/6; reference ``mean_average_weights``).
+# --------------------------------------------------------------------------- data
 
-    Parameters, BatchNorm ``running_mean``/``running_var`` and ``num_batches_tracked``
-    are all averaged; there is no weighting by data size.  Sums are taken in float64
-    in the order of ``states``.  Floating entries are cast back to their dtype.
-    Integer entries (``num_batches_tracked``) are averaged in float64 and cast back to
-    their integer dtype, which truncates toward zero, like the reference code's
-    ``true_divide`` followed by the cast to long on load.
 
-    Returns:
-        A new state with the key order of ``states[0]``; new contiguous CPU tensors.
+def check_data(data, what: str, allow_empty: bool) -> Dataset:
+    """``data`` as ``(images, labels)``: uint8 ``N x C x H x W`` and int64 ``N``.
 
     Raises:
-        ValueError: ``states`` is empty, or the states differ in keys, shapes or dtypes.
+        ValueError: naming ``what``: not a pair, wrong dtypes or dimensions, different
+            lengths, or empty when ``allow_empty`` is False.
     """
-    states = list(states)
-    if not states:
-        raise ValueError("average_states needs at least one state")
-    first = states[0]
-    keys = list(first.keys())
-    for index, state in enumerate(states[1:], start=1):
-        if set(state.keys()) != set(keys):
-            missing = sorted(set(keys) - set(state.keys()))
-            extra = sorted(set(state.keys()) - set(keys))
-            raise ValueError(f"state {index} has different keys: missing {missing[:5]}, extra {extra[:5]}")
-        for key in keys:
-            a, b = first[key], state[key]
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise ValueError(
-                    f"state {index} entry {key!r} is {tuple(b.shape)} {b.dtype}, "
-                    f"expected {tuple(a.shape)} {a.dtype}"
-                )
-    count = len(states)
-    result: State = {}
-    with torch.no_grad():
-        for key in keys:
-            dtype = first[key].dtype
-            total = torch.zeros(first[key].shape, dtype=torch.float64)
-            for state in states:
-                total += state[key].detach().to(device="cpu", dtype=torch.float64)
-            mean = total / count
-            result[key] = mean.to(dtype).contiguous()
-    return result
-
-
-def _clone_state(state: Mapping[str, Tensor]) -> State:
-    """Detached, contiguous CPU copies of every entry."""
-    return {k: v.detach().to(device="cpu", copy=True).contiguous() for k, v in state.items()}
-
-
-def _check_state(state: Mapping[str, Tensor], expected: dict, what: str) -> None:
-    try:
-        got = state_signature(state)
-    except TypeError as exc:
-        raise ValueError(f"{what} is not a state dict: {exc}") from None
-    if got != expected:
-        missing = sorted(set(expected) - set(got))
-        extra = sorted(set(got) - set(expected))
-        wrong = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])
-        raise ValueError(
-            f"{what} does not fit the model: missing {missing[:5]}, unexpected {extra[:5]}, "
-            f"wrong shape/dtype {wrong[:5]}"
-        )
-
-
-def _build_loaded(spec: ModelSpec, state: Mapping[str, Tensor]) -> nn.Module:
-    """Build a model and load ``state`` without disturbing the global RNG."""
-    with torch.random.fork_rng(devices=[]):
-        model = build_model(spec)
-    model.load_state_dict(state)
-    return model
-
-
-# --------------------------------------------------------------------------- distances
-
-
-def model_parameters_distance_sq(params: Sequence[Tensor], others: Sequence[Tensor]) -> Tensor:
-    """Squared L2 distance between two aligned parameter lists.
-
-    ``sum_i ||params[i] - others[i]||_F^2``, i.e. the squared L2 norm of the
-    difference of the flattened concatenations.  No square root, no per-layer
-    normalisation (reference ``loop_df_fl.py``: ``torch.pow(torch.norm(p - q), 2)``).
-    ``others`` is detached: gradients flow to ``params`` only.
-
-    Returns:
-        A 0-d tensor (dtype of the parameters) on the parameters' device.
-
-    Raises:
-        ValueError: empty lists, or different lengths or shapes.
-    """
-    params = list(params)
-    others = list(others)
-    if not params:
-        raise ValueError("no parameters given")
-    if len(params) != len(others):
-        raise ValueError(f"parameter lists differ in length: {len(params)} vs {len(others)}")
-    total = None
-    for index, (p, q) in enumerate(zip(params, others)):
-        if p.shape != q.shape:
-            raise ValueError(f"parameter {index}: shape {tuple(p.shape)} vs {tuple(q.shape)}")
-        term = (p - q.detach().to(p.device)).pow(2).sum()
-        total = term if total is None else total + term
-    return total
-
-
-def d1(params: Sequence[Tensor], pool_params: Sequence[Sequence[Tensor]]) -> Tensor:
-    """The diversity distance d1 (paper Eq. 7, squared as in the reference code).
-
-    ``mean_j ||params - pool_params[j]||^2`` over the members of ``pool_params``.
-
-    As in the reference code (implementation-notes section 1.2) the caller passes the
-    pool *plus a frozen copy of the current model's start point* (the pool average),
-    i.e. |M|+1 members, not the |M| of Eq. 7.  Consequently, for the first model of
-    a site (pool ``[m0]``, start point ``m0``) d1 equals d2, and with alpha == beta
-    the regulariser cancels for that model.  Since the start point is the mean of the
-    pool, including it changes d1 only by a constant, never its gradient.  Pool
-    tensors are detached.
-
-    Raises:
-        ValueError: empty pool, or a member misaligned with ``params``.
-    """
-    pool_params = list(pool_params)
-    if not pool_params:
-        raise ValueError("d1 needs at least one pool member")
-    total = None
-    for member in pool_params:
-        term = model_parameters_distance_sq(params, member)
-        total = term if total is None else total + term
-    return total / len(pool_params)
-
-
-def d2(params: Sequence[Tensor], m0_params: Sequence[Tensor]) -> Tensor:
-    """The drift distance d2 (paper Eq. 8, squared as in the reference code).
-
-    ``||params - m0||^2`` where m0 = pool[0]: the received model, or the warm-up model
-    at the first site.  ``m0_params`` is detached.
-
-    Raises:
-        ValueError: misaligned parameter lists.
-    """
-    return model_parameters_distance_sq(params, m0_params)
-
-
-def magnitude_scale(ce: float, d2: float) -> float:
-    """The divisor ``a`` of the regulariser (reference ``scale_to_order_of_magnitude``).
-
-    With ``oa = floor(log10(ce))`` and ``ob = floor(log10(d2))`` returns
-    ``10 ** (ob - oa + 1)`` if ``ob > oa - 1`` else ``1.0``, so that ``d2 / a`` sits
-    about one order of magnitude below the CE loss; it only ever shrinks.  Example
-    (supplementary): CE 6.02, d = 45 gives a = 100, d / a = 0.45.  Returns 1.0 when
-    ``d2 <= 0``, ``ce <= 0`` or either is not finite (the reference code would crash
-    in ``log10`` for CE = 0).  Recomputed every batch from ``.item()`` values, so it is
-    a constant without gradient.
-    """
-    ce = float(ce)
-    d2 = float(d2)
-    if not (math.isfinite(ce) and math.isfinite(d2)) or ce <= 0.0 or d2 <= 0.0:
-        return 1.0
-    oa = math.floor(math.log10(ce))
-    ob = math.floor(math.log10(d2))
-    if ob > oa - 1:
-        return float(10 ** (ob - oa + 1))
-    return 1.0
-
-
-class _Regulariser:
-    """Cheap per-batch d1/d2 for one pool model.
-
-    Built once per model from detached flat copies of the pool.  d2 is computed
-    literally.  d1 uses the identity ``mean_j ||x - p_j||^2 = ||x - c||^2 +
-    mean_j ||p_j - c||^2`` with the centroid ``c = mean_j p_j``: the value equals the
-    reference's up to rounding and the gradient ``2 (x - c)`` is the same, but it
-    costs one subtraction per batch instead of |M|+1.
-    """
-
-    def __init__(self, m0_params, pool_params, alpha: float, beta: float, device):
-        self.alpha = float(alpha)
-        self.beta = float(beta)
-        self.active = m0_params is not None and (self.alpha != 0.0 or self.beta != 0.0)
-        self.use_d1 = self.active and self.alpha != 0.0 and pool_params is not None
-        if not self.active:
-            return
-        with torch.no_grad():
-            self.m0 = _flatten(m0_params).to(device)
-            if self.use_d1:
-                pool_params = list(pool_params)
-                if not pool_params:
-                    raise ValueError("pool_params is empty")
-                # Two streaming passes in float64 on the CPU: one flat member at a time.
-                total = torch.zeros(self.m0.numel(), dtype=torch.float64)
-                for member in pool_params:
-                    flat = _flatten(member)
-                    if flat.numel() != self.m0.numel():
-                        raise ValueError("pool_params members do not match m0_params")
-                    total += flat.to(device="cpu", dtype=torch.float64)
-                centroid = total / len(pool_params)
-                spread = 0.0
-                for member in pool_params:
-                    spread += float((_flatten(member).to(device="cpu", dtype=torch.float64) - centroid).pow(2).sum())
-                self.centroid = centroid.to(dtype=self.m0.dtype, device=device)
-                self.spread = spread / len(pool_params)
-
-    def distances(self, params: Sequence[Tensor]) -> tuple[Tensor | None, Tensor | None]:
-        """(d1, d2) for the current parameters; d1 None when unused, d2 without grad if beta == 0."""
-        flat = torch.cat([p.reshape(-1) for p in params])
-        if flat.numel() != self.m0.numel():
-            raise ValueError("model parameters do not match m0_params")
-        if self.beta != 0.0:
-            diff = flat - self.m0
-            dist2 = torch.dot(diff, diff)
-        else:  # only needed for the magnitude scale
-            with torch.no_grad():
-                diff = flat.detach() - self.m0
-                dist2 = torch.dot(diff, diff)
-        dist1 = None
-        if self.use_d1:
-            diff = flat - self.centroid
-            dist1 = torch.dot(diff, diff) + self.spread
-        return dist1, dist2
-
-
-def _flatten(params: Sequence[Tensor]) -> Tensor:
-    params = list(params)
-    if not params:
-        raise ValueError("no parameters given")
-    return torch.cat([p.detach().reshape(-1) for p in params])
-
-
-# --------------------------------------------------------------------------- training
-
-
-def _check_data(data, what: str, allow_empty: bool) -> tuple[Tensor, Tensor]:
     try:
         images, labels = data
     except (TypeError, ValueError):
@@ -460,13 +217,27 @@ def _check_data(data, what: str, allow_empty: bool) -> tuple[Tensor, Tensor]:
     return images, labels
 
 
-def _check_data_fits(spec: ModelSpec, data: tuple[Tensor, Tensor], what: str) -> None:
+def _check_data_fits(spec: ModelSpec, data: Dataset, what: str) -> None:
     images, labels = data
     expected = (spec.in_channels, *tuple(spec.image_size))
     if tuple(images.shape[1:]) != expected and images.shape[0] > 0:
         raise ValueError(f"{what} images are {tuple(images.shape[1:])}, the model expects {expected}")
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= spec.num_classes):
         raise ValueError(f"{what} labels must lie in [0, {spec.num_classes})")
+
+
+def check_site_data(spec: ModelSpec, train, val) -> tuple[Dataset, Dataset]:
+    """A site's ``(train, val)`` checked with :func:`check_data` (train non-empty, val may be
+    empty) and against ``spec``: images of ``spec``'s channels and size, labels in
+    ``[0, spec.num_classes)``.  Raises ``ValueError``."""
+    train = check_data(train, "train", allow_empty=False)
+    val = check_data(val, "val", allow_empty=True)
+    _check_data_fits(spec, train, "train")
+    _check_data_fits(spec, val, "val")
+    return train, val
+
+
+# --------------------------------------------------------------------------- evaluation
 
 
 def evaluate(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int = 512, device="cpu") -> tuple[int, int]:
@@ -483,7 +254,7 @@ def evaluate(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int =
     Returns:
         ``(correct, total)``; ``(0, 0)`` for an empty set.
     """
-    images, labels = _check_data((images, labels), "evaluation data", allow_empty=True)
+    images, labels = check_data((images, labels), "evaluation data", allow_empty=True)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     total = int(labels.shape[0])
@@ -503,7 +274,45 @@ def evaluate(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int =
     return correct, total
 
 
-def _fit(
+# --------------------------------------------------------------------------- training
+
+
+def train_one_epoch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_x: Tensor,
+    train_y: Tensor,
+    order: Tensor,
+    batch_size: int,
+    regulariser: Regulariser | None = None,
+) -> Tensor:
+    """One pass over ``train`` in ``order`` (a permutation on the data's device), in slices of
+    ``batch_size`` (last partial batch included); per batch the loss is the mean CE, or
+    ``regulariser(ce, params)`` when given, and one optimiser step.
+
+    Returns:
+        The sum over the epoch of each batch's CE times its size: a 0-d float64 tensor on
+        the data's device (read it once per epoch).
+    """
+    model.train()
+    params = list(model.parameters())
+    # Summed on the device, read once per epoch: a read per batch would make a GPU wait for
+    # every step (float64, so the figure equals the sum of the batches' float values).
+    ce_sum = torch.zeros((), dtype=torch.float64, device=train_x.device)
+    for start in range(0, int(order.shape[0]), batch_size):
+        idx = order[start:start + batch_size]
+        x = train_x[idx].to(torch.float32).div_(255.0)
+        y = train_y[idx]
+        ce = F.cross_entropy(model(x), y)
+        loss = ce if regulariser is None else regulariser(ce, params)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        ce_sum += ce.detach().to(torch.float64) * int(y.shape[0])
+    return ce_sum
+
+
+def fit(
     model: nn.Module,
     train,
     val,
@@ -514,52 +323,60 @@ def _fit(
     epochs: int,
     stage: str,
     index: int,
-    m0_params=None,
-    pool_params=None,
+    regulariser: Regulariser | None = None,
     on_epoch: EpochCallback | None = None,
 ) -> State:
-    """The training loop shared by warm-up, pool models and FedSeq."""
-    train_x, train_y = _check_data(train, "train", allow_empty=False)
-    val_x, val_y = _check_data(val, "val", allow_empty=True)
-    if pool_params is not None and m0_params is None:
-        raise ValueError("pool_params needs m0_params (d2 sets the magnitude scale)")
+    """The training loop shared by the warm-up and every strategy: train ``model`` for
+    ``epochs`` epochs and return the selected state.
+
+    A fresh ``torch.optim.Adam(lr=cfg.lr, weight_decay=cfg.weight_decay)``; batches are
+    slices of ``torch.randperm(N, generator=generator)`` of ``cfg.batch_size`` (last
+    partial batch included; :func:`train_one_epoch`).  The loss is plain CE, or what
+    ``regulariser(ce, params)`` makes of it: the strategy's loss terms (FedELMY's d1 and
+    d2), which this loop knows nothing about.
+
+    ``cfg.selection == "best-val"`` evaluates after every epoch and returns a copy of the
+    state of the epoch with the *strictly* best validation accuracy (the first epoch is
+    always kept); ``"last-epoch"`` evaluates once, after the last epoch, and returns the
+    last.  With an empty ``val`` the last epoch is returned (the reference code always has
+    a validation split).  The module itself is left on ``device`` with its last-epoch
+    weights.
+
+    Args:
+        model: moved to ``device`` in place.
+        train: ``(uint8 N x C x H x W, int64 N)``, non-empty.
+        val: same layout, may be empty.
+        generator: CPU ``torch.Generator`` for the batch order (consumed).
+        device: ``"cpu"``, ``"cuda"``, a ``torch.device``...
+        epochs, stage, index: the length of the loop, and the ``"stage"`` and ``"model"``
+            it reports.
+        on_epoch: called after each epoch with ``{"stage", "model": index, "epoch":
+            1-based, "epochs", "train_loss": mean CE over the epoch's samples,
+            "val_accuracy": float in [0, 1], or None when not validated (an empty val, or
+            an epoch before the last under last-epoch selection), "seconds": wall time of
+            the epoch including evaluation}``.
+
+    Returns:
+        The selected state (new CPU tensors).
+
+    Raises:
+        ValueError: bad data.
+    """
+    train_x, train_y = check_data(train, "train", allow_empty=False)
+    val_x, val_y = check_data(val, "val", allow_empty=True)
     model.to(device)
     train_x, train_y = train_x.to(device), train_y.to(device)
-    params = list(model.parameters())
-    regulariser = _Regulariser(m0_params, pool_params, cfg.alpha, cfg.beta, device)
-    optimizer = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.Adam(list(model.parameters()), lr=cfg.lr, weight_decay=cfg.weight_decay)
     use_best = cfg.selection == "best-val" and val_y.shape[0] > 0
     n = int(train_y.shape[0])
     best_state: State | None = None
     best_accuracy = -1.0
     for epoch in range(1, epochs + 1):
         started = time.perf_counter()
-        model.train()
         # The batch order is drawn on the CPU (same order on every device) and moved once per
         # epoch: a host-to-device copy per batch made a GPU wait for its queue every step.
         order = torch.randperm(n, generator=generator).to(train_x.device)
-        # Summed on the device, read once per epoch: a read per batch would make a GPU wait for
-        # every step (float64, so the figure equals the sum of the batches' float values).
-        ce_sum = torch.zeros((), dtype=torch.float64, device=train_x.device)
-        for start in range(0, n, cfg.batch_size):
-            idx = order[start:start + cfg.batch_size]
-            x = train_x[idx].to(torch.float32).div_(255.0)
-            y = train_y[idx]
-            ce = F.cross_entropy(model(x), y)
-            loss = ce
-            if regulariser.active:
-                dist1, dist2 = regulariser.distances(params)
-                # a needs CE and d2 on the host (the reference's arithmetic): one read, not two.
-                # Computing it on the GPU instead was no faster on an H100 (more, tiny kernels).
-                a = magnitude_scale(*torch.stack([ce.detach(), dist2.detach()]).tolist())
-                if dist1 is not None:
-                    loss = loss - cfg.alpha * dist1 / a
-                if cfg.beta != 0.0:
-                    loss = loss + cfg.beta * dist2 / a
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            ce_sum += ce.detach().to(torch.float64) * int(y.shape[0])
+        ce_sum = train_one_epoch(model, optimizer, train_x, train_y, order, cfg.batch_size, regulariser)
         # Best-validation selection needs every epoch validated; last-epoch selection only the
         # last (the accuracy of the model kept is still reported), so it costs what a plain loop does.
         if val_y.shape[0] > 0 and (use_best or epoch == epochs):
@@ -569,7 +386,7 @@ def _fit(
             accuracy = None
         if use_best and accuracy > best_accuracy:  # strictly better; epoch 1 always kept
             best_accuracy = accuracy
-            best_state = _clone_state(model.state_dict())
+            best_state = clone_state(model.state_dict())
         if on_epoch is not None:
             on_epoch(
                 {
@@ -583,83 +400,15 @@ def _fit(
                 }
             )
     if best_state is None:  # last-epoch selection, empty val, or zero epochs
-        best_state = _clone_state(model.state_dict())
+        best_state = clone_state(model.state_dict())
     return best_state
-
-
-def train_one_model(
-    model: nn.Module,
-    train,
-    val,
-    cfg: TrainConfig,
-    generator: torch.Generator,
-    device,
-    *,
-    m0_params: Sequence[Tensor] | None = None,
-    pool_params: Sequence[Sequence[Tensor]] | None = None,
-    on_epoch: EpochCallback | None = None,
-) -> State:
-    """Train ``model`` for ``cfg.local_epochs`` epochs and return the selected state.
-
-    Paper Algorithm 1 lines 9-13 (Eq. 9); implementation-notes section 1.2/1.4.  A
-    fresh ``torch.optim.Adam(lr=cfg.lr, weight_decay=cfg.weight_decay)``; batches
-    are slices of ``torch.randperm(N, generator=generator)`` of ``cfg.batch_size``
-    (last partial batch included).  Per batch the loss is
-
-        ``CE - alpha * d1 / a + beta * d2 / a``, ``a = magnitude_scale(CE, d2)``
-
-    when ``m0_params`` is given (parameter tensors aligned with
-    ``model.parameters()``); ``pool_params`` (pool members + the frozen start point,
-    see :func:`d1`) adds d1.  d1 is skipped when ``alpha == 0`` or ``pool_params`` is
-    None, d2 enters the loss only when ``beta != 0`` (it is still computed, without
-    gradient, for ``a``).  Without ``m0_params`` the loss is plain CE.
-
-    After every epoch the model is evaluated on ``val``.  ``cfg.selection ==
-    "best-val"`` returns a copy of the state of the epoch with the *strictly* best
-    validation accuracy (the first epoch is always kept); ``"last-epoch"`` returns
-    the last.  With an empty ``val`` the last epoch is returned (the reference code
-    always has a validation split).  The module itself is left on ``device`` with its
-    last-epoch weights.
-
-    Args:
-        model: moved to ``device`` in place.
-        train: ``(uint8 N x C x H x W, int64 N)``, non-empty.
-        val: same layout, may be empty.
-        generator: CPU ``torch.Generator`` for the batch order (consumed).
-        device: ``"cpu"``, ``"cuda"``, a ``torch.device``...
-        on_epoch: called after each epoch with ``{"stage": "pool", "model": 0,
-            "epoch": 1-based, "epochs", "train_loss": mean CE over the epoch's
-            samples, "val_accuracy": float in [0, 1], or None when not validated (an empty
-            val, or an epoch before the last under last-epoch selection), "seconds": wall time of
-            the epoch including evaluation}`` (:func:`train_pool` passes the real
-            1-based model index).
-
-    Returns:
-        The selected state (new CPU tensors).
-
-    Raises:
-        ValueError: bad config or data, ``pool_params`` without ``m0_params``,
-            misaligned parameter lists.
-    """
-    cfg.validate()
-    return _fit(
-        model, train, val, cfg, generator, device,
-        epochs=cfg.local_epochs, stage="pool", index=0,
-        m0_params=m0_params, pool_params=pool_params, on_epoch=on_epoch,
-    )
-
-
-def _generator(seed: int) -> torch.Generator:
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(seed)
-    return generator
 
 
 def warm_up(model: nn.Module, train, val, cfg: TrainConfig, seed: int, device, on_epoch: EpochCallback | None = None) -> State:
     """Warm up the first site's freshly built model (paper Algorithm 1 line 1).
 
     Plain CE for ``cfg.warmup_epochs`` epochs with the same optimiser, batching and
-    selection as :func:`train_one_model` (implementation-notes section 1.4); batch
+    selection as every strategy (:func:`fit`; implementation-notes section 1.4); batch
     order from ``derive_seed(seed, "warmup")``.  ``model`` is built and seeded by the
     caller.  With ``warmup_epochs == 0`` it returns a copy of the model's state
     untouched.  ``on_epoch`` gets ``stage="warmup"``, ``model=0``.
@@ -672,120 +421,15 @@ def warm_up(model: nn.Module, train, val, cfg: TrainConfig, seed: int, device, o
     """
     cfg.validate()
     if cfg.warmup_epochs == 0:
-        _check_data(train, "train", allow_empty=False)
-        return _clone_state(model.state_dict())
-    return _fit(
-        model, train, val, cfg, _generator(derive_seed(seed, "warmup")), device,
+        check_data(train, "train", allow_empty=False)
+        return clone_state(model.state_dict())
+    return fit(
+        model, train, val, cfg, seeded_generator(derive_seed(seed, "warmup")), device,
         epochs=cfg.warmup_epochs, stage="warmup", index=0, on_epoch=on_epoch,
     )
 
 
-def _param_names(model: nn.Module) -> list[str]:
-    return [name for name, _ in model.named_parameters()]
-
-
-def train_pool(
-    m0: Mapping[str, Tensor],
-    spec: ModelSpec,
-    train,
-    val,
-    cfg: TrainConfig,
-    seed: int,
-    device,
-    *,
-    finished: Sequence[Mapping[str, Tensor]] = (),
-    on_epoch: EpochCallback | None = None,
-    on_model: ModelCallback | None = None,
-) -> tuple[State, list[State]]:
-    """Build one site's FedELMY model pool (paper Algorithm 1 lines 5-16, Eq. 6-9).
-
-    ``pool = [m0] + list(finished)``; then for ``j = len(finished)+1 .. S``: build the
-    model (global RNG untouched), load ``average_states(pool)``, train it with
-    :func:`train_one_model` semantics (batch order ``derive_seed(seed, "pool", j)``,
-    d2 to ``pool[0]``, d1 to the pool members + the frozen start point, as the
-    reference code does; implementation-notes section 1.1/1.2), append the selected
-    state and call ``on_model(j, state)`` so that the caller can persist it.
-
-    Resume: pass the states already trained (in order) as ``finished``; since each
-    model depends only on the pool before it and its own derived seed, the result is
-    bit-identical to an uninterrupted run.  ``on_model`` is called only for newly
-    trained models.  ``on_epoch`` gets ``stage="pool"``, ``model=j``.
-
-    Returns:
-        ``(average_states(pool), pool)`` with ``len(pool) == S + 1``; ``pool[0]`` is
-        ``m0`` and ``pool[1:len(finished)+1]`` the ``finished`` states as given.
-
-    Raises:
-        ValueError: bad config or data, more than S ``finished`` states, or a state
-            that does not fit ``spec``.
-    """
-    cfg.validate()
-    train = _check_data(train, "train", allow_empty=False)
-    val = _check_data(val, "val", allow_empty=True)
-    _check_data_fits(spec, train, "train")
-    _check_data_fits(spec, val, "val")
-    with torch.random.fork_rng(devices=[]):
-        reference = build_model(spec)
-    expected = state_signature(reference)
-    names = _param_names(reference)
-    _check_state(m0, expected, "m0")
-    finished = list(finished)
-    if len(finished) > cfg.models_per_site:
-        raise ValueError(f"{len(finished)} finished models but models_per_site is {cfg.models_per_site}")
-    for j, state in enumerate(finished, start=1):
-        _check_state(state, expected, f"finished model {j}")
-    pool: list = [m0, *finished]
-    m0_params = [m0[name] for name in names]
-    for j in range(len(finished) + 1, cfg.models_per_site + 1):
-        start = average_states(pool)
-        model = _build_loaded(spec, start)
-        pool_params = [[member[name] for name in names] for member in (*pool, start)]
-        state = _fit(
-            model, train, val, cfg, _generator(derive_seed(seed, "pool", j)), device,
-            epochs=cfg.local_epochs, stage="pool", index=j,
-            m0_params=m0_params, pool_params=pool_params, on_epoch=on_epoch,
-        )
-        pool.append(state)
-        if on_model is not None:
-            on_model(j, state)
-    return average_states(pool), pool
-
-
-def train_fedseq(
-    m0: Mapping[str, Tensor],
-    spec: ModelSpec,
-    train,
-    val,
-    cfg: TrainConfig,
-    seed: int,
-    device,
-    on_epoch: EpochCallback | None = None,
-) -> State:
-    """The FedSeq baseline at one site: one model from ``m0``, plain CE, S*E epochs.
-
-    Same optimiser, batching and selection as :func:`train_one_model`; batch order
-    from ``derive_seed(seed, "fedseq")``.  Neither FedSeq nor its hyperparameters are
-    in the reference repository (implementation-notes section 1.7); S*E epochs give
-    it the same local compute as FedELMY (paper section 4.3.2).  ``on_epoch`` gets
-    ``stage="fedseq"``, ``model=0``, ``epochs=S*E``.
-
-    Returns:
-        The selected state (new CPU tensors).
-
-    Raises:
-        ValueError: bad config or data, or an ``m0`` that does not fit ``spec``.
-    """
-    cfg.validate()
-    train = _check_data(train, "train", allow_empty=False)
-    val = _check_data(val, "val", allow_empty=True)
-    _check_data_fits(spec, train, "train")
-    _check_data_fits(spec, val, "val")
-    _check_state(m0, expected_signature(spec), "m0")
-    model = _build_loaded(spec, m0)
-    return _fit(
-        model, train, val, cfg, _generator(derive_seed(seed, "fedseq")), device,
-        epochs=cfg.models_per_site * cfg.local_epochs, stage="fedseq", index=0, on_epoch=on_epoch,
-    )
+# --------------------------------------------------------------------------- one site
 
 
 def run_site(
@@ -817,14 +461,15 @@ def run_site(
     first site re-runs the warm-up, which is deterministic; passing the warm-up state
     as ``m0`` instead gives the identical result.
 
-    Then ``"fedelmy"``: :func:`train_pool`, sending the pool average.  ``"fedseq"``:
-    :func:`train_fedseq`, sending the trained model; its pool is ``[m0, trained]``.
-    For FedSeq ``on_model(1, trained)`` is called too, and ``finished`` may hold that
-    one state to skip the training on resume.
+    Then the strategy's ``train`` (:func:`fedrelay.registry.load`): ``"fedelmy"``:
+    ``train_pool``, sending the pool average.  ``"fedseq"``: ``train_fedseq``, sending the
+    trained model; its pool is ``[m0, trained]``.  For FedSeq ``on_model(1, trained)`` is
+    called too, and ``finished`` may hold that one state to skip the training on resume.
 
     Args:
         seed: the site's seed, e.g. ``derive_seed(run_seed, "site", i)``.
-        finished, on_epoch, on_model: see :func:`train_pool`.
+        finished, on_epoch, on_model: see ``train_pool``
+            (:mod:`fedrelay.peer.strategies.fedelmy`).
 
     Returns:
         ``(model to send, pool)``: the final model of the chain when this is the last
@@ -835,27 +480,12 @@ def run_site(
             fit ``spec``.
     """
     cfg.validate()
-    train = _check_data(train, "train", allow_empty=False)
-    val = _check_data(val, "val", allow_empty=True)
-    _check_data_fits(spec, train, "train")
-    _check_data_fits(spec, val, "val")
+    train, val = check_site_data(spec, train, val)
     if m0 is None:
         model = _build_seeded(spec, derive_seed(seed, "init"))
         m0 = warm_up(model, train, val, cfg, seed, device, on_epoch=on_epoch)
         del model
         if on_warmup is not None:
             on_warmup(m0)
-    if cfg.strategy == "fedelmy":
-        return train_pool(m0, spec, train, val, cfg, seed, device,
-                          finished=finished, on_epoch=on_epoch, on_model=on_model)
-    finished = list(finished)
-    if len(finished) > 1:
-        raise ValueError(f"fedseq trains one model per site; got {len(finished)} finished states")
-    if finished:
-        _check_state(finished[0], expected_signature(spec), "finished model 1")
-        trained = finished[0]
-    else:
-        trained = train_fedseq(m0, spec, train, val, cfg, seed, device, on_epoch=on_epoch)
-        if on_model is not None:
-            on_model(1, trained)
-    return trained, [m0, trained]
+    return registry.load(cfg.strategy).train(m0, spec, train, val, cfg, seed, device,
+                                             finished=finished, on_epoch=on_epoch, on_model=on_model)

@@ -1,4 +1,4 @@
-"""Unit tests for fedrelay.peer.models and fedrelay.peer.training (CPU, tiny, < 30 s)."""
+"""Unit tests for fedrelay.peer.models, .states, .training and .strategies (CPU, tiny, < 30 s)."""
 
 from __future__ import annotations
 
@@ -9,21 +9,17 @@ import pytest
 import torch
 
 from fedrelay.peer.models import ARCHS, ModelSpec, build_model, state_signature
-from fedrelay.peer.training import (
-    TrainConfig,
+from fedrelay.peer.states import average_states
+from fedrelay.peer.strategies.fedelmy import (
     _Regulariser,
-    average_states,
     d1,
     d2,
-    derive_seed,
-    evaluate,
     magnitude_scale,
     model_parameters_distance_sq,
-    run_site,
     train_one_model,
     train_pool,
-    warm_up,
 )
+from fedrelay.peer.training import TrainConfig, derive_seed, evaluate, run_site, warm_up
 
 
 @pytest.fixture(autouse=True, scope="module")
