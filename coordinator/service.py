@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, wire
+from fedrelay import __version__, names, wire
 from fedrelay.coordinator.ledger import TERMINAL, Ledger
 from fedrelay.coordinator.planner import PeerInfo, PlanError, plan_chain
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
@@ -110,6 +110,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     # -- peers' calls ----------------------------------------------------------------------------
     def Register(self, request: cpb.RegisterRequest, context) -> cpb.RegisterReply:
+        names.check_registration(request)
         self._as_site(context, request.name)
         if not request.name or not request.address:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name and address are required")
@@ -127,6 +128,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """The address a site last registered with. Any authenticated caller (under TLS every
         certificate is this trial's) may ask: a sender re-resolves a receiver that stopped
         answering, in case it came back elsewhere."""
+        names.check_resolve(request)
         peer = self.ledger.peer(request.name)
         if peer is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no site {request.name!r} has registered")
@@ -151,6 +153,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return [c for c in run["chain"] if c["name"] not in skipped]
 
     def ReportHop(self, request: cpb.HopReport, context) -> cpb.ReportReply:
+        names.check_hop_report(request)
         self._as_site(context, request.sender)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.sender, context)
@@ -183,6 +186,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return cpb.ReportReply(duplicate=not new)
 
     def ReportProgress(self, request: cpb.ProgressReport, context) -> cpb.ReportReply:
+        names.check_progress(request)
         self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.site, context)
@@ -208,6 +212,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return cpb.ReportReply()
 
     def ReportFinal(self, request: cpb.FinalReport, context) -> cpb.ReportReply:
+        names.check_final(request)
         self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
         last = self._live_order(run)[-1]["name"]
@@ -225,6 +230,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return cpb.ReportReply()
 
     def ReportFailure(self, request: cpb.FailureReport, context) -> cpb.ReportReply:
+        names.check_failure(request)
         self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.site, context)
@@ -453,6 +459,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     # -- operator calls ---------------------------------------------------------------------------
     def StartChain(self, request: cpb.StartChainRequest, context) -> cpb.StartChainReply:
+        names.check_start_chain(request)
         self._as_operator(context)
         peers = [
             PeerInfo(name=p["name"], address=p["address"],
@@ -516,6 +523,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return cpb.StartChainReply(run_id=run_id, order=plan.names, warnings=plan.warnings)
 
     def WatchRun(self, request: cpb.WatchRunRequest, context):
+        names.check_run_request(request)
         self._as_operator(context)
         if self.ledger.run(request.run_id) is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {request.run_id!r}")
@@ -532,6 +540,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self.ledger.wait_for_events(1.0)
 
     def GetRun(self, request: cpb.GetRunRequest, context) -> cpb.RunSummary:
+        names.check_run_request(request)
         self._as_operator(context)
         summary = self.summary(request.run_id)
         if summary is None:
@@ -553,6 +562,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return out
 
     def FetchModel(self, request: peer_pb2.FetchModelRequest, context):
+        names.check_run_request(request)
         self._as_operator(context)
         run = self.ledger.run(request.run_id)
         if run is None:
