@@ -221,6 +221,12 @@ def _coordinator_calls(ids, address, value):  # noqa: F811 - fixture name
                    "run_id"),
         "WatchRun": (lambda: list(cstub(ids["operator"], address).WatchRun(cpb.WatchRunRequest(run_id=value),
                                                                            timeout=10)), "run_id"),
+        "StartChain": (lambda: cstub(ids["operator"], address).StartChain(
+            cpb.StartChainRequest(peers=["site-a", value], seed=1), timeout=10), "peers[1]"),
+        "ReportProgress": (lambda: site.ReportProgress(cpb.ProgressReport(run_id=value, site="site-a", kind="state"),
+                                                       timeout=10), "run_id"),
+        "ReportFailure": (lambda: site.ReportFailure(cpb.FailureReport(run_id="r", site=value, error="x"),
+                                                     timeout=10), "site"),
     }
 
 
