@@ -103,6 +103,7 @@ def main(argv=None) -> dict:
     import torch
 
     from fedrelay import wire
+    from fedrelay.coordinator.plan import chain_plan
     from fedrelay.peer.models import ModelSpec, build_model
     from fedrelay.peer.transfer import send_model
     from fedrelay.v1 import common_pb2, peer_pb2, peer_pb2_grpc
@@ -146,10 +147,10 @@ def main(argv=None) -> dict:
             handoff_s, socket_s = [], []
             for rep in range(pairs):
                 run_id = f"bench-{label}-{rep}"
+                order = ["src", "recv", "send"]  # "send" makes the final model and copies it to "recv"
                 a = peer_pb2.Assignment(
-                    run_id=run_id, position=1, chain_length=3, seed=0, site="recv", order=["src", "recv", "send"],
-                    predecessor=common_pb2.SiteRef(name="src", address="127.0.0.1:9"),
-                    successor=common_pb2.SiteRef(name="send", address="127.0.0.1:9"),
+                    run_id=run_id, position=1, chain_length=3, seed=0, site="recv", order=order,
+                    **chain_plan(order).part_pb("recv", dict.fromkeys(order, "127.0.0.1:9")),
                     params=common_pb2.TrainingParams(strategy="fedelmy", models_per_site=1, local_epochs=1,
                                                      warmup_epochs=0, alpha=1, beta=1, lr=1e-3, batch_size=8,
                                                      weight_decay=0, selection="best-val"),

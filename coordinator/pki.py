@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
-import re
 from pathlib import Path
 
 from cryptography import x509
@@ -30,12 +29,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fedrelay import names
 from fedrelay.wire import CA_FILE, CERT_FILE, COORDINATOR_IDENTITY, KEY_FILE, OPERATOR_IDENTITY
 
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
 CA_DAYS = 3650
 CERT_DAYS = 825
-NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 RESERVED = (COORDINATOR_IDENTITY, OPERATOR_IDENTITY)
 
 
@@ -44,11 +43,14 @@ class PKIError(Exception):
 
 
 def check_name(name: str) -> None:
-    """Raise ``PKIError`` unless ``name`` can be a site identity: 1-63 lowercase letters, digits
-    and '-', not starting or ending with '-' (a DNS label), and not a reserved role name."""
-    if not NAME_RE.match(name):
-        raise PKIError(f"site name {name!r} must be 1-63 characters of a-z, 0-9 and '-' "
-                       "(not starting or ending with '-')")
+    """Raise ``PKIError`` unless ``name`` can be a site identity: a site name by
+    ``fedrelay.names.check_site_name`` (the rule every daemon applies to the names it receives:
+    1-63 of a-z, 0-9 and '-', not starting or ending with '-', a DNS label), and not a reserved
+    role name."""
+    try:
+        names.check_site_name(name, "site name")
+    except names.InvalidName as exc:
+        raise PKIError(str(exc)) from None
     if name in RESERVED:
         raise PKIError(f"{name!r} is a reserved identity (the {name}'s, made by init-ca)")
 

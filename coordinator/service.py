@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, params as run_params, wire
+from fedrelay import __version__, names, params as run_params, wire
 from fedrelay.coordinator.ledger import TERMINAL, Ledger, LedgerConflict
 from fedrelay.coordinator.plan import FINAL, HOP, Plan, Transfer, chain_plan, replan
 from fedrelay.coordinator.planner import PeerInfo, PlanError, plan_chain
@@ -90,6 +90,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     # -- peers' calls ----------------------------------------------------------------------------
     def Register(self, request: cpb.RegisterRequest, context) -> cpb.RegisterReply:
+        names.check_registration(request)
         self._as_site(context, request.name)
         if not request.name or not request.address:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name and address are required")
@@ -107,6 +108,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """The address a site last registered with. Any authenticated caller (under TLS every
         certificate is this trial's) may ask: a sender re-resolves a receiver that stopped
         answering, in case it came back elsewhere."""
+        names.check_resolve(request)
         peer = self.ledger.peer(request.name)
         if peer is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no site {request.name!r} has registered")
@@ -182,6 +184,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 f"{got['sha256'][:12]} from {got['sender']}", site=receiver)
 
     def ReportHop(self, request: cpb.HopReport, context) -> cpb.ReportReply:
+        names.check_hop_report(request)
         self._as_site(context, request.sender)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.sender, context)
@@ -221,6 +224,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def ReportReceipt(self, request: cpb.ReceiptReport, context) -> cpb.ReportReply:
         """The receiver's side of a transfer: what it verified and kept (see ``_settle``)."""
+        names.check_receipt(request)
         self._as_site(context, request.receiver)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.receiver, context)
@@ -239,6 +243,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return cpb.ReportReply(duplicate=not new)
 
     def ReportProgress(self, request: cpb.ProgressReport, context) -> cpb.ReportReply:
+        names.check_progress(request)
         self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.site, context)
@@ -264,6 +269,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return cpb.ReportReply()
 
     def ReportFinal(self, request: cpb.FinalReport, context) -> cpb.ReportReply:
+        names.check_final(request)
         self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
         last = self._plan(request.run_id)[1].final_site
@@ -288,6 +294,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return cpb.ReportReply()
 
     def ReportFailure(self, request: cpb.FailureReport, context) -> cpb.ReportReply:
+        names.check_failure(request)
         self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.site, context)
@@ -527,6 +534,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     # -- operator calls ---------------------------------------------------------------------------
     def StartChain(self, request: cpb.StartChainRequest, context) -> cpb.StartChainReply:
+        names.check_start_chain(request)
         self._as_operator(context)
         peers = [
             PeerInfo(name=p["name"], address=p["address"],
@@ -591,6 +599,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return cpb.StartChainReply(run_id=run_id, order=chosen.names, warnings=chosen.warnings)
 
     def WatchRun(self, request: cpb.WatchRunRequest, context):
+        names.check_run_request(request)
         self._as_operator(context)
         if self.ledger.run(request.run_id) is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {request.run_id!r}")
@@ -607,6 +616,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self.ledger.wait_for_events(1.0)
 
     def GetRun(self, request: cpb.GetRunRequest, context) -> cpb.RunSummary:
+        names.check_run_request(request)
         self._as_operator(context)
         summary = self.summary(request.run_id)
         if summary is None:
@@ -628,6 +638,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return out
 
     def FetchModel(self, request: peer_pb2.FetchModelRequest, context):
+        names.check_run_request(request)
         self._as_operator(context)
         run = self.ledger.run(request.run_id)
         if run is None:

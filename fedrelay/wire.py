@@ -14,7 +14,10 @@ Transport security is set up here and nowhere else: a ``Transport`` is either mu
 ``--tls DIR`` folder (``key.pem``, ``cert.pem``, ``ca.pem``; see ``coordinator/pki.py``) or
 explicitly insecure (plaintext), and every server (``make_server``) and channel
 (``Transport.channel``) of both daemons and the CLI is made from one. ``caller_identity``
-gives a server the certificate name of the caller.
+gives a server the certificate name of the caller. Every server also gets a
+``fedrelay.guard.Guard`` (bounds on calls in flight per caller, a first-message deadline, clean
+refusals, quiet logs) and connection limits (handshake timeout, idle timeout, streams per
+connection).
 
 Models are exchanged as safetensors only (``encode_state``/``decode_state``): nothing received
 is ever unpickled or passed to ``torch.load``.
@@ -46,9 +49,15 @@ _OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+HANDSHAKE_TIMEOUT_MS = 10_000  # a connection must finish TLS and HTTP/2 set-up within 10 s
+MAX_CONNECTION_IDLE_MS = 300_000  # a connection with no call for 5 minutes is closed (GOAWAY)
+MAX_STREAMS_PER_CONNECTION = 32  # calls at once on one connection; more wait at the client
 _SERVER_OPTIONS = _OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.so_reuseport", 0),
+    ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+    ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
+    ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
 ]
 
 
@@ -173,15 +182,27 @@ def insecure_channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=_OPTIONS)
 
 
-def make_server(listen: str, max_workers: int = 16, transport: Transport = INSECURE) -> tuple[grpc.Server, int]:
+def make_server(listen: str, transport: Transport = INSECURE, guard=None) -> tuple[grpc.Server, int]:
     """A gRPC server bound to ``listen`` (``HOST:PORT``; port 0 picks a free one), with mutual TLS
     when ``transport`` is secure (daemons always pass theirs; the default is plaintext).
+
+    Every call passes ``guard`` (a ``fedrelay.guard.Guard``; a new one with the default
+    ``Limits`` when None): bounds on calls in flight per caller, a deadline for the first
+    request message, clean refusals of malformed messages, rate-limited refusal logs. The
+    worker pool has ``guard.limits.max_workers`` threads (started as needed). Connections must
+    finish their handshake within ``HANDSHAKE_TIMEOUT_MS``, are closed after
+    ``MAX_CONNECTION_IDLE_MS`` without a call, and carry at most ``MAX_STREAMS_PER_CONNECTION``
+    calls at once.
 
     Returns (server, bound port). Raises ``RuntimeError`` when the address cannot be bound.
     """
     from concurrent import futures
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_SERVER_OPTIONS)
+    from fedrelay.guard import Guard
+
+    guard = guard if guard is not None else Guard()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=guard.limits.max_workers),
+                         interceptors=[guard], options=_SERVER_OPTIONS)
     try:
         if transport.secure:
             port = server.add_secure_port(listen, transport.server_credentials())

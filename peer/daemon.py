@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, wire
+from fedrelay import __version__, names, wire
 from fedrelay.peer.data import SiteData, load_site
 from fedrelay.peer.node import DEFAULT_STALL_TIMEOUT, PeerNode
 from fedrelay.peer.reporting import CoordinatorLink, backoff_delays
@@ -94,9 +94,11 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     (:func:`fedrelay.peer.training.use_deterministic_kernels`) so that a run's model digests
     repeat; False trains faster on a GPU but the same seed then gives different models.
 
-    Raises ``DataError`` (bad data folder), ``ValueError`` (bad device or address, or a TLS
-    identity that is not ``name``) or ``RuntimeError`` (cannot listen) before serving anything.
+    Raises ``DataError`` (bad data folder), ``ValueError`` (bad device or address, a name or class
+    folder name that breaks its ``fedrelay.names`` rule, or a TLS identity that is not ``name``)
+    or ``RuntimeError`` (cannot listen) before serving anything.
     """
+    names.check_site_name(name, "--name")
     if transport.secure and transport.identity != name:
         raise ValueError(f"--tls {transport.source} holds the identity {transport.identity!r}, not --name {name!r}")
     if stall_timeout <= 0:
@@ -111,11 +113,13 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
                     "not give the same model digests")
     log.info("loading site data from %s", data_dir)
     data = load_site(data_dir)
+    names.check_class_names(data.class_names, f"the class folders of {data_dir}")
     log.info("site %s: %d classes, %s images, train %d, test %d", name, len(data.class_names),
              "x".join(map(str, data.image_shape)), sum(data.train_counts.values()), sum(data.test_counts.values()))
     _warm_up_imports()
     server, port = wire.make_server(listen, transport=transport)
     address = advertise or wire.with_port(listen, port)
+    names.check_address(address, "--advertise" if advertise else "--listen")
     host, _ = wire.split_hostport(address)
     if host in ("0.0.0.0", "::"):
         raise ValueError(f"listening on {listen}: pass --advertise HOST:PORT, the address other sites can reach")

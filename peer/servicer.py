@@ -15,7 +15,7 @@ import logging
 
 import grpc
 
-from fedrelay import wire
+from fedrelay import names, wire
 from fedrelay.peer.node import PeerNode
 from fedrelay.peer.transfer import TransferError, model_stream
 from fedrelay.v1 import common_pb2, peer_pb2, peer_pb2_grpc
@@ -31,11 +31,11 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     def _from_coordinator(context) -> None:
         who = wire.caller_identity(context)
         if who is not None and who != wire.COORDINATOR_IDENTITY:
-            log.warning("refused a coordinator call from %r", who)
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"only the coordinator may call this; the caller's certificate names {who!r}")
 
     def Assign(self, request: peer_pb2.Assignment, context) -> peer_pb2.AssignReply:
+        names.check_assignment(request)
         self._from_coordinator(context)
         try:
             state = self.node.assign(request)
@@ -47,7 +47,6 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         try:
             return self.node.handoff(request_iterator, caller=wire.caller_identity(context))
         except TransferError as exc:
-            log.warning("handoff refused (%s): %s", exc.code.name, exc.message)
             context.abort(exc.code, exc.message)
         except OSError as exc:  # e.g. a full disk: nothing was kept
             log.error("handoff failed: %s", exc)
@@ -57,7 +56,6 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         try:
             return self.node.transfer_offset(request, caller=wire.caller_identity(context))
         except TransferError as exc:
-            log.warning("offset query refused (%s): %s", exc.code.name, exc.message)
             context.abort(exc.code, exc.message)
 
     def GetStatus(self, request, context) -> peer_pb2.PeerStatus:
@@ -65,6 +63,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         return self.node.status()
 
     def Evaluate(self, request: peer_pb2.EvaluateRequest, context) -> peer_pb2.EvaluateReply:
+        names.check_run_request(request)
         self._from_coordinator(context)
         try:
             return self.node.evaluate(request.run_id, request.sha256)
@@ -72,6 +71,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]))
 
     def Reroute(self, request: peer_pb2.RerouteRequest, context) -> peer_pb2.RerouteReply:
+        names.check_reroute(request)
         self._from_coordinator(context)
         try:
             state = self.node.reroute(request)
@@ -82,6 +82,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         return peer_pb2.RerouteReply(run_id=request.run_id, state=state)
 
     def EndRun(self, request: peer_pb2.EndRunRequest, context) -> peer_pb2.EndRunReply:
+        names.check_end_run(request)
         self._from_coordinator(context)
         try:
             state, removed = self.node.end_run(request.run_id, request.status, request.reason)
@@ -90,6 +91,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         return peer_pb2.EndRunReply(run_id=request.run_id, state=state, removed_bytes=removed)
 
     def FetchModel(self, request: peer_pb2.FetchModelRequest, context):
+        names.check_run_request(request)
         self._from_coordinator(context)
         try:
             path = self.node.final_model_path(request.run_id, request.sha256)

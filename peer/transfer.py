@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import tempfile
 import threading
 import time
@@ -44,10 +43,9 @@ from typing import Callable, Iterable, Iterator
 
 import grpc
 
-from fedrelay import wire
+from fedrelay import names, wire
 from fedrelay.v1 import common_pb2, peer_pb2
 
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 GRPC_FRAME_BYTES = 5  # gRPC length-prefixed message framing: 1 flag byte + 4 length bytes
 
 
@@ -205,10 +203,12 @@ def _broken(exc: BaseException) -> bool:
 
 def check_header_fields(header: common_pb2.TransferHeader) -> None:
     """The checks a transfer header gets before anything else. Raises ``TransferError``:
-    INVALID_ARGUMENT (a SHA-256 that is not 64 lowercase hex digits, a zero size) or OUT_OF_RANGE
-    (an offset beyond the size)."""
-    if not _SHA256_RE.match(header.sha256):
-        raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "header.sha256 must be 64 lowercase hex digits")
+    INVALID_ARGUMENT (a run id, sender, hop or SHA-256 that breaks its ``fedrelay.names`` rule,
+    a zero size) or OUT_OF_RANGE (an offset beyond the size)."""
+    try:
+        names.check_transfer_header(header)
+    except names.InvalidName as exc:
+        raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
     if header.total_bytes == 0:
         raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "header.total_bytes must be > 0")
     if header.offset > header.total_bytes:

@@ -1,11 +1,15 @@
-"""Property-based fuzzing of a running peer over mutual TLS: thousands of generated malformed
+"""Property-based fuzzing of running daemons over mutual TLS: thousands of generated malformed
 safetensors payloads and malformed handoff streams, each of which must be answered with an
-error status, leave nothing on disk, and leave the daemon healthy."""
+error status, leave nothing on disk, and leave the daemon healthy; and generated names in
+ReportHop (coordinator) and Assign (peer), each answered INVALID_ARGUMENT when it breaks its rule,
+with only clean names reaching the ledger or a path."""
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
+import re
 import struct
 
 import grpc
@@ -14,9 +18,13 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from safetensors.torch import load, save
 
-from fedrelay.v1 import common_pb2, peer_pb2
+from fedrelay import names
+from fedrelay.coordinator.plan import chain_plan
+from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2
 
-from test_security import GOOD, header, ids, peer, snapshot, stub  # noqa: F401 - fixtures
+from test_security import (GOOD, assignment, coordinator, cstub, header, ids, peer, snapshot,  # noqa: F401 - fixtures
+                           stub)
+from test_transfer import CLASSES
 
 PAYLOAD_EXAMPLES = 1800
 STREAM_EXAMPLES = 1500
@@ -230,3 +238,138 @@ def test_fuzz_malformed_handoff_streams(peer, ids):  # noqa: F811 - fixtures
     receipt = sender.Handoff(iter([common_pb2.ModelChunk(header=header("after", GOOD))] + chunked(GOOD, 1 << 20)),
                              timeout=30)
     assert not receipt.duplicate and (node.state_dir / "runs" / "after" / "received.safetensors").read_bytes() == GOOD
+
+
+# -- names from the wire: ReportHop at the coordinator, Assign at the peer ---------------------------
+# The rules, written out again as the test's oracle (fedrelay.names is what is tested).
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+SITE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+SHA = re.compile(r"[0-9a-f]{64}")
+NAME_EXAMPLES = 400
+
+
+def names_like(valid: list[str], pattern: str) -> st.SearchStrategy[str]:
+    """Strings near a rule: valid ones, any text (controls, newlines, '/' and all), strings of the
+    rule's characters around its length limit, and paths."""
+    return st.one_of(st.sampled_from(valid), st.text(max_size=80), st.from_regex(pattern, fullmatch=True),
+                     st.sampled_from(["", "..", "../x", "a/b", ".x", "x" * 64, "x" * 65, "a" * 10_000, "a\x00b",
+                                      "a\nb", "-a", "a-", "A" * 63, "é"]))
+
+
+def valid_class(s: str) -> bool:
+    return (1 <= len(s) <= 128 and s.isprintable() and "/" not in s and "\\" not in s and not s.startswith(".")
+            and s == s.strip())
+
+
+@st.composite
+def some_broken(draw, fields: dict) -> dict:
+    """A dict of field -> value where 0-2 fields (drawn) come from their "near" strategy and the
+    others are valid."""
+    broken = draw(st.sets(st.sampled_from(sorted(fields)), max_size=2))
+    return {k: draw(near if k in broken else st.sampled_from(valid)) for k, (valid, near) in fields.items()}
+
+
+def test_fuzz_report_hop_fields(coordinator, ids):  # noqa: F811 - fixtures
+    address, ledger = coordinator
+    ledger.create_run("fz", strategy="fedelmy", arch="cnn", seed=1, params={}, class_index=["Bag"], model={},
+                      chain=[{"name": "site-a", "address": "127.0.0.1:9"}, {"name": "site-b", "address": "127.0.0.1:9"}],
+                      warnings=[], insecure=False, plan=chain_plan(["site-a", "site-b"]).to_json())
+    site = cstub(ids["site-a"], address)
+    seen = collections.Counter()
+    fields = {
+        "run_id": (["fz"], names_like(["fz", "nope", "20261123-061500-ab12cd"], r"[A-Za-z0-9_./-]{0,70}")),
+        "sender": (["site-a"], names_like(["site-a", "site-b"], r"[a-z0-9./-]{0,70}")),
+        "receiver": (["site-b"], names_like(["site-b", "site-c"], r"[a-z0-9./-]{0,70}")),
+        "sha256": (["ab" * 32, "0f" * 32], st.one_of(st.binary(min_size=32, max_size=32).map(bytes.hex),
+                                                    st.text(max_size=70))),
+        "hop": ([1, 2], st.one_of(st.integers(0, 3), st.integers(0, (1 << 32) - 1))),
+        "purpose": ([1], st.sampled_from([0, 1, 2, 7])),
+    }
+
+    @fuzz_settings(NAME_EXAMPLES)
+    @given(f=some_broken(fields))
+    def one(f):
+        report = cpb.HopReport(payload_bytes=10, started=1.0, ended=2.0, **f)
+        valid = (RUN_ID.fullmatch(f["run_id"]) and SITE.fullmatch(f["sender"]) and SITE.fullmatch(f["receiver"])
+                 and SHA.fullmatch(f["sha256"]) and f["hop"] < names.MAX_HOP)
+        try:
+            site.ReportHop(report, timeout=30)
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as err:
+            code = err.code()
+            assert len(err.details()) < 400, err.details()
+        if not valid:
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, report)
+        else:  # NOT_FOUND: another run; PERMISSION_DENIED: not a transfer of the plan, or another sender;
+            # INVALID_ARGUMENT: the purpose; ALREADY_EXISTS: hop 1 was already reported otherwise
+            assert code in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED,
+                            grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS), code
+        seen[code] += 1
+
+    one()
+    assert seen[grpc.StatusCode.INVALID_ARGUMENT] and seen[grpc.StatusCode.OK], seen
+    for h in ledger.hops("fz"):  # only clean names reached the ledger
+        assert SITE.fullmatch(h["sender"]) and SITE.fullmatch(h["receiver"]) and SHA.fullmatch(h["sha256"])
+    cstub(ids["operator"], address).ListRuns(cpb.ListRunsRequest(), timeout=10)  # still serving
+
+
+def rename(a, old: str, new: str, address: str | None = None) -> None:
+    """Give the site ``old`` of an assignment another name (and address) everywhere it appears:
+    the order, the planned transfers, the peers' addresses."""
+    a.order[list(a.order).index(old)] = new
+    for t in a.transfers:
+        t.sender = new if t.sender == old else t.sender
+        t.receiver = new if t.receiver == old else t.receiver
+    for ref in a.peers:
+        if ref.name == old:
+            ref.name = new
+            ref.address = ref.address if address is None else address
+
+
+def test_fuzz_assign_fields(peer, ids):  # noqa: F811 - fixtures
+    node, address = peer
+    coord = stub(ids["coordinator"], address)
+    seen = collections.Counter()
+    fields = {
+        "run_id": (["fz-ok", "20261123-061500-ab12cd", "fz_2"],
+                   names_like(["fz-ok", "x"], r"[A-Za-z0-9_./-]{0,70}")),
+        "first": (["site-a"], names_like(["site-a", "site-b"], r"[a-z0-9./-]{0,70}")),
+        "successor": (["site-c"], names_like(["site-c"], r"[a-z0-9./-]{0,70}")),
+        "address": (["127.0.0.1:2", "site-c:50071", "[::1]:7"], st.one_of(st.text(max_size=40), st.sampled_from(
+            ["host:0", "host:65536", "[::1]:5", "[zz]:5", "a b:1", ":1", "x" * 300 + ":1", "h:1\n"]))),
+        "extra": ([[], ["Extra class 1"]], st.lists(st.one_of(st.sampled_from(CLASSES), st.text(max_size=200)),
+                                                     max_size=3)),
+    }
+
+    @fuzz_settings(NAME_EXAMPLES)
+    @given(f=some_broken(fields))
+    def one(f):
+        a = assignment(f["run_id"])
+        rename(a, "site-a", f["first"])
+        rename(a, "site-c", f["successor"], address=f["address"])
+        a.class_index.extend(f["extra"])
+        classes = list(a.class_index)
+        host, _, port = f["address"].rpartition(":")
+        addr_ok = (bool(re.fullmatch(r"\[[0-9a-fA-F:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", host))
+                   and re.fullmatch(r"[0-9]{1,5}", port) is not None and 1 <= int(port) <= 65535)
+        valid = (RUN_ID.fullmatch(f["run_id"]) and SITE.fullmatch(f["first"]) and SITE.fullmatch(f["successor"])
+                 and len({f["first"], "site-b", f["successor"]}) == 3 and addr_ok
+                 and all(valid_class(c) for c in classes) and len(set(classes)) == len(classes))
+        try:
+            coord.Assign(a, timeout=30)
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as err:
+            code = err.code()
+            assert len(err.details()) < 400, err.details()
+        if valid:  # INVALID_ARGUMENT: e.g. the run was already assigned differently
+            assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT), code
+        else:
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, a)
+        seen[code] += 1
+
+    one()
+    assert seen[grpc.StatusCode.INVALID_ARGUMENT] and seen[grpc.StatusCode.OK], seen
+    for folder in (node.state_dir / "runs").iterdir():  # every run folder has a clean name
+        assert RUN_ID.fullmatch(folder.name), folder
+        assert all(valid_class(c) for c in node.runs[folder.name].assignment.class_index)
+    assert stub(ids["coordinator"], address).GetStatus(peer_pb2.StatusRequest(), timeout=5).name == "site-b"

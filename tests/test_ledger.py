@@ -76,7 +76,8 @@ def test_forged_reports_are_refused_and_the_ledger_equals_the_undisturbed_runs(c
     refused(lambda: cstub(ids[A], address).ReportHop(hop("attacked", 0, A, B, "e" * 64, purpose=FINAL), timeout=5),
             denied)
     refused(lambda: cstub(ids[B], address).ReportHop(hop("attacked", 99, B, "../../../tmp/x", "d" * 64), timeout=5),
-            denied)
+            grpc.StatusCode.INVALID_ARGUMENT)  # not a site name (fedrelay/names.py)
+    refused(lambda: cstub(ids[B], address).ReportHop(hop("attacked", 99, B, C, "d" * 64), timeout=5), denied)
     refused(lambda: cstub(ids[C], address).ReportReceipt(receipt("attacked", 1, A, B, "c" * 64), timeout=5), denied)
     refused(lambda: cstub(ids[B], address).ReportReceipt(receipt("attacked", 2, A, C, "c" * 64), timeout=5), denied)
     refused(lambda: cstub(ids[A], address).ReportFinal(cpb.FinalReport(run_id="attacked", site=A, sha256="e" * 64),

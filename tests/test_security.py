@@ -69,19 +69,26 @@ def assignment(run_id: str) -> peer_pb2.Assignment:
 RUNS = ("replay", "bad", "fuzz", "final", "after", "stall", "cut")
 
 
-@pytest.fixture(scope="module")
-def peer(three_sites, tmp_path_factory, ids):
-    """site-b's daemon over mutual TLS (its servicer and node, as `peer serve` builds them)."""
-    state = tmp_path_factory.mktemp("state-b")
-    server, port = wire.make_server("127.0.0.1:0", transport=ids["site-b"])
+def start_peer(site_dir: Path, state: Path, ids, runs=RUNS, guard=None) -> tuple[grpc.Server, PeerNode, str]:
+    """site-b's daemon over mutual TLS (its servicer and node, as `peer serve` builds them), with
+    ``runs`` assigned (site-a -> site-b -> site-c) and ``guard`` (default: ``wire.make_server``'s).
+    Returns (server, node, address); stop the server when done."""
+    server, port = wire.make_server("127.0.0.1:0", transport=ids["site-b"], guard=guard)
     address = f"127.0.0.1:{port}"
-    node = PeerNode("site-b", address, load_site(three_sites[0]), state, "cpu", None, start_workers=False,
+    node = PeerNode("site-b", address, load_site(site_dir), state, "cpu", None, start_workers=False,
                     transport=ids["site-b"], stall_timeout=STALL)
     add_peer_servicer(PeerServicer(node), server)
     server.start()
     coord = stub(ids["coordinator"], address)
-    for run_id in RUNS:
+    for run_id in runs:
         coord.Assign(assignment(run_id), timeout=10)
+    return server, node, address
+
+
+@pytest.fixture(scope="module")
+def peer(three_sites, tmp_path_factory, ids):
+    """site-b's daemon over mutual TLS: (node, address)."""
+    server, node, address = start_peer(three_sites[0], tmp_path_factory.mktemp("state-b"), ids)
     yield node, address
     server.stop(0)
 
@@ -442,14 +449,21 @@ def test_a_cut_stream_resumes_and_a_bad_resume_loses_the_partial(peer, ids):
     healthy(ids, address)
 
 
-@pytest.fixture(scope="module")
-def coordinator(ids, tmp_path_factory):
-    ledger = Ledger(tmp_path_factory.mktemp("ledger") / "l.sqlite")
-    server, port = wire.make_server("127.0.0.1:0", transport=ids["coordinator"])
+def start_coordinator(db: Path, ids, guard=None) -> tuple[grpc.Server, str, Ledger]:
+    """The coordinator's service over mutual TLS with a ledger at ``db`` and ``guard`` (default:
+    ``wire.make_server``'s). Returns (server, address, ledger); stop and close them when done."""
+    ledger = Ledger(db)
+    server, port = wire.make_server("127.0.0.1:0", transport=ids["coordinator"], guard=guard)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
         CoordinatorService(ledger, transport=ids["coordinator"]), server)
     server.start()
-    yield f"127.0.0.1:{port}", ledger
+    return server, f"127.0.0.1:{port}", ledger
+
+
+@pytest.fixture(scope="module")
+def coordinator(ids, tmp_path_factory):
+    server, address, ledger = start_coordinator(tmp_path_factory.mktemp("ledger") / "l.sqlite", ids)
+    yield address, ledger
     server.stop(0)
     ledger.close()
 
@@ -471,11 +485,11 @@ def test_coordinator_takes_registrations_and_reports_only_from_the_site_itself(c
         "operator as a site": lambda: cstub(ids["operator"], address).Register(registration("operator"), timeout=5),
         "coordinator as a site": lambda: cstub(ids["coordinator"], address).Register(registration("site-c"), timeout=5),
         "hop as another": lambda: cstub(ids["site-a"], address).ReportHop(
-            cpb.HopReport(run_id="r", sender="site-b", receiver="site-c"), timeout=5),
+            cpb.HopReport(run_id="r", hop=1, sender="site-b", receiver="site-c", sha256="ab" * 32), timeout=5),
         "progress as another": lambda: cstub(ids["site-a"], address).ReportProgress(
             cpb.ProgressReport(run_id="r", site="site-b", kind="state"), timeout=5),
         "final as another": lambda: cstub(ids["site-a"], address).ReportFinal(
-            cpb.FinalReport(run_id="r", site="site-c"), timeout=5),
+            cpb.FinalReport(run_id="r", site="site-c", sha256="ab" * 32), timeout=5),
         "failure as another": lambda: cstub(ids["site-a"], address).ReportFailure(
             cpb.FailureReport(run_id="r", site="site-b"), timeout=5),
     }
