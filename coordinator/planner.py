@@ -10,7 +10,8 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
-ARCHS = ("cnn", "resnet18")
+from fedrelay.registry import ARCHS
+
 ORDERS = ("random", "given")
 
 

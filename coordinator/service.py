@@ -26,7 +26,7 @@ import grpc
 from fedrelay import __version__, names, params as run_params, wire
 from fedrelay.coordinator.ledger import TERMINAL, Ledger, LedgerConflict
 from fedrelay.coordinator.plan import FINAL, HOP, Plan, Transfer, chain_plan, replan
-from fedrelay.coordinator.planner import PeerInfo, PlanError, plan_chain
+from fedrelay.coordinator.planner import PeerInfo, plan_chain
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("fedrelay.coordinator")
@@ -57,6 +57,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._end_retry: dict[tuple[str, str], float] = {}  # (run, site) -> monotonic time of the next try
         self.eval_retry = 300.0  # seconds an evaluation waits for an unreachable site
         self._eval_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="evaluate")
+        self._channels: dict[tuple[str, str], tuple[grpc.Channel, peer_pb2_grpc.PeerStub]] = {}
+        self._channels_lock = threading.Lock()
 
     # -- authorization ---------------------------------------------------------------------------
     def _as_site(self, context, claimed: str) -> None:
@@ -77,11 +79,24 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"{who!r} is a site identity; only the operator may call this")
 
-    def _peer_channel(self, site: dict | PeerInfo | common_pb2.SiteRef) -> grpc.Channel:
-        """A channel to a site's daemon at its latest registered address (a daemon restarted
-        elsewhere re-registers), else the address given."""
+    def _peer(self, site: dict | PeerInfo | common_pb2.SiteRef) -> peer_pb2_grpc.PeerStub:
+        """The Peer stub of a site's daemon at its latest registered address (a daemon restarted
+        elsewhere re-registers), else the address given. One channel per (site, address) is
+        made once and reused by every call (gRPC reconnects it as needed); ``close`` closes them."""
         name, address = (site["name"], site["address"]) if isinstance(site, dict) else (site.name, site.address)
-        return self.transport.channel(self._address(name, address), expect=name)
+        key = (name, self._address(name, address))
+        with self._channels_lock:
+            if key not in self._channels:
+                channel = self.transport.channel(key[1], expect=name)
+                self._channels[key] = (channel, peer_pb2_grpc.PeerStub(channel))
+            return self._channels[key][1]
+
+    def close(self) -> None:
+        """Close the channels to the sites (the daemon is stopping)."""
+        with self._channels_lock:
+            for channel, _ in self._channels.values():
+                channel.close()
+            self._channels.clear()
 
     def _address(self, name: str, fallback: str = "") -> str:
         """The address ``name`` last registered with, else ``fallback``."""
@@ -406,8 +421,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             run = self.ledger.run(run_id)
             address = next(c["address"] for c in run["chain"] if c["name"] == site)
             try:
-                with self._peer_channel({"name": site, "address": address}) as ch:
-                    peer_pb2_grpc.PeerStub(ch).Reroute(request, timeout=wire.CONTROL_TIMEOUT)
+                self._peer({"name": site, "address": address}).Reroute(request, timeout=wire.CONTROL_TIMEOUT)
                 self._pending.pop((run_id, site), None)
                 hops = ", ".join(f"hop {t.index} {t.sender}->{t.receiver}" for t in request.transfers
                                  if t.purpose == common_pb2.CHAIN_HOP) or "no hops"
@@ -432,10 +446,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 continue
             skipped = n["site"] in self._skipped(n["run_id"])
             reason = "this site was routed around" if skipped else (n["error"] or "")
-            try:  # a live site has registered: _peer_channel dials its registered address
-                with self._peer_channel({"name": n["site"], "address": ""}) as ch:
-                    reply = peer_pb2_grpc.PeerStub(ch).EndRun(
-                        peer_pb2.EndRunRequest(run_id=n["run_id"], status=n["status"], reason=reason), timeout=5.0)
+            try:  # a live site has registered: _peer dials its registered address
+                reply = self._peer({"name": n["site"], "address": ""}).EndRun(
+                    peer_pb2.EndRunRequest(run_id=n["run_id"], status=n["status"], reason=reason), timeout=5.0)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: the site never had the run
                     log.info("end of run %s not delivered to %s yet: %s", n["run_id"], n["site"],
@@ -453,19 +466,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     # -- final evaluation -----------------------------------------------------------------------
     def _call_peer(self, site: dict, method: str, request, *, timeout: float):
         """One call to a site's peer daemon, retried with backoff while the site is unreachable
-        (a restarting daemon, a dropped link) for up to ``self.eval_retry`` seconds."""
+        (a restarting daemon, a dropped link) for up to ``self.eval_retry`` seconds, with the
+        daemons' one retry policy (``wire.backoff_delays``)."""
         deadline = time.monotonic() + self.eval_retry
-        delay = 0.5
-        while True:
+        for delay in wire.backoff_delays():
             try:
-                with self._peer_channel(site) as ch:
-                    return getattr(peer_pb2_grpc.PeerStub(ch), method)(request, timeout=timeout)
+                return getattr(self._peer(site), method)(request, timeout=timeout)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay > deadline:
                     raise
                 log.warning("%s unreachable for %s (%s); retrying", site["name"], method, wire.status_message(exc))
                 time.sleep(delay)
-                delay = min(15.0, delay * 2)
 
     def recover(self) -> list[str]:
         """After a restart: finish what the ledger says was under way. Runs whose final model was
@@ -555,8 +566,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         unreachable = []
         for p in chosen.order:
             try:
-                with self._peer_channel(p) as ch:
-                    st = peer_pb2_grpc.PeerStub(ch).GetStatus(peer_pb2.StatusRequest(), timeout=self.probe_timeout)
+                st = self._peer(p).GetStatus(peer_pb2.StatusRequest(), timeout=self.probe_timeout)
                 if st.name != p.name:
                     unreachable.append(f"{p.name} at {p.address} answers as {st.name!r}")
             except grpc.RpcError as exc:
@@ -589,8 +599,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 model=spec, class_index=chosen.class_index, site=site, order=chosen.names, rounds=rounds,
                 **plan.part_pb(site, address))
             try:
-                with self._peer_channel(chosen.order[pos]) as ch:
-                    peer_pb2_grpc.PeerStub(ch).Assign(a, timeout=wire.CONTROL_TIMEOUT)
+                self._peer(chosen.order[pos]).Assign(a, timeout=wire.CONTROL_TIMEOUT)
             except grpc.RpcError as exc:
                 error = f"assignment refused by {site}: {wire.status_message(exc)}"
                 self._fail(run_id, error, site=site)
@@ -650,22 +659,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                          if h["status"] == "done" and h["sha256"] == run["final_sha256"]]
         errors = []
         for name in dict.fromkeys(h for h in holders if h):
-            with self._peer_channel({"name": name, "address": self._address(name)}) as ch:
-                stream = peer_pb2_grpc.PeerStub(ch).FetchModel(
-                    peer_pb2.FetchModelRequest(run_id=request.run_id, sha256=run["final_sha256"]),
-                    timeout=wire.transfer_timeout(run["model_bytes"] or 0))
-                try:
-                    first = next(stream)  # the header: this site holds the model
-                except grpc.RpcError as exc:
-                    errors.append(f"{name}: {wire.status_message(exc)}")
-                    continue
-                yield first
-                try:
-                    yield from stream
-                except grpc.RpcError as exc:
-                    context.abort(grpc.StatusCode.UNAVAILABLE,
-                                  f"the final model's stream from {name} broke: {wire.status_message(exc)}")
-                return
+            stream = self._peer({"name": name, "address": self._address(name)}).FetchModel(
+                peer_pb2.FetchModelRequest(run_id=request.run_id, sha256=run["final_sha256"]),
+                timeout=wire.transfer_timeout(run["model_bytes"] or 0))
+            try:
+                first = next(stream)  # the header: this site holds the model
+            except grpc.RpcError as exc:
+                errors.append(f"{name}: {wire.status_message(exc)}")
+                continue
+            yield first
+            try:
+                yield from stream
+            except grpc.RpcError as exc:
+                context.abort(grpc.StatusCode.UNAVAILABLE,
+                              f"the final model's stream from {name} broke: {wire.status_message(exc)}")
+            return
         context.abort(grpc.StatusCode.UNAVAILABLE, "cannot fetch the final model: " + "; ".join(errors))
 
     # -- summaries --------------------------------------------------------------------------------
@@ -736,4 +744,5 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
             pass
     finally:
         server.stop(grace=2).wait()
+        service.close()
         ledger.close()

@@ -12,6 +12,9 @@ A **strategy** module (``fedrelay.peer.strategies.<name>``) provides::
         # one visit's local training from the received model m0: (what the site sends, its pool)
     models_to_keep(cfg) -> int
         # how many intermediate models ``train`` persists through ``on_model`` (resume)
+    payload_schema(spec) -> {name: (shape, dtype)}      (optional)
+        # what a hop carries, when it is not just the model's own state (e.g. extra tensors);
+        # a receiver checks every payload against it before keeping it
 
 An **aggregator** combines several received payloads into one model (the star plans of the
 parallel one-shot methods); ``mean`` is the first (``fedrelay.peer.states.average_states``).
@@ -21,6 +24,9 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+
+
+ARCHS = ("cnn", "resnet18")  # the model zoo (fedrelay/peer/models.py builds them)
 
 
 @dataclass(frozen=True)

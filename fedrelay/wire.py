@@ -61,6 +61,17 @@ _SERVER_OPTIONS = _OPTIONS + [
 ]
 
 
+def backoff_delays(first: float = 0.5, cap: float = 15.0):
+    """The one retry policy of both daemons: exponential backoff with full jitter, 0.5 s, 1 s,
+    2 s, ... capped at ``cap`` seconds (an endless generator of delays in seconds)."""
+    import random
+
+    delay = first
+    while True:
+        yield random.uniform(0.5 * delay, delay)
+        delay = min(cap, delay * 2)
+
+
 def transfer_timeout(total_bytes: int) -> float:
     """Deadline in seconds for streaming ``total_bytes`` bytes."""
     return TRANSFER_FLOOR + total_bytes / MIN_TRANSFER_RATE

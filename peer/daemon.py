@@ -11,7 +11,8 @@ import grpc
 from fedrelay import __version__, names, wire
 from fedrelay.peer.data import SiteData, load_site
 from fedrelay.peer.node import DEFAULT_STALL_TIMEOUT, PeerNode
-from fedrelay.peer.reporting import CoordinatorLink, backoff_delays
+from fedrelay.peer.reporting import CoordinatorLink
+from fedrelay.wire import backoff_delays
 from fedrelay.peer.servicer import PeerServicer
 from fedrelay.peer.transfer import add_peer_servicer
 from fedrelay.v1 import coordinator_pb2 as cpb

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fedrelay.registry import ARCHS  # the one list of architectures
+
 __all__ = ["ARCHS", "ModelSpec", "SmallCNN", "build_model", "state_signature", "expected_signature",
            "state_bytes", "check_state"]
-
-ARCHS = ("cnn", "resnet18")
 
 _MIN_SIZE = {"cnn": 4, "resnet18": 9}
 
@@ -211,13 +211,14 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
-def check_state(state: Mapping[str, torch.Tensor], spec: ModelSpec) -> None:
-    """Check that ``state`` is a state of the model ``spec`` describes: the same tensor names,
-    shapes and dtypes, and no NaN or Inf in floating tensors.
+def check_state(state: Mapping[str, torch.Tensor], spec: ModelSpec, expected: dict | None = None) -> None:
+    """Check that ``state`` is a state of the model ``spec`` describes (or, when given, matches
+    the schema ``expected``, ``{name: (shape, dtype)}``: a strategy's payload): the same tensor
+    names, shapes and dtypes, and no NaN or Inf in floating tensors.
 
     Raises ``ValueError`` naming the first difference.
     """
-    expected = expected_signature(spec)
+    expected = expected if expected is not None else expected_signature(spec)
     got = state_signature(state)
     if set(got) != set(expected):
         extra, missing = sorted(set(got) - set(expected)), sorted(set(expected) - set(got))

@@ -13,7 +13,6 @@ trained again, an unsent model is sent, an unreported receipt is reported).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from pathlib import Path
@@ -22,7 +21,9 @@ import grpc
 
 from fedrelay import __version__, params as run_params, registry, wire
 from fedrelay.peer.data import SiteData
-from fedrelay.peer.reporting import RETRYABLE, CoordinatorLink, Reporter, backoff_delays
+from fedrelay.peer.inbound import InboundStreams, Stream
+from fedrelay.peer.reporting import RETRYABLE, CoordinatorLink, Reporter
+from fedrelay.wire import backoff_delays
 from fedrelay.peer.runs import ACTIVE, Run, sent_key
 from fedrelay.peer.transfer import (TransferError, check_header_fields, held_bytes, receive_model,
                                     remove_partials, send_model)
@@ -46,10 +47,7 @@ class PeerNode:
                  coordinator: CoordinatorLink | None, *, send_deadline: float = 1800.0,
                  start_workers: bool = True, transport: wire.Transport = wire.INSECURE,
                  stall_timeout: float = DEFAULT_STALL_TIMEOUT):
-        if stall_timeout <= 0:
-            raise ValueError("the stall timeout must be > 0 seconds")
         self.transport = transport
-        self.stall_timeout = stall_timeout  # seconds without a message before a stream is dropped
         self.name = name
         self.address = address
         self.data = data
@@ -62,7 +60,7 @@ class PeerNode:
         self._lock = threading.Lock()
         self._train_lock = threading.Lock()  # one training at a time on this site's hardware
         self._route_lock = threading.Lock()
-        self._streams: dict[Path, _Stream] = {}  # destination -> the Handoff stream writing it
+        self.streams = InboundStreams(stall_timeout)  # the Handoff streams open here
         self._tensors: dict[tuple, tuple] = {}
         self.reporter = Reporter(coordinator, lambda: self.stop)
         self.stop = threading.Event()
@@ -187,7 +185,7 @@ class PeerNode:
         Raises ``TransferError`` (with the status to answer).
         """
         holder: dict = {}
-        mine = _Stream()
+        mine = Stream()
 
         def check_header(h: common_pb2.TransferHeader) -> Path:
             try:
@@ -195,7 +193,7 @@ class PeerNode:
             except _Duplicate as dup:
                 holder["duplicate"] = dup.args
                 raise
-            self._claim(dest, mine)
+            self.streams.claim(dest, mine)
             holder.update(dest=dest, run=run, transfer=t)
             if h.purpose == common_pb2.CHAIN_HOP:
                 # In memory only: a refused stream leaves nothing changed on disk.
@@ -204,9 +202,9 @@ class PeerNode:
             return dest
 
         def check_payload(data: bytes) -> None:
-            self._check_model_bytes(holder["run"].assignment, data)
+            self._check_model_bytes(holder["run"].assignment, data, holder["transfer"].purpose)
 
-        watched = self._watched(chunks, mine.cancel)
+        watched = self.streams.watched(chunks, mine.cancel)
         try:
             got = receive_model(watched, Path("/nonexistent"), check_header, check_payload, resumable=True)
         except _Duplicate:
@@ -220,7 +218,7 @@ class PeerNode:
             raise
         finally:
             watched.close()
-            self._release(mine)
+            self.streams.release(mine)
         run, t, h = holder["run"], holder["transfer"], got.header
         if h.purpose == common_pb2.CHAIN_HOP:
             log.info("run %s: received hop %d (round %d) from %s (%d bytes, sha256 %s)", run.run_id, h.hop,
@@ -302,96 +300,9 @@ class PeerNode:
             _, _, dest = self._check_transfer(h, caller)
         except _Duplicate:
             return peer_pb2.TransferOffsetReply(offset=h.total_bytes, complete=True)
-        self._end_stream(dest)
+        self.streams.end(dest)
         return peer_pb2.TransferOffsetReply(offset=min(held_bytes(dest, h.sha256), h.total_bytes))
 
-
-    def _end_stream(self, dest: Path, wait: float = 10.0) -> None:
-        """Close the stream into ``dest`` still open here, if any; its bytes are kept. Raises
-        ``TransferError`` (ABORTED: retry) when it does not close within ``wait`` seconds."""
-        with self._lock:
-            old = self._streams.get(dest)
-        if old is not None:
-            old.cancel.set()
-            if not old.done.wait(wait):
-                raise TransferError(grpc.StatusCode.ABORTED, "an older stream of this transfer is still closing; retry")
-
-    def _claim(self, dest: Path, mine: "_Stream") -> None:
-        """Make ``mine`` the one stream writing into ``dest``: an older one (its sender gave up on
-        it, e.g. after a link dropped) is ended first, keeping its bytes."""
-        while True:
-            self._end_stream(dest)
-            with self._lock:
-                if dest not in self._streams:
-                    self._streams[dest] = mine
-                    mine.dest = dest
-                    return
-
-    def _release(self, mine: "_Stream") -> None:
-        with self._lock:
-            if mine.dest is not None and self._streams.get(mine.dest) is mine:
-                del self._streams[mine.dest]
-        mine.done.set()
-
-    def _watched(self, chunks, cancel: threading.Event | None = None):
-        """``chunks``, read by a helper thread, with a watchdog: raises ``TransferError``
-        (DEADLINE_EXCEEDED) when no message comes for ``stall_timeout`` seconds, or when the
-        stream runs past ``wire.transfer_timeout`` of its declared size; ABORTED soon after
-        ``cancel`` is set (a newer stream of the same transfer took over)."""
-        q: queue.Queue = queue.Queue(maxsize=4)
-        done = threading.Event()
-        end = object()
-
-        def pump() -> None:
-            item = end
-            try:
-                for msg in chunks:
-                    while not done.is_set():
-                        try:
-                            q.put(msg, timeout=0.5)
-                            break
-                        except queue.Full:
-                            continue
-                    if done.is_set():
-                        return
-            except BaseException as exc:  # noqa: BLE001 - the call ended (cancelled, broken)
-                item = exc
-            while not done.is_set():
-                try:
-                    q.put(item, timeout=0.5)
-                    return
-                except queue.Full:
-                    continue
-
-        threading.Thread(target=pump, name="handoff-reader", daemon=True).start()
-        deadline = None
-        last = time.monotonic()
-        try:
-            while True:
-                if cancel is not None and cancel.is_set():
-                    raise TransferError(grpc.StatusCode.ABORTED, "stream ended: a newer stream of this transfer took over")
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        "stream dropped: slower than the transfer deadline")
-                if now >= last + self.stall_timeout:
-                    raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        f"stream dropped: the sender stalled (nothing for {self.stall_timeout:g} s)")
-                limit = last + self.stall_timeout if deadline is None else min(deadline, last + self.stall_timeout)
-                try:
-                    item = q.get(timeout=max(0.0, min(0.25, limit - now)))
-                except queue.Empty:
-                    continue
-                last = time.monotonic()
-                if item is end:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                if deadline is None and item.WhichOneof("kind") == "header":
-                    deadline = time.monotonic() + wire.transfer_timeout(item.header.total_bytes)
-                yield item
-        finally:
-            done.set()
 
     @staticmethod
     def _payload_cap(a: peer_pb2.Assignment) -> int:
@@ -400,12 +311,16 @@ class PeerNode:
 
         return 4 * state_bytes(PeerNode._spec(a)) + (1 << 20)
 
-    def _check_model_bytes(self, a: peer_pb2.Assignment, data: bytes) -> None:
-        """Parse a payload with safetensors and check it against the strategy's payload schema
-        (the run's model). Raises ``ValueError``."""
+    def _check_model_bytes(self, a: peer_pb2.Assignment, data: bytes, purpose: int) -> None:
+        """Parse a payload with safetensors and check it against its schema before anything is
+        kept: a hop's against the strategy's ``payload_schema`` (default: the run's model), a
+        final copy's against the run's model. Raises ``ValueError``."""
         from fedrelay.peer.models import check_state
 
-        check_state(wire.decode_state(data), self._spec(a))
+        spec = self._spec(a)
+        schema = getattr(registry.load(a.params.strategy), "payload_schema", None)
+        expected = schema(spec) if schema is not None and purpose == common_pb2.CHAIN_HOP else None
+        check_state(wire.decode_state(data), spec, expected)
 
     # -- the worker ---------------------------------------------------------------------------------
     def _start_worker(self, run: Run) -> None:
@@ -776,13 +691,3 @@ class RunEnded(Exception):
 
 class _Duplicate(Exception):
     """This exact payload was already accepted: args are (run, dest, sha256, hop)."""
-
-
-class _Stream:
-    """One open Handoff stream into a destination: ``cancel`` asks it to end (keeping its
-    bytes); ``done`` is set once it has."""
-
-    def __init__(self):
-        self.cancel = threading.Event()
-        self.done = threading.Event()
-        self.dest: Path | None = None

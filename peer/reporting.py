@@ -1,8 +1,8 @@
 """The peer's calls to the coordinator: one channel, one retry policy, and the two reporters.
 
 - :class:`CoordinatorLink`: the one channel to the coordinator (whose certificate must name
-  ``coordinator`` under TLS), reused by every call, and :func:`backoff_delays`, the one retry
-  policy (exponential backoff with full jitter), used by reports and deliveries alike.
+  ``coordinator`` under TLS), reused by every call, retried with ``wire.backoff_delays`` (the
+  one retry policy of both daemons).
 - :class:`Reporter`: two background threads. Progress (epochs, state changes) is best effort and
   never blocks the caller: one try of up to 5 s each, dropped when :data:`PROGRESS_QUEUE` reports
   wait. Receipts (what this site verified and kept, ``Coordinator.ReportReceipt``) must reach the
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import random
 import threading
 import time
 from typing import Callable
@@ -22,6 +21,7 @@ from typing import Callable
 import grpc
 
 from fedrelay import wire
+from fedrelay.wire import backoff_delays
 from fedrelay.v1 import coordinator_pb2_grpc
 
 log = logging.getLogger("fedrelay.peer")
@@ -31,14 +31,6 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
              grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL,
              grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
 PROGRESS_QUEUE = 1000  # progress reports a peer holds while the coordinator is slow or unreachable
-
-
-def backoff_delays(first: float = 0.5, cap: float = 15.0):
-    """Exponential backoff with full jitter: 0.5 s, 1 s, 2 s, ... capped at ``cap`` seconds."""
-    delay = first
-    while True:
-        yield random.uniform(0.5 * delay, delay)
-        delay = min(cap, delay * 2)
 
 
 class CoordinatorLink:
