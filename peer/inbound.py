@@ -40,6 +40,11 @@ class InboundStreams:
         self._by_dest: dict[Path, Stream] = {}
         self._lock = threading.Lock()
 
+    def __len__(self) -> int:
+        """How many streams are open now."""
+        with self._lock:
+            return len(self._by_dest)
+
     def end(self, dest: Path, wait: float = 10.0) -> None:
         """Close the stream into ``dest`` still open here, if any; its bytes are kept. Raises
         ``TransferError`` (ABORTED: retry) when it does not close within ``wait`` seconds."""

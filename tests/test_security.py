@@ -425,7 +425,7 @@ def test_a_cut_stream_resumes_and_a_bad_resume_loses_the_partial(peer, ids):
             time.sleep(0.02)
         call.cancel()
         gate.set()
-        while time.monotonic() < deadline and node._streams:  # the receiver has ended the stream
+        while time.monotonic() < deadline and len(node.streams):  # the receiver has ended the stream
             time.sleep(0.02)
 
     cut(other, 1 << 16)
