@@ -68,3 +68,21 @@ def test_accuracy_study_smoke(tmp_path, idx_source):
     again = accuracy.main(["--quick", "--source", str(idx_source), "--workdir", str(tmp_path / "w"),
                            "--results", str(tmp_path / "r2.json"), "--plots", str(tmp_path / "plots")])
     assert again["dir0_5"]["fedelmy"] == a["dir0_5"]["fedelmy"] and again["wall_seconds_this_run"] < 30
+
+
+def test_record_into_a_subsection_keeps_the_section_and_survives_its_rewrite(tmp_path):
+    from bench.common import record
+
+    r = tmp_path / "r.json"
+    record("transfer", {"x": 1}, results=r)
+    record("accuracy", {"dir0_5": {"fedelmy": 1}}, results=r)
+    record("accuracy", {"dir0_1": {"fedelmy": {"T1": 0.5}}, "tables": [], "notes": ["n"]}, results=r, sub="few_shot")
+    data = json.loads(r.read_text())
+    assert data["transfer"]["x"] == 1 and data["accuracy"]["dir0_5"] == {"fedelmy": 1}
+    assert data["accuracy"]["few_shot"]["dir0_1"] == {"fedelmy": {"T1": 0.5}} and data["accuracy"]["subsections"] == ["few_shot"]
+    record("accuracy", {"dir0_5": {"fedelmy": 2}}, results=r)  # the one-shot study rewrites its section
+    data = json.loads(r.read_text())
+    assert data["accuracy"]["dir0_5"] == {"fedelmy": 2} and data["accuracy"]["few_shot"]["notes"] == ["n"]
+    md = (tmp_path / "RESULTS.md").read_text()
+    assert "## accuracy" in md and "### accuracy.few_shot" in md and "## transfer" in md
+
