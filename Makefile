@@ -9,7 +9,7 @@ SEED ?= 0
 DIRICHLET ?= 0.5
 CHAIN_ARGS ?= --models-per-site 5 --local-epochs 2 --warmup-epochs 2
 
-.PHONY: setup demo test bench bench-reduced proto clean
+.PHONY: setup demo test bench bench-reduced bench-few-shot proto clean
 
 setup: $(STAMP)
 
@@ -31,12 +31,18 @@ bench: setup
 	$(PY) -m bench.training
 	$(PY) -m bench.chain
 	nice -n 15 $(PY) -m bench.accuracy --domain-shift
+	nice -n 15 $(PY) -m bench.few_shot
 
 # The accuracy grid at a reduced scale (600 training images per site): about 50 minutes.
 bench-reduced: setup
 	nice -n 15 $(PY) -m bench.accuracy --seeds 0,1,2,3,4 --dirichlets 0.5,0.1 --max-train-per-site 600 \
 		--domain-shift --domain-max-train-per-site 1500 \
 		--results bench/reduced-scale/results.json --plots bench/reduced-scale/plots
+
+# Few-shot cycles (paper Table 2): FedELMY and FedSeq after T = 1, 2, 3, 5 rounds, 3 seeds x Dirichlet
+# 0.1/0.5, one 5-round chain per cell (about 1.5 hours on 2 quiet cores; resumable).
+bench-few-shot: setup
+	nice -n 15 $(PY) -m bench.few_shot
 
 proto: setup
 	$(PY) -m fedrelay.protogen

@@ -94,8 +94,9 @@ class Config:
         self.S, self.E, self.Ew = args.S, args.E, args.warmup_epochs
         self.alpha, self.beta = args.alpha, args.beta
         self.sites, self.max_train = args.sites, args.max_train_per_site
-        self.domain_max_train = args.domain_max_train_per_site
-        self.domain_seed = args.domain_seed
+        # studies without a domain-shift part (bench.few_shot) have no such arguments
+        self.domain_max_train = getattr(args, "domain_max_train_per_site", None)
+        self.domain_seed = getattr(args, "domain_seed", 0)
 
     @property
     def train_tag(self) -> str:
@@ -239,8 +240,10 @@ def make_domain_sites(out: Path, cfg: Config, source: Path | None) -> list[Path]
 # ------------------------------------------------------------------------------------------ runs
 
 
-def run_chain(trial, method: str, cfg: Config, seed: int, extra: list[str] = ()) -> dict:
-    """One chain through the daemons; the cell to cache."""
+def start_chain(trial, method: str, cfg: Config, seed: int, extra: list[str] = ()) -> tuple[dict, float]:
+    """One chain through the daemons (``start-chain --seed SEED --wait --json``): the finished
+    run's summary (``show --json``'s keys) and the seconds it took. Raises ``RuntimeError`` when
+    the chain fails."""
     started = time.monotonic()
     res = trial.cli("start-chain", "--seed", str(seed), "--wait", "--json", *cfg.chain_args(method), *extra,
                     capture_output=True, text=True, timeout=6 * 3600)
@@ -252,6 +255,12 @@ def run_chain(trial, method: str, cfg: Config, seed: int, extra: list[str] = ())
     run = json.loads(res.stdout)
     if run.get("status") != "finished" or not run.get("final"):
         raise RuntimeError(f"{method} chain ended {run.get('status')}: {run.get('error')}")
+    return run, seconds
+
+
+def run_chain(trial, method: str, cfg: Config, seed: int, extra: list[str] = ()) -> dict:
+    """One chain through the daemons; the cell to cache."""
+    run, seconds = start_chain(trial, method, cfg, seed, extra)
     return {"method": method, "accuracy": run["final"]["accuracy"], "sha256": run["final"]["sha256"],
             "commit": meta()["commit"],
             "per_site": {k: v["accuracy"] for k, v in run["final"]["per_site"].items()}, "order": run["order"],

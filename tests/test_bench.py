@@ -68,3 +68,56 @@ def test_accuracy_study_smoke(tmp_path, idx_source):
     again = accuracy.main(["--quick", "--source", str(idx_source), "--workdir", str(tmp_path / "w"),
                            "--results", str(tmp_path / "r2.json"), "--plots", str(tmp_path / "plots")])
     assert again["dir0_5"]["fedelmy"] == a["dir0_5"]["fedelmy"] and again["wall_seconds_this_run"] < 30
+
+
+def test_record_into_a_subsection_keeps_the_section_and_survives_its_rewrite(tmp_path):
+    from bench.common import record
+
+    r = tmp_path / "r.json"
+    record("transfer", {"x": 1}, results=r)
+    record("accuracy", {"dir0_5": {"fedelmy": 1}}, results=r)
+    record("accuracy", {"dir0_1": {"fedelmy": {"T1": 0.5}}, "tables": [], "notes": ["n"]}, results=r, sub="few_shot")
+    data = json.loads(r.read_text())
+    assert data["transfer"]["x"] == 1 and data["accuracy"]["dir0_5"] == {"fedelmy": 1}
+    assert data["accuracy"]["few_shot"]["dir0_1"] == {"fedelmy": {"T1": 0.5}} and data["accuracy"]["subsections"] == ["few_shot"]
+    record("accuracy", {"dir0_5": {"fedelmy": 2}}, results=r)  # the one-shot study rewrites its section
+    data = json.loads(r.read_text())
+    assert data["accuracy"]["dir0_5"] == {"fedelmy": 2} and data["accuracy"]["few_shot"]["notes"] == ["n"]
+    md = (tmp_path / "RESULTS.md").read_text()
+    assert "## accuracy" in md and "### accuracy.few_shot" in md and "## transfer" in md
+
+
+def test_few_shot_study_smoke(tmp_path, idx_source):
+    from bench import few_shot
+
+    r = tmp_path / "r.json"
+    r.write_text(json.dumps({"transfer": {"x": 1}}))  # an earlier section stays
+    args = ["--quick", "--source", str(idx_source), "--workdir", str(tmp_path / "w"), "--results", str(r),
+            "--plots", str(tmp_path / "plots")]
+    few_shot.main(args)
+    data = json.loads(r.read_text())
+    assert data["transfer"] == {"x": 1}
+    fs = data["accuracy"]["few_shot"]
+    assert not fs["failures"]
+    for method in ("fedelmy", "fedseq_last_epoch"):
+        m = fs["dir0_5"][method]
+        for t in ("T1", "T2"):
+            assert 0.0 <= m[t]["mean"] <= 1.0 and m[t]["std"] >= 0.0 and set(m[t]["per_seed"]) == {"0"}
+        by = m["bytes"]
+        assert by["per_T"]["T1"]["hops"] == 2 and by["per_T"]["T2"]["hops"] == 5 and by["ledger_equals_plan"]
+        assert by["per_T"]["T2"]["ledger_bytes_per_seed"]["0"] == 5 * by["model_bytes"] == by["run_total_bytes_per_seed"]["0"]
+        assert m["final_check"]["max_abs_diff"] <= 1e-9
+    assert (tmp_path / "plots" / "few_shot.png").stat().st_size > 1000
+    assert "### accuracy.few_shot" in (tmp_path / "RESULTS.md").read_text()
+    # T = 1 against a one-shot grid of the same configuration: equal where it is, flagged where not
+    t1 = {m: fs["dir0_5"][m]["T1"]["per_seed"]["0"] for m in ("fedelmy", "fedseq_last_epoch")}
+    one_shot = tmp_path / "one_shot.json"
+    one_shot.write_text(json.dumps({"accuracy": {
+        "config": {"sites": 3, "max_train_per_site": None, "S": 2, "E": 1, "Ew": 1, "alpha": 0.06, "beta": 1.0},
+        "dir0_5": {"fedelmy": {"per_seed": {"0": t1["fedelmy"]}},
+                   "fedseq_last_epoch": {"per_seed": {"0": t1["fedseq_last_epoch"] - 0.01}}}}}))
+    again = few_shot.main([*args, "--publish-only", "--one-shot-results", str(one_shot)])
+    assert again["dir0_5"]["fedelmy"]["T1_vs_one_shot"]["equal_in"] == 1
+    assert again["dir0_5"]["fedseq_last_epoch"]["T1_vs_one_shot"]["equal_in"] == 0
+    assert again["dir0_5"]["fedelmy"]["T2"] == fs["dir0_5"]["fedelmy"]["T2"] and again["wall_seconds_this_run"] < 30
+    assert any("equal in 1 of 2 cells" in n for n in again["notes"])
