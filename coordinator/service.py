@@ -370,12 +370,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         run = self.ledger.run(run_id)
         if run is None or run["status"] != "running" or run["final_sha256"]:
             return []
-        _, plan = self._plan(run_id)
         skipped = self._skipped(run_id)
         order = [c["name"] for c in run["chain"]]
         dead = self._dead(order)
-        if not dead - skipped:
+        if not dead - skipped:  # the common case, every second: nothing more to read
             return []
+        _, plan = self._plan(run_id)
         visits = list(plan.visits)
         reached = {(h["hop"], h["receiver"]) for h in self.ledger.hops(run_id)}
         at = max(i for i, v in enumerate(visits) if i == 0 or (v.index, v.site) in reached)
