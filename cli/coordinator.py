@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich import box
 from rich.table import Table
 
 from fedrelay import params as run_params
@@ -191,16 +192,18 @@ def render_summary(s: dict) -> None:
     console.print(f"\n[bold]run {s['run_id']}[/] ({s['strategy']}{cycles}, {s['arch']}, seed {s['seed']}): "
                   f"[bold]{s['status']}[/]", highlight=False)
     console.print("chain order: " + " -> ".join(s["order"]), highlight=False)
-    t = Table(title="hops (chain transfers)")
-    columns = ("hop", *(("round",) if rounds > 1 else ()), "sender → receiver", "payload bytes", "wire bytes",
-               "SHA-256", "seconds", "attempts", "ledger")
-    for col in columns:
-        t.add_column(col, justify="right" if "bytes" in col or col in ("hop", "round", "seconds", "attempts") else "left")
+    t = Table(title="hops (chain transfers" + ("; r: round)" if rounds > 1 else ")"), box=box.SIMPLE_HEAD,
+              collapse_padding=True, pad_edge=False)
+    columns = ("hop", *(("r",) if rounds > 1 else ()), "sender → receiver", "bytes", "on wire", "SHA-256",
+               "s", "tries", "ledger")
+    for col in columns:  # nothing is cut: the table fits 80 columns with 8-digit site numbers
+        t.add_column(col, justify="left" if col in ("sender → receiver", "SHA-256", "ledger") else "right",
+                     no_wrap=True)
     for h in s["hops"]:
         tries = str(h["attempts"]) + (f" (resumed at {_fmt_bytes(h['resumed_from'])})" if h["resumed_from"] else "")
         t.add_row(str(h["hop"]), *((str(h["round"]),) if rounds > 1 else ()), f"{h['sender']} → {h['receiver']}",
-                  _fmt_bytes(h["payload_bytes"]), _fmt_bytes(h["wire_bytes"]), (h["sha256"] or "")[:16] + "…",
-                  f"{h['seconds']:.3f}", tries, _status(h))
+                  _fmt_bytes(h["payload_bytes"]), _fmt_bytes(h["wire_bytes"]), (h["sha256"] or "")[:10] + "…",
+                  f"{h['seconds']:.2f}", tries, _status(h))
     console.print(t)
     exp = s["expected_total_bytes"]
     verdict = "" if exp is None else (" [green](equal)[/]" if s["total_bytes"] == exp else " [red](differs)[/]")
