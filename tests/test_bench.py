@@ -120,4 +120,5 @@ def test_few_shot_study_smoke(tmp_path, idx_source):
     assert again["dir0_5"]["fedelmy"]["T1_vs_one_shot"]["equal_in"] == 1
     assert again["dir0_5"]["fedseq_last_epoch"]["T1_vs_one_shot"]["equal_in"] == 0
     assert again["dir0_5"]["fedelmy"]["T2"] == fs["dir0_5"]["fedelmy"]["T2"] and again["wall_seconds_this_run"] < 30
-    assert any("equal in 1 of 2 cells" in n for n in again["notes"])
+    assert any("equal in 1 of 2 cells" in n and "fedseq_last_epoch/seed 0" in n for n in again["notes"])
+    assert any("Why they differ" in n for n in again["notes"])
