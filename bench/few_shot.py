@@ -584,8 +584,15 @@ def parse(argv):
     ap.add_argument("--plots", type=Path, default=None, help="default bench/plots (--quick: the work dir's plots/)")
     ap.add_argument("--note", dest="notes", action="append", default=[], help="a line for RESULTS.md (repeatable)")
     args = ap.parse_args(argv)
-    args.resume_command = "nice -n 15 python -m bench.few_shot " + " ".join(
-        shlex.quote(a) for a in (argv or []) if a != "--publish-only")
+    resume, skip = [], False
+    for a in argv or []:  # what to run to finish the grid: not --publish-only, not the notes
+        if skip or a == "--publish-only" or a.startswith("--note="):
+            skip = False
+        elif a == "--note":
+            skip = True
+        else:
+            resume.append(a)
+    args.resume_command = ("nice -n 15 python -m bench.few_shot " + " ".join(shlex.quote(a) for a in resume)).strip()
     if args.quick:
         args.seeds, args.dirichlets, args.sites, args.ts = "0", "0.5", 3, "1,2"
         args.S, args.E, args.warmup_epochs = 2, 1, 1
