@@ -40,7 +40,7 @@ bench-reduced: setup
 		--results bench/reduced-scale/results.json --plots bench/reduced-scale/plots
 
 # Few-shot cycles (paper Table 2): FedELMY and FedSeq after T = 1, 2, 3, 5 rounds, 3 seeds x Dirichlet
-# 0.1/0.5, one 5-round chain per cell (about 1.5 hours on 2 quiet cores; resumable).
+# 0.1/0.5, one 5-round chain per cell (estimated 1.5 hours on 2 quiet cores; resumable).
 bench-few-shot: setup
 	nice -n 15 $(PY) -m bench.few_shot
 
