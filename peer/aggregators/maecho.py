@@ -1,0 +1,482 @@
+"""MA-Echo: one-shot aggregation by null-space projection ("echoes" of the local models).
+
+Paper: Su, Li, Xue, "One-shot Federated Learning without server-side training" (MA-Echo),
+Neural Networks, Algorithm 1 and Eq. 5-11.  Behaviour follows the authors'
+released code (``FudanVI/MAEcho``, ``utils.py::createp`` and ``noniid_aggr``) as
+implementation-notes section 2 describes it; every difference is listed under "Differences".
+
+Site side (:func:`site_extras`)
+    After its local training, each site makes one pass over its own train split with its model
+    in eval mode, in data order, in batches of :data:`BATCH_SIZE` = 64 (the authors' loader
+    batch), and hooks the input of every *echoed* layer (every ``Conv2d`` and ``Linear`` but the
+    classifier head).  Per batch and layer it takes the batch-MEAN input r and applies the
+    recursive OWM/RLS update (:func:`rls_update`)::
+
+        k = P r;   P -= so * (k kᵀ) / (a + rᵀ k)       so = 0.5, P starts as I
+
+    with ``a = 0.01**0.8`` for Linear layers and ``a = 1e-5**0.8`` for conv layers.  P
+    converges to the projector onto the orthogonal complement of the span of the inputs the
+    layer saw (``P^c`` below).  Linear layers get one rank-1 update per batch.  For a conv layer
+    r is each flattened ``(C_in, kh, kw)`` patch of the batch-mean input map, taken at stride 2
+    with no padding, row by row (as the authors' code, whatever the conv's own stride and
+    padding: 13 x 13 patches of a 28 x 28 map, 6 x 6 of a 14 x 14 one; a map smaller than the
+    kernel, e.g. the second conv of a 4 x 4 image, gives none and P stays I).  Each site also sends
+    its train label counts ``class_counts`` for the class-aware head.
+
+Aggregator side (:func:`aggregate`, :func:`echo_layer`)
+    W⁽⁰⁾ = the class-aware mean (:func:`class_aware_mean`; for echoed layers simply the
+    uniform mean), ``V_m = W_m``; then for each echoed layer, ``maecho_tau`` iterations of
+    (code form, ``P_m`` = the site's complement projector)::
+
+        D  = Σ_m η α_m (W − V_m)(P_m − I)ᵀ           # Eq. 7: −η Σ α_m (W − V_m) P_m^span
+        W += D
+        V_m += η · rownorm((W − V_m) P_mᵀ)            # Eq. 11, rows normalised if maecho_norm
+
+    The final model is the class-aware mean of the echoed *local* models V_m, not W, as the
+    released code returns ``noniid_avgmodel(w)`` (implementation-notes 2.3).  The layers do not
+    interact, so running all iterations of one layer before the next (done here) gives the
+    same result as the code's ``for t: for layer`` loop.
+
+    α (``maecho_alpha``): ``"uniform"`` = 1/N, what the released code runs (its QP call is
+    commented out); ``"qp"`` solves Eq. (6) per layer per iteration with CVXOPT (imported only
+    then): minimise ``αᵀGα`` s.t. ``Σα = 1, 0 ≤ α ≤ C`` (``maecho_c``) with the Gram matrix
+    ``G_ij = ⟨(W − V_i)(I − P_i^c), (W − V_j)(I − P_j^c)⟩`` built with each site's *span*
+    projector ``I − P^c`` on both sides (the code's ``SVM.fit`` leaves it out of the diagonal,
+    implementation-notes 2.3: a bug not copied).  The ``2`` of Eq. (6)/(7) is dropped like the
+    code does (it only rescales η).
+
+Class-aware mean (head)
+    For the classifier head's weight rows AND bias entries (the last 2-D weight in state
+    order and its bias), row c is the uniform mean over the sites with ``class_counts[c] > 1``
+    (the authors' rule: a site with at most one sample of c does not vote on c).  A class no
+    site holds is the uniform mean over all sites (the authors' code would divide by zero).
+    Every other tensor not echoed is the uniform mean (float64 sums in upload order).
+
+Options: ``maecho_tau`` (100), ``maecho_eta`` (0.05; the code's CIFAR/CNN ``lambdastep``),
+``maecho_alpha`` ("uniform"), ``maecho_c`` (0.5), ``maecho_norm`` (True).
+
+Differences from the authors' code (whose models have neither biases nor BatchNorm)
+    * Biases: a layer with a bias is echoed as the augmented matrix ``[W | b]`` (the bias is the
+      last column of the flattened weight) against inputs augmented with a constant 1, so its P
+      is ``(d+1) x (d+1)``.
+    * BatchNorm parameters and running statistics are not echoed: plain uniform mean.  The
+      echoed layers' inputs are recorded in eval mode, i.e. after each site's own BatchNorm.
+    * A zero row in the row normalisation stays zero (the code divides by its zero norm).
+    * The RLS recursion runs in float64 (the code: float32) and P is sent as float32.
+    * The pass is in data order (the authors' loader shuffles; the batch means then differ).
+    * ``maecho_alpha="qp"``: the Gram matrix is divided by its mean diagonal and gets a 1e-9
+      ridge (a unique, well-conditioned solution); ``C`` below ``1/N`` (possible with missing
+      uploads, e.g. one upload and C = 0.5) is raised to ``1/N``, which forces α = 1/N.
+    * The head is the last 2-D weight, whatever its name or class count (the code hard-codes
+      ``fc4`` and 10 classes).
+
+Bandwidth: the P matrices dominate.  For ``ModelSpec("cnn", 1, (28, 28), 10)`` the model is
+828,472 bytes; the extras (:func:`extras_schema`) are P of ``features.0`` 10 x 10 (400 B),
+``features.4`` 145 x 145 (84,100 B), ``classifier.1`` 1569 x 1569 (9,847,044 B) and
+``class_counts`` (80 B): 9,931,624 bytes, 12x the model (P is symmetric: half would do).  For
+``ModelSpec("cnn", 3, (32, 32), 10)``: model 1,075,384 B, extras 16,880,920 B (15.7x; P of
+``classifier.1`` is 2049 x 2049).  ``ModelSpec("resnet18", 3, (32, 32), 10)``: model
+44,734,408 B, extras 367,954,868 B (8.2x; 92 M P entries, the largest 4608 x 4608), and its
+site pass makes one rank-1 update of such a P per patch: possible, but slow and heavy.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from ..models import ModelSpec, build_model, check_state
+from ..states import State, build_loaded
+from ..training import check_site_data
+from . import Context, Upload
+from ._common import Schema, check_uploads, expected_keys, head_names, uniform_state, weighted_mean
+
+__all__ = [
+    "extras_schema",
+    "site_extras",
+    "aggregate",
+    "echoed_layers",
+    "rls_update",
+    "echo_layer",
+    "class_aware_mean",
+    "qp_alpha",
+    "BATCH_SIZE",
+    "SO",
+    "A_LINEAR",
+    "A_CONV",
+    "PATCH_STRIDE",
+]
+
+BATCH_SIZE = 64          # images per batch of the site's pass (the authors' loader batch)
+SO = 0.5                 # the RLS step (the code's args.C)
+A_LINEAR = 0.01 ** 0.8   # RLS regulariser for Linear layers (alpha_array[2])
+A_CONV = 1e-5 ** 0.8     # ... and for conv layers (alpha_array[0])
+PATCH_STRIDE = 2         # conv patches are taken at stride 2, no padding (hard-coded by the authors)
+P_PREFIX = "maecho.P."   # extras name of a layer's P: P_PREFIX + the layer's weight name
+COUNTS = "class_counts"
+
+ALPHAS = ("uniform", "qp")
+
+
+# --------------------------------------------------------------------------- layers and options
+
+
+@dataclass(frozen=True)
+class EchoedLayer:
+    """One echoed layer: a ``Conv2d`` or ``Linear`` module other than the head.
+
+    ``dim`` is the size of its P: ``C_in*kh*kw`` (conv) or ``in_features`` (linear), plus 1
+    when the layer has a bias.
+    """
+
+    module: str
+    weight: str
+    bias: str | None
+    conv: bool
+    kernel: tuple[int, int]
+    dim: int
+
+    @property
+    def extra(self) -> str:
+        return P_PREFIX + self.weight
+
+
+@functools.lru_cache(maxsize=32)
+def _layers(spec: ModelSpec) -> tuple[EchoedLayer, ...]:
+    with torch.device("meta"):
+        model = build_model(spec)
+    head, _ = head_names(spec)
+    layers = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Conv2d, nn.Linear)) or f"{name}.weight" == head:
+            continue
+        has_bias = module.bias is not None
+        if isinstance(module, nn.Conv2d):
+            if module.groups != 1:
+                raise ValueError(f"maecho: grouped convolution {name!r} is not supported")
+            kh, kw = module.kernel_size
+            dim = module.in_channels * kh * kw
+            conv, kernel = True, (kh, kw)
+        else:
+            dim, conv, kernel = module.in_features, False, (1, 1)
+        layers.append(EchoedLayer(name, f"{name}.weight", f"{name}.bias" if has_bias else None,
+                                  conv, kernel, dim + int(has_bias)))
+    return tuple(layers)
+
+
+def echoed_layers(spec: ModelSpec) -> list[EchoedLayer]:
+    """The layers MA-Echo echoes, in model order: every ``Conv2d`` and ``Linear`` module but the
+    classifier head."""
+    return list(_layers(spec))
+
+
+@dataclass(frozen=True)
+class _Options:
+    tau: int
+    eta: float
+    alpha: str
+    c: float
+    norm: bool
+
+
+def _options(options: dict) -> _Options:
+    tau = options.get("maecho_tau", 100)
+    eta = options.get("maecho_eta", 0.05)
+    alpha = options.get("maecho_alpha", "uniform")
+    c = options.get("maecho_c", 0.5)
+    norm = options.get("maecho_norm", True)
+    if isinstance(tau, bool) or not isinstance(tau, int) or tau < 0:
+        raise ValueError(f"maecho_tau must be an int >= 0, got {tau!r}")
+    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not eta > 0:
+        raise ValueError(f"maecho_eta must be a number > 0, got {eta!r}")
+    if alpha not in ALPHAS:
+        raise ValueError(f"maecho_alpha must be one of {ALPHAS}, got {alpha!r}")
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c <= 1:
+        raise ValueError(f"maecho_c must be a number in (0, 1], got {c!r}")
+    if not isinstance(norm, bool):
+        raise ValueError(f"maecho_norm must be a bool, got {norm!r}")
+    return _Options(tau, float(eta), alpha, float(c), norm)
+
+
+def extras_schema(spec: ModelSpec, options: dict) -> Schema:
+    """``{"maecho.P.<weight name>": ((d, d), float32)}`` per echoed layer (d includes the bias's
+    1) and ``{"class_counts": ((num_classes,), int64)}``."""
+    _options(options)
+    schema: Schema = {layer.extra: ((layer.dim, layer.dim), torch.float32) for layer in _layers(spec)}
+    schema[COUNTS] = ((spec.num_classes,), torch.int64)
+    return schema
+
+
+# --------------------------------------------------------------------------- site side
+
+
+def rls_update(P: Tensor, r: Tensor, so: float = SO, a: float = A_LINEAR) -> Tensor:
+    """One OWM/RLS step in place: ``k = P r; P -= so * k kᵀ / (a + rᵀ k)``.  Returns ``P``.
+
+    Computed as the rank-1 update ``P -= s sᵀ`` with ``s = k sqrt(so / (a + rᵀ k))`` (one pass
+    over P, no temporary matrix, no host sync; ``rᵀ k = rᵀ P r ≥ 0`` as P stays positive
+    semi-definite).  ``s sᵀ`` is exactly symmetric, so a symmetric P stays exactly symmetric.
+    """
+    k = P @ r
+    s = k * torch.sqrt(so / (a + torch.dot(r, k)))
+    P.addr_(s, s, alpha=-1.0)
+    return P
+
+
+def _patches(mean_input: Tensor, layer: EchoedLayer) -> Tensor:
+    """The rows r a batch contributes: ``(n, dim)``, augmented with 1 when the layer has a bias."""
+    if layer.conv:
+        if mean_input.shape[-2] < layer.kernel[0] or mean_input.shape[-1] < layer.kernel[1]:
+            return mean_input.new_zeros((0, layer.dim))  # a map smaller than the kernel: no patch
+        # (C, H, W) -> (C*kh*kw, L): columns are the patches, row-major over output positions.
+        rows = F.unfold(mean_input.unsqueeze(0), layer.kernel, stride=PATCH_STRIDE)[0].T
+    else:
+        rows = mean_input.reshape(1, -1)
+    if layer.bias is not None:
+        rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+    return rows
+
+
+def site_extras(state, spec: ModelSpec, train, options: dict, device="cpu") -> dict[str, Tensor]:
+    """The site's projectors and label counts (see the module docstring, "Site side").
+
+    Args:
+        state: the site's trained model state.
+        train: the site's own train split ``(uint8 N x C x H x W, int64 N)``, non-empty.
+        device: where the pass and the recursions run.
+
+    Returns:
+        ``{"maecho.P.<weight name>": float32 (d x d) per echoed layer, "class_counts": int64
+        (num_classes,)}`` as new contiguous CPU tensors.
+
+    Raises:
+        ValueError: a state or data that do not fit ``spec``, bad options.
+    """
+    _options(options)
+    check_state(state, spec)
+    c, (h, w) = spec.in_channels, spec.image_size
+    empty = (torch.empty((0, c, h, w), dtype=torch.uint8), torch.empty((0,), dtype=torch.int64))
+    (images, labels), _ = check_site_data(spec, train, empty)
+    layers = _layers(spec)
+    model = build_loaded(spec, state).to(device).eval()
+    modules = dict(model.named_modules())
+    projectors = {layer.weight: torch.eye(layer.dim, dtype=torch.float64, device=device) for layer in layers}
+    captured: dict[str, Tensor] = {}
+    handles = []
+
+    def hook_for(layer: EchoedLayer):
+        def hook(_module, args):
+            captured[layer.weight] = args[0].detach().to(torch.float64).mean(dim=0)
+        return hook
+
+    for layer in layers:
+        handles.append(modules[layer.module].register_forward_pre_hook(hook_for(layer)))
+    try:
+        with torch.no_grad():
+            for start in range(0, int(labels.shape[0]), BATCH_SIZE):
+                x = images[start:start + BATCH_SIZE].to(device).to(torch.float32).div_(255.0)
+                captured.clear()
+                model(x)
+                for layer in layers:
+                    P = projectors[layer.weight]
+                    a = A_CONV if layer.conv else A_LINEAR
+                    for r in _patches(captured[layer.weight], layer):
+                        rls_update(P, r, SO, a)
+    finally:
+        for handle in handles:
+            handle.remove()
+    extras = {layer.extra: projectors[layer.weight].to(device="cpu", dtype=torch.float32).contiguous()
+              for layer in layers}
+    extras[COUNTS] = torch.bincount(labels.to("cpu"), minlength=spec.num_classes).to(torch.int64).contiguous()
+    return extras
+
+
+# --------------------------------------------------------------------------- aggregator side
+
+
+def class_aware_mean(tensors: Sequence[Tensor], counts: Sequence[Tensor]) -> Tensor:
+    """Row c (first dimension) = the uniform mean of ``tensors[i][c]`` over the sites i with
+    ``counts[i][c] > 1``; over all sites when none has. Float64 sums in order, cast back."""
+    tensors = list(tensors)
+    mask = torch.stack([cnt.to(torch.float64) > 1 for cnt in counts]).to(torch.float64)  # (N, K)
+    nobody = mask.sum(dim=0) == 0
+    mask[:, nobody] = 1.0
+    total = torch.zeros(tensors[0].shape, dtype=torch.float64)
+    view = (-1,) + (1,) * (tensors[0].dim() - 1)
+    for i, t in enumerate(tensors):
+        total += mask[i].reshape(view) * t.detach().to(device="cpu", dtype=torch.float64)
+    total /= mask.sum(dim=0).reshape(view)
+    return total.to(tensors[0].dtype).contiguous()
+
+
+def _cvxopt():
+    try:
+        import cvxopt
+        import cvxopt.solvers
+    except ImportError:
+        raise ImportError("maecho_alpha='qp' needs the cvxopt package (pip install cvxopt); "
+                          "maecho_alpha='uniform' (the released code's choice) does not") from None
+    return cvxopt
+
+
+def qp_alpha(A: Tensor, c: float) -> Tensor:
+    """α of Eq. (6): ``argmin αᵀGα`` s.t. ``Σα = 1``, ``0 ≤ α ≤ c``, ``G_ij = ⟨A_i, A_j⟩``.
+
+    ``A`` is ``(N, ...)``: ``A_m = (W − V_m)(P_m − I)ᵀ``, i.e. minus the span-projected
+    difference (the sign does not change G).  Solved with ``cvxopt.solvers.qp`` (quiet).  ``c``
+    below ``1/N`` is raised to ``1/N`` (then α = 1/N); N = 1 gives α = [1]; an all-zero G gives
+    the uniform α (every α is optimal).  G is divided by its mean diagonal and gets a 1e-9 ridge.
+    The solution is clipped to ``[0, c]`` and renormalised to sum 1.  Returns float64 ``(N,)``.
+    """
+    n = int(A.shape[0])
+    uniform = torch.full((n,), 1.0 / n, dtype=torch.float64)
+    c = max(float(c), 1.0 / n)
+    if n == 1 or c * n <= 1.0 + 1e-12:
+        return uniform
+    flat = A.reshape(n, -1).to(device="cpu", dtype=torch.float64)
+    gram = flat @ flat.T
+    scale = float(gram.diagonal().mean())
+    if not scale > 0 or not torch.isfinite(gram).all():
+        return uniform
+    gram = gram / scale + 1e-9 * torch.eye(n, dtype=torch.float64)
+    cvxopt = _cvxopt()
+    import numpy as np
+
+    eye = np.eye(n)
+    solution = cvxopt.solvers.qp(
+        cvxopt.matrix(np.ascontiguousarray(gram.numpy())),
+        cvxopt.matrix(np.zeros((n, 1))),
+        cvxopt.matrix(np.vstack([-eye, eye])),
+        cvxopt.matrix(np.hstack([np.zeros(n), np.full(n, c)])),
+        cvxopt.matrix(np.ones((1, n))),
+        cvxopt.matrix(1.0),
+        options={"show_progress": False},
+    )
+    alpha = torch.tensor(np.array(solution["x"]).ravel(), dtype=torch.float64).clamp_(0.0, c)
+    total = float(alpha.sum())
+    return alpha / total if total > 0 else uniform
+
+
+def _rownorm(G: Tensor) -> Tensor:
+    norms = G.norm(dim=-1, keepdim=True)
+    return G / torch.where(norms > 0, norms, torch.ones_like(norms))
+
+
+def echo_layer(
+    W: Tensor,
+    V: Tensor,
+    P: Tensor,
+    *,
+    tau: int,
+    eta: float,
+    alpha: str = "uniform",
+    c: float = 0.5,
+    norm: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Algorithm 1's inner loop for one layer, ``tau`` times (code form; module docstring).
+
+    Args:
+        W: ``(F, d)`` the global matrix W⁽⁰⁾.
+        V: ``(N, F, d)`` the local matrices V_m (initially the uploaded W_m).
+        P: ``(N, d, d)`` each site's complement projector P^c_m.
+        alpha: ``"uniform"`` (1/N) or ``"qp"`` (:func:`qp_alpha` every iteration).
+
+    Returns:
+        ``(W, V)`` after the iterations (new tensors; the inputs are not modified).
+    """
+    n = int(V.shape[0])
+    W, V = W.clone(), V.clone()
+    Pt = P.transpose(1, 2)
+    Q = Pt - torch.eye(P.shape[-1], dtype=P.dtype, device=P.device)  # (P_m − I)ᵀ
+    uniform = [1.0 / n] * n
+    for _ in range(tau):
+        A = torch.bmm(W.unsqueeze(0) - V, Q)  # (W − V_m)(P_m − I)ᵀ
+        weights = uniform if alpha == "uniform" else qp_alpha(A, c).tolist()
+        D = (eta * weights[0]) * A[0]
+        for m in range(1, n):
+            D += (eta * weights[m]) * A[m]
+        W = W + D
+        G = torch.bmm(W.unsqueeze(0) - V, Pt)  # (W − V_m) P_mᵀ
+        V = V + eta * (_rownorm(G) if norm else G)
+    return W, V
+
+
+def _augmented(state: State, layer: EchoedLayer) -> Tensor:
+    """The layer's ``(F, d)`` matrix: the flattened weight, with the bias as its last column."""
+    weight = state[layer.weight].detach().to("cpu")
+    matrix = weight.reshape(weight.shape[0], -1)
+    if layer.bias is not None:
+        matrix = torch.cat([matrix, state[layer.bias].detach().to("cpu").reshape(-1, 1)], dim=1)
+    return matrix
+
+
+def _objective(W: Tensor, V: Tensor, P: Tensor) -> float:
+    """Eq. (3) per site, averaged: mean_m ‖(W − V_m)(I − P^c_m)‖²_F."""
+    E = W.unsqueeze(0) - V
+    A = E - torch.bmm(E, P.transpose(1, 2))
+    return float(A.to(torch.float64).pow(2).sum() / V.shape[0])
+
+
+def aggregate(uploads: Sequence[Upload], ctx: Context) -> State:
+    """MA-Echo (Alg. 1) over the uploads, in the order given (module docstring).
+
+    ``ctx.train``, ``ctx.val``, ``ctx.initial``, ``ctx.cfg`` and ``ctx.seed`` are not used.
+    ``ctx.on_epoch`` is called after each echoed layer with ``{"stage": "aggregate", "model": 0,
+    "epoch": the layer's 1-based index, "epochs": the number of echoed layers, "train_loss": the
+    Eq. (3) objective mean_m ‖(W − V_m)(I − P^c_m)‖²_F after the layer's iterations,
+    "val_accuracy": None, "seconds"}``.
+
+    Raises:
+        ValueError: no uploads, a state that does not fit ``ctx.spec``, extras that do not
+            match :func:`extras_schema`, negative class counts, bad options.
+        ImportError: ``maecho_alpha="qp"`` without cvxopt installed.
+    """
+    opts = _options(ctx.options)
+    spec = ctx.spec
+    uploads = check_uploads(uploads, spec, extras_schema(spec, ctx.options), "maecho")
+    if opts.alpha == "qp":
+        _cvxopt()  # fail before any work
+    for u in uploads:
+        if bool((u.extras[COUNTS] < 0).any()):
+            raise ValueError(f"maecho: site {u.site!r} reports negative class counts")
+    device = ctx.device
+    states = [u.state for u in uploads]
+    counts = [u.extras[COUNTS] for u in uploads]
+    layers = _layers(spec)
+    head_weight, head_bias = head_names(spec)
+    special = {head_weight, head_bias} | {layer.weight for layer in layers} | {layer.bias for layer in layers}
+    keys = expected_keys(spec)
+    result = uniform_state(states, [k for k in keys if k not in special])
+    for key in (head_weight, head_bias):
+        if key is not None:
+            result[key] = class_aware_mean([s[key] for s in states], counts)
+    for index, layer in enumerate(layers, start=1):
+        started = time.perf_counter()
+        V = torch.stack([_augmented(s, layer) for s in states]).to(device)
+        P = torch.stack([u.extras[layer.extra].detach() for u in uploads]).to(device)
+        # W⁽⁰⁾: the class-aware mean, which is the uniform mean for a layer other than the head.
+        W0 = weighted_mean([_augmented(s, layer) for s in states]).to(device)
+        W, V = echo_layer(W0, V, P, tau=opts.tau, eta=opts.eta, alpha=opts.alpha, c=opts.c, norm=opts.norm)
+        # The final model averages the echoed local models V_m (the code's noniid_avgmodel(w)).
+        final = weighted_mean(list(V))
+        columns = final.shape[1] - (1 if layer.bias is not None else 0)
+        result[layer.weight] = final[:, :columns].reshape(states[0][layer.weight].shape).contiguous()
+        if layer.bias is not None:
+            result[layer.bias] = final[:, columns].contiguous()
+        if ctx.on_epoch is not None:
+            ctx.on_epoch({
+                "stage": "aggregate",
+                "model": 0,
+                "epoch": index,
+                "epochs": len(layers),
+                "train_loss": _objective(W, V, P),
+                "val_accuracy": None,
+                "seconds": time.perf_counter() - started,
+            })
+    return {k: result[k] for k in keys}
