@@ -90,17 +90,38 @@ def start_chain(
     weight_decay: float = typer.Option(1e-4, "--weight-decay", help="Adam weight decay (coupled L2)."),
     selection: str = typer.Option("best-val", "--selection", help="best-val (the paper's protocol) | last-epoch"),
     model: str = typer.Option("cnn", "--model", help="cnn | resnet18"),
+    aggregator: str = typer.Option("", "--aggregator", help="Parallel methods: the site that combines the uploads "
+                                   "\\[default: chosen by --seed]."),
+    init: str = typer.Option("", "--init", help="The initial model: shared (one seeded init for every site) | per-site "
+                             "(independent seeded inits, as supplementary Alg. 2 reads) | file (--init-weights) "
+                             "\\[default: shared]."),
+    init_weights: str = typer.Option("", "--init-weights", help="--init file: the SHA-256 of a safetensors weights file "
+                                     "every site holds in its --weights-dir (README: 'A pretrained initial model')."),
+    weighting: str = typer.Option("samples", "--weighting", help="fedavg: samples (weights n_k / n) | uniform."),
+    maecho_tau: int = typer.Option(100, "--maecho-tau", help="maecho: echo iterations (tau)."),
+    maecho_eta: float = typer.Option(0.05, "--maecho-eta", help="maecho: step (eta)."),
+    maecho_alpha: str = typer.Option("uniform", "--maecho-alpha", help="maecho: model weights uniform (the authors' "
+                                     "released code) | qp (Eq. 6, solved with cvxopt)."),
+    ofasd_mode: str = typer.Option("block", "--ofasd-mode", help="ofasd: block (a coefficient per site and parameter "
+                                   "tensor) | client (one per site)."),
+    ofasd_epochs: int = typer.Option(2, "--ofasd-epochs", help="ofasd: epochs of coefficient learning at the aggregator."),
+    ofasd_lr: float = typer.Option(0.01, "--ofasd-lr", help="ofasd: Adam learning rate of the coefficients."),
+    upload_timeout: float = typer.Option(3600.0, "--upload-timeout", help="Parallel methods: seconds the aggregator "
+                                         "waits for the uploads after its own training, then combines what arrived."),
     wait: bool = typer.Option(False, "--wait", help="Follow the run until it ends and print its summary."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (with --wait: the run summary)."),
     tls: Path = TLS,
     insecure: bool = INSECURE,
 ) -> None:
-    """Start a chain over the registered peers (one-shot, or T rounds with --rounds)."""
+    """Start a run over the registered peers: a chain (one-shot, or T rounds with --rounds), or,
+    for the parallel methods (fedavg, fedelmy-pfl, maecho, ofasd), a star around --aggregator."""
     chosen = dict(strategy=strategy, models_per_site=models_per_site, local_epochs=local_epochs,
                   warmup_epochs=warmup_epochs, alpha=alpha, beta=beta, lr=lr, batch_size=batch_size,
-                  weight_decay=weight_decay, selection=selection)
+                  weight_decay=weight_decay, selection=selection, init=init, init_sha256=init_weights.lower(),
+                  weighting=weighting, maecho_tau=maecho_tau, maecho_eta=maecho_eta, maecho_alpha=maecho_alpha,
+                  ofasd_mode=ofasd_mode, ofasd_epochs=ofasd_epochs, ofasd_lr=ofasd_lr, upload_timeout=upload_timeout)
     try:
-        run_params.check(chosen)
+        run_params.check(chosen, strict=True)
         run_params.check_rounds(rounds)
     except ValueError as exc:
         fail(str(exc))
@@ -108,7 +129,7 @@ def start_chain(
     names = [p.strip() for p in peers.split(",") if p.strip()]
     try:
         reply = client.start_chain(peers=names, order=order, seed=seed, arch=model, params=run_params.to_pb(chosen),
-                                   rounds=rounds)
+                                   rounds=rounds, aggregator=aggregator)
     except grpc.RpcError as exc:
         _rpc_fail(exc, coordinator)
     out = err_console if as_json else console
@@ -119,12 +140,16 @@ def start_chain(
             console.print(f"run [bold]{reply.run_id}[/] started: {' -> '.join(reply.order)}")
         return
     cycles = f", {rounds} rounds" if rounds > 1 else ""
-    out.print(f"run [bold]{reply.run_id}[/]: {strategy}{cycles}, chain order {' -> '.join(reply.order)}",
+    star = STRATEGIES[strategy].plan == "star"
+    shape = "sites in parallel" if star else "chain order"
+    out.print(f"run [bold]{reply.run_id}[/]: {strategy}{cycles}, {shape} {' -> '.join(reply.order)}",
               highlight=False)
     for w in reply.warnings:
         out.print(f"[yellow]warning:[/] {w}", highlight=False)
     per_site = models_per_site * local_epochs
     total = warmup_epochs + per_site * len(reply.order) * rounds
+    if star:  # every site warms up; OFASD also learns its coefficients at the aggregator
+        total = (warmup_epochs + per_site) * len(reply.order) + (ofasd_epochs if strategy == "ofasd" else 0)
     try:
         _follow(client, reply.run_id, total, out)
         summary = client.run(reply.run_id)
@@ -157,7 +182,7 @@ def _follow(client, run_id: str, total_epochs: int, out) -> None:
                     if ev.kind == "epoch":
                         progress.advance(task)
                         progress.update(task, description=f"{ev.site}")
-                    elif ev.kind in ("hop", "final", "failed", "finished", "warning", "skip"):
+                    elif ev.kind in ("hop", "upload", "final", "failed", "finished", "warning", "skip"):
                         progress.console.print(f"{ev.message}", highlight=False)
                     elif ev.kind == "state" and (ev.message.endswith(": training") or "restarted" in ev.message):
                         progress.console.print(ev.message, highlight=False)
@@ -186,38 +211,68 @@ def _status(h: dict) -> str:
     return {"done": "[green]done[/]", "disputed": "[red]disputed[/]"}.get(h["status"], h["status"])
 
 
+def _transfer_table(title: str, first: str, rows: list[dict], rounds: int = 1) -> Table:
+    t = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+    columns = (first, *(("r",) if rounds > 1 else ()), "sender → receiver", "bytes", "on wire", "SHA-256",
+               "s", "tries", "ledger")
+    for col in columns:  # nothing is cut: the table fits 80 columns with 8-digit site numbers
+        t.add_column(col, justify="left" if col in ("sender → receiver", "SHA-256", "ledger") else "right",
+                     no_wrap=True)
+    for h in rows:
+        tries = str(h["attempts"]) + (f" (resumed at {_fmt_bytes(h['resumed_from'])})" if h["resumed_from"] else "")
+        t.add_row(str(h["hop"]), *((str(h["round"]),) if rounds > 1 else ()), f"{h['sender']} → {h['receiver']}",
+                  _fmt_bytes(h["payload_bytes"]), _fmt_bytes(h["wire_bytes"]), (h["sha256"] or "")[:10] + "…",
+                  f"{h['seconds']:.2f}", tries, _status(h))
+    return t
+
+
+def _render_star(s: dict) -> None:
+    """A star plan's transfers: the uploads, the final copies, and the totals the plan expects."""
+    console.print(f"sites in parallel: {', '.join(s['order'])}; aggregator {s['aggregator']}", highlight=False)
+    console.print(_transfer_table("uploads (each site's model + the aggregator's extras)", "#", s["uploads"]))
+    console.print(_transfer_table("final copies (aggregator → every site)", "#", s["final_transfers"]))
+    exp = s["expected_total_bytes"]
+    total = s["upload_total_bytes"] + s["final_total_bytes"]
+    verdict = "" if exp is None else (" [green](equal)[/]" if total == exp else " [red](differs)[/]")
+    console.print(f"total payload bytes: uploads {_fmt_bytes(s['upload_total_bytes'])} + final copies "
+                  f"{_fmt_bytes(s['final_total_bytes'])} = {_fmt_bytes(total)}; planned {s['planned_uploads']} × "
+                  f"{_fmt_bytes(s['upload_bytes'])} + {s['planned_final_copies']} × {_fmt_bytes(s['model_bytes'])} = "
+                  f"{_fmt_bytes(exp)}{verdict}", highlight=False)
+
+
 def render_summary(s: dict) -> None:
     rounds = s.get("rounds", 1)
     cycles = f", {rounds} rounds" if rounds > 1 else ""
     console.print(f"\n[bold]run {s['run_id']}[/] ({s['strategy']}{cycles}, {s['arch']}, seed {s['seed']}): "
                   f"[bold]{s['status']}[/]", highlight=False)
+    if s.get("aggregator"):
+        _render_star(s)
+    else:
+        _render_chain(s)
+    _render_outcome(s)
+
+
+def _render_chain(s: dict) -> None:
+    rounds = s.get("rounds", 1)
     console.print("chain order: " + " -> ".join(s["order"]), highlight=False)
-    t = Table(title="hops (chain transfers" + ("; r: round)" if rounds > 1 else ")"), box=box.SIMPLE_HEAD,
-              collapse_padding=True, pad_edge=False)
-    columns = ("hop", *(("r",) if rounds > 1 else ()), "sender → receiver", "bytes", "on wire", "SHA-256",
-               "s", "tries", "ledger")
-    for col in columns:  # nothing is cut: the table fits 80 columns with 8-digit site numbers
-        t.add_column(col, justify="left" if col in ("sender → receiver", "SHA-256", "ledger") else "right",
-                     no_wrap=True)
-    for h in s["hops"]:
-        tries = str(h["attempts"]) + (f" (resumed at {_fmt_bytes(h['resumed_from'])})" if h["resumed_from"] else "")
-        t.add_row(str(h["hop"]), *((str(h["round"]),) if rounds > 1 else ()), f"{h['sender']} → {h['receiver']}",
-                  _fmt_bytes(h["payload_bytes"]), _fmt_bytes(h["wire_bytes"]), (h["sha256"] or "")[:10] + "…",
-                  f"{h['seconds']:.2f}", tries, _status(h))
-    console.print(t)
+    console.print(_transfer_table("hops (chain transfers" + ("; r: round)" if rounds > 1 else ")"), "hop",
+                                  s["hops"], rounds))
     exp = s["expected_total_bytes"]
     verdict = "" if exp is None else (" [green](equal)[/]" if s["total_bytes"] == exp else " [red](differs)[/]")
     console.print(f"total payload bytes on the chain: {_fmt_bytes(s['total_bytes'])}; planned hops × M = "
                   f"{s['planned_hops']} × {_fmt_bytes(s['model_bytes'])} = {_fmt_bytes(exp)}{verdict}", highlight=False)
-    disputed = [h for h in s["hops"] + s["final_transfers"] if h["status"] == "disputed"]
-    for h in disputed:
-        console.print(f"[red]disputed:[/] {h['sender']} → {h['receiver']} (transfer {h['hop']}): the sender reported "
-                      f"sha256 {(h['sha256'] or '')[:16]}…, {_fmt_bytes(h['payload_bytes'])} bytes; the receiver kept "
-                      f"sha256 {h['receiver_sha256'][:16]}…, {_fmt_bytes(h['receiver_bytes'])} bytes", highlight=False)
     if s["final_transfers"]:
         fb = sum(h["payload_bytes"] for h in s["final_transfers"])
         console.print(f"final model copied to {len(s['final_transfers'])} sites for evaluation: {fb:,} bytes "
                       "(outside the chain's total)", highlight=False)
+
+
+def _render_outcome(s: dict) -> None:
+    disputed = [h for h in s["hops"] + s.get("uploads", []) + s["final_transfers"] if h["status"] == "disputed"]
+    for h in disputed:
+        console.print(f"[red]disputed:[/] {h['sender']} → {h['receiver']} (transfer {h['hop']}): the sender reported "
+                      f"sha256 {(h['sha256'] or '')[:16]}…, {_fmt_bytes(h['payload_bytes'])} bytes; the receiver kept "
+                      f"sha256 {h['receiver_sha256'][:16]}…, {_fmt_bytes(h['receiver_bytes'])} bytes", highlight=False)
     f = s["final"]
     if f:
         console.print(f"final model sha256 {f['sha256']}", highlight=False)
@@ -267,11 +322,12 @@ def runs(coordinator: str = COORD, as_json: bool = typer.Option(False, "--json")
         print(json.dumps(all_runs, indent=1))
         return
     t = Table(title="runs")
-    for col in ("run", "strategy", "sites", "status", "hops", "accuracy"):
+    for col in ("run", "strategy", "sites", "status", "transfers", "accuracy"):
         t.add_column(col)
     for s in all_runs:
         acc = f"{s['final']['accuracy']:.4f}" if s["final"] else "-"
-        t.add_row(s["run_id"], s["strategy"], str(len(s["order"])), s["status"], str(len(s["hops"])), acc)
+        t.add_row(s["run_id"], s["strategy"], str(len(s["order"])), s["status"],
+                  str(len(s["hops"]) + len(s.get("uploads", []))), acc)
     console.print(t)
 
 

@@ -35,6 +35,9 @@ def serve(
     deterministic: bool = typer.Option(True, "--deterministic/--no-deterministic",
                                        help="On a CUDA GPU: deterministic cuDNN/cuBLAS kernels, so that the same "
                                             "seed gives the same models (slower; the CPU is always deterministic)."),
+    weights_dir: Path = typer.Option(None, "--weights-dir", file_okay=False,
+                                     help="Initial-weights files this site holds (start-chain --init file finds "
+                                          "them by SHA-256) \\[default: <state-dir>/weights]."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Serve a site: receive models from the predecessor, train the model pool, send to the successor."""
@@ -47,7 +50,8 @@ def serve(
     try:
         run_daemon(data_dir=data, name=name, listen=listen, coordinator=coordinator,
                    state_dir=state_dir or Path(".fedrelay") / name, device=device, advertise=advertise,
-                   transport=transport, stall_timeout=stall_timeout, deterministic=deterministic)
+                   transport=transport, stall_timeout=stall_timeout, deterministic=deterministic,
+                   weights_dir=weights_dir)
     except (DataError, ValueError, RuntimeError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:

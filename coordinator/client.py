@@ -12,7 +12,7 @@ from typing import Iterator
 from fedrelay import params as run_params, wire
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2
 
-PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final"}
+PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}
 
 
 def summary_dict(s: cpb.RunSummary) -> dict:
@@ -32,6 +32,13 @@ def summary_dict(s: cpb.RunSummary) -> dict:
     class_index, warnings, error, insecure, created, ended (unix seconds), skipped (sites routed
     around because they stayed down) and contributors (the sites whose training is in the final
     model, in chain order).
+
+    Star plans (the parallel one-shot methods) add: aggregator (the aggregating site), uploads
+    (the sites' payloads to it, records like ``hops``, ``hop`` = the upload's index),
+    upload_bytes (one upload: M + the aggregator's extra tensors), planned_uploads,
+    upload_total_bytes, final_total_bytes, planned_final_copies (of the current plan) and
+    expected_total_bytes = planned_uploads × upload_bytes + planned_final_copies × M (a chain:
+    planned_hops × M, its final copies not counted, as before).
     """
     def hop(h):
         return {"hop": h.hop, "round": h.round, "sender": h.sender, "receiver": h.receiver,
@@ -40,6 +47,7 @@ def summary_dict(s: cpb.RunSummary) -> dict:
                 "attempts": h.attempts, "resumed_from": h.resumed_from, "status": h.status,
                 "receiver_sha256": h.receiver_sha256, "receiver_bytes": h.receiver_bytes}
 
+    finals = sum(1 for t in s.plan if t.purpose == common_pb2.FINAL_MODEL)
     out = {
         "run_id": s.run_id, "strategy": s.strategy, "status": s.status, "order": list(s.order),
         "rounds": s.rounds or 1,
@@ -58,6 +66,14 @@ def summary_dict(s: cpb.RunSummary) -> dict:
         "error": s.error or None, "insecure": s.insecure, "created": s.created, "ended": s.ended or None,
         "skipped": list(s.skipped), "contributors": list(s.contributors),
     }
+    if s.aggregator:
+        out.update({
+            "aggregator": s.aggregator, "uploads": [hop(h) for h in s.uploads], "upload_bytes": s.upload_bytes or None,
+            "planned_uploads": s.planned_uploads, "upload_total_bytes": sum(h.payload_bytes for h in s.uploads),
+            "final_total_bytes": sum(h.payload_bytes for h in s.final_transfers), "planned_final_copies": finals,
+            "expected_total_bytes": (s.planned_uploads * s.upload_bytes + finals * s.model_bytes
+                                     if s.upload_bytes and s.model_bytes else None),
+        })
     if s.HasField("final"):
         out["final"] = {
             "sha256": s.final.sha256, "accuracy": s.final.accuracy,
@@ -86,9 +102,10 @@ class OperatorClient:
         self.close()
 
     def start_chain(self, *, peers: list[str], order: str, seed: int, arch: str,
-                    params: common_pb2.TrainingParams, rounds: int = 1) -> cpb.StartChainReply:
+                    params: common_pb2.TrainingParams, rounds: int = 1, aggregator: str = "") -> cpb.StartChainReply:
         return self.stub.StartChain(cpb.StartChainRequest(peers=peers, order=order, seed=seed, arch=arch,
-                                                          params=params, rounds=rounds), timeout=120.0)
+                                                          params=params, rounds=rounds, aggregator=aggregator),
+                                    timeout=120.0)
 
     def watch(self, run_id: str, after_seq: int = 0) -> Iterator[cpb.RunEvent]:
         return self.stub.WatchRun(cpb.WatchRunRequest(run_id=run_id, after_seq=after_seq))

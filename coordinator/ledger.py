@@ -2,8 +2,8 @@
 
 Tables: ``peers`` (registrations), ``runs`` (one row per run, with its outcome), ``plans``
 (every version of a run's transfer plan: version 0 as started, one more per reroute),
-``hops`` (what the senders reported of each planned transfer: the chain's hops and the final
-model's copies, each with sender, receiver, payload bytes, bytes on the wire as counted by the
+``hops`` (what the senders reported of each planned transfer, by purpose: ``chain`` hops,
+``upload`` (a star plan's payloads to the aggregating site) and ``final`` copies, each with sender, receiver, payload bytes, bytes on the wire as counted by the
 sender, SHA-256, schema digest, start and end times in unix seconds), ``receipts`` (what the
 receivers attested of the same transfers: sender, bytes kept, SHA-256, schema digest; a transfer
 is *done* only when both ends agree, :func:`transfer_status`), ``evaluations`` (per-site
@@ -46,7 +46,9 @@ CREATE TABLE IF NOT EXISTS runs (
     error TEXT,
     insecure INTEGER NOT NULL DEFAULT 1,
     rounds INTEGER NOT NULL DEFAULT 1,  -- T
-    schema_sha256 TEXT              -- the payload schema of the run's first done transfer
+    schema_sha256 TEXT,             -- the payload schema of the run's first done transfer
+    upload_bytes INTEGER,           -- star plans: size of one upload payload (M + the aggregator's extras)
+    upload_schema_sha256 TEXT       -- star plans: the uploads' payload schema
 );
 CREATE TABLE IF NOT EXISTS plans (
     run_id TEXT NOT NULL, version INTEGER NOT NULL,
@@ -62,7 +64,7 @@ CREATE TABLE IF NOT EXISTS receipts (
 );
 CREATE TABLE IF NOT EXISTS hops (
     run_id TEXT NOT NULL,
-    purpose TEXT NOT NULL,          -- chain | final
+    purpose TEXT NOT NULL,          -- chain | upload | final
     hop INTEGER NOT NULL,
     sender TEXT NOT NULL, receiver TEXT NOT NULL,
     payload_bytes INTEGER NOT NULL, wire_bytes INTEGER NOT NULL,
@@ -146,7 +148,8 @@ class Ledger:
         """Bring a ledger written by an older fedrelay up to this schema (columns added since)."""
         added = {"hops": ("attempts INTEGER NOT NULL DEFAULT 1", "resumed_from INTEGER NOT NULL DEFAULT 0",
                           "round INTEGER NOT NULL DEFAULT 1", "schema_sha256 TEXT NOT NULL DEFAULT ''"),
-                 "runs": ("rounds INTEGER NOT NULL DEFAULT 1", "schema_sha256 TEXT")}
+                 "runs": ("rounds INTEGER NOT NULL DEFAULT 1", "schema_sha256 TEXT", "upload_bytes INTEGER",
+                          "upload_schema_sha256 TEXT")}
         for table, columns in added.items():
             have = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
             for column in columns:

@@ -13,6 +13,12 @@ plan. Words (README "How a run flows"):
   evaluation. A plan of T rounds over N sites has T·N−1 hops (one-shot: T = 1, N−1 hops).
 - a site routed around (it stayed down) loses all its later visits; two visits of the same site
   that become adjacent collapse into one (a site never sends to itself).
+- a **star** plan (the parallel one-shot methods: one-shot FedAvg, FedELMY-PFL, MA-Echo, OFASD)
+  has one visit per site, all in round 1 and in parallel; every site but the **aggregator**
+  sends one **upload** (index 1 + its position in the order, so indices never change) to the
+  aggregator, which combines the uploads with its own model and copies the final model to every
+  other site. N−1 uploads and N−1 final copies; a site routed around before its upload arrived
+  loses both.
 
 The expected bytes of a run come from its plan (``len(plan.hops)`` × M), not from a formula.
 """
@@ -22,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-HOP, FINAL = "hop", "final"
-PURPOSES = (HOP, FINAL)
+HOP, FINAL, UPLOAD = "hop", "final", "upload"
+PURPOSES = (HOP, FINAL, UPLOAD)
 
 
 class PlanError(ValueError):
@@ -39,8 +45,9 @@ class Visit:
 
 @dataclass(frozen=True)
 class Transfer:
-    """One planned model transfer. ``purpose``: ``"hop"`` or ``"final"``; ``index``: the hop number
-    (>= 1) or 0 for a final copy; ``round``: 1-based (a hop: its receiver's round)."""
+    """One planned model transfer. ``purpose``: ``"hop"``, ``"final"`` or ``"upload"``; ``index``:
+    the hop number (>= 1), 0 for a final copy, 1 + the sender's position for an upload;
+    ``round``: 1-based (a hop: its receiver's round)."""
 
     purpose: str
     index: int
@@ -56,17 +63,32 @@ class Transfer:
     def to_pb(self):
         from fedrelay.v1 import common_pb2
 
-        purpose = common_pb2.CHAIN_HOP if self.purpose == HOP else common_pb2.FINAL_MODEL
-        return common_pb2.PlannedTransfer(purpose=purpose, index=self.index, round=self.round,
+        return common_pb2.PlannedTransfer(purpose=wire_purpose(self.purpose), index=self.index, round=self.round,
                                           sender=self.sender, receiver=self.receiver)
 
     @classmethod
     def from_pb(cls, t) -> "Transfer":
-        from fedrelay.v1 import common_pb2
+        return cls(plan_purpose(t.purpose), t.index, t.round, t.sender, t.receiver)
 
-        if t.purpose not in (common_pb2.CHAIN_HOP, common_pb2.FINAL_MODEL):
-            raise ValueError(f"planned transfer with unknown purpose {t.purpose}")
-        return cls(HOP if t.purpose == common_pb2.CHAIN_HOP else FINAL, t.index, t.round, t.sender, t.receiver)
+
+def wire_purpose(purpose: str) -> int:
+    """The ``fedrelay.v1.Purpose`` of a plan purpose. Raises ``ValueError``."""
+    from fedrelay.v1 import common_pb2
+
+    table = {HOP: common_pb2.CHAIN_HOP, FINAL: common_pb2.FINAL_MODEL, UPLOAD: common_pb2.UPLOAD}
+    if purpose not in table:
+        raise ValueError(f"unknown transfer purpose {purpose!r}")
+    return table[purpose]
+
+
+def plan_purpose(value: int) -> str:
+    """The plan purpose of a ``fedrelay.v1.Purpose``. Raises ``ValueError``."""
+    from fedrelay.v1 import common_pb2
+
+    table = {common_pb2.CHAIN_HOP: HOP, common_pb2.FINAL_MODEL: FINAL, common_pb2.UPLOAD: UPLOAD}
+    if value not in table:
+        raise ValueError(f"planned transfer with unknown purpose {value}")
+    return table[value]
 
 
 def chain_visits(order: Sequence[str], rounds: int) -> list[Visit]:
@@ -119,15 +141,21 @@ class Plan:
 
     visits: tuple[Visit, ...]
     transfers: tuple[Transfer, ...]
+    aggregator: str = ""   # a star plan's aggregating site; "" for a chain
 
     @property
     def final_site(self) -> str:
-        """The site of the last visit: it produces the final model and copies it to the others."""
-        return self.visits[-1].site
+        """The site that produces the final model and copies it to the others: a chain's last
+        visit, a star's aggregator."""
+        return self.aggregator or self.visits[-1].site
 
     @property
     def hops(self) -> list[Transfer]:
         return [t for t in self.transfers if t.purpose == HOP]
+
+    @property
+    def uploads(self) -> list[Transfer]:
+        return [t for t in self.transfers if t.purpose == UPLOAD]
 
     def part(self, site: str) -> SitePart:
         return SitePart(tuple(t for t in self.transfers if site in (t.sender, t.receiver)),
@@ -146,12 +174,16 @@ class Plan:
                 "visits": list(part.visits)}
 
     def to_json(self) -> dict:
-        return {"visits": [[v.index, v.round, v.site] for v in self.visits],
-                "transfers": [[t.purpose, t.index, t.round, t.sender, t.receiver] for t in self.transfers]}
+        doc = {"visits": [[v.index, v.round, v.site] for v in self.visits],
+               "transfers": [[t.purpose, t.index, t.round, t.sender, t.receiver] for t in self.transfers]}
+        if self.aggregator:
+            doc["aggregator"] = self.aggregator
+        return doc
 
     @classmethod
     def from_json(cls, doc: dict) -> "Plan":
-        return cls(tuple(Visit(*v) for v in doc["visits"]), tuple(Transfer(*t) for t in doc["transfers"]))
+        return cls(tuple(Visit(*v) for v in doc["visits"]), tuple(Transfer(*t) for t in doc["transfers"]),
+                   doc.get("aggregator", ""))
 
 
 def _plan(visits: Sequence[Visit], recipients: Sequence[str]) -> Plan:
@@ -180,3 +212,44 @@ def replan(order: Sequence[str], rounds: int, current: Plan, skipped: Iterable[s
         return _plan(live, recipients)
     past = [v for v in current.visits if v.index < resume.index]
     return _plan(past + _collapse([resume, *(v for v in live if v.index > resume.index)]), recipients)
+
+
+def pick_aggregator(order: Sequence[str], seed: int) -> str:
+    """The aggregating site a star plan uses when the operator names none: fixed by the run's
+    seed (SHA-256 of ``"aggregator:<seed>"`` modulo N over the sorted site names), so the same
+    seed over the same sites always picks the same site."""
+    import hashlib
+
+    names = sorted(order)
+    digest = hashlib.sha256(f"aggregator:{seed}".encode()).digest()
+    return names[int.from_bytes(digest[:8], "big") % len(names)]
+
+
+def star_plan(order: Sequence[str], aggregator: str, skipped: Iterable[str] = (),
+              received: Iterable[str] = ()) -> Plan:
+    """The plan of a parallel one-shot method: every site trains in round 1; every site but
+    ``aggregator`` uploads to it (index 1 + its position in ``order``); the aggregator copies
+    the final model to every other site (FedELMY supplementary Alg. 2 with a central
+    aggregating site, which the supplementary calls equivalent to the decentralised version).
+
+    ``skipped``: sites routed around; they keep no visit and get no final copy, and their upload
+    stays in the plan only when it already arrived (``received``: senders whose upload the
+    aggregator holds). Raises ``PlanError``: fewer than 2 sites, an aggregator not in ``order``
+    or skipped.
+    """
+    if len(order) < 2:
+        raise PlanError(f"a star plan needs at least 2 sites, got {len(order)}")
+    if len(set(order)) != len(order):
+        raise PlanError("a site is named twice in the order")
+    if aggregator not in order:
+        raise PlanError(f"--aggregator {aggregator!r} is not one of the run's sites ({', '.join(order)})")
+    skipped, received = set(skipped), set(received)
+    if aggregator in skipped:
+        raise PlanError(f"the aggregating site {aggregator} was routed around")
+    live = [s for s in order if s not in skipped]
+    visits = [Visit(i, 1, s) for i, s in enumerate(order) if s in live and s != aggregator]
+    visits.append(Visit(order.index(aggregator), 1, aggregator))
+    uploads = [Transfer(UPLOAD, i + 1, 1, s, aggregator) for i, s in enumerate(order)
+               if s != aggregator and (s not in skipped or s in received)]
+    finals = [Transfer(FINAL, 0, 1, aggregator, s) for s in live if s != aggregator]
+    return Plan(tuple(visits), tuple(uploads + finals), aggregator)

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, names, params as run_params, wire
+from fedrelay import __version__, names, params as run_params, registry, wire
 from fedrelay.coordinator.ledger import TERMINAL, Ledger, LedgerConflict
-from fedrelay.coordinator.plan import FINAL, HOP, Plan, Transfer, chain_plan, replan
+from fedrelay.coordinator.plan import (FINAL, HOP, UPLOAD, Plan, PlanError, Transfer, chain_plan, pick_aggregator,
+                                       replan, star_plan)
 from fedrelay.coordinator.planner import PeerInfo, plan_chain
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 
@@ -34,8 +35,9 @@ log = logging.getLogger("fedrelay.coordinator")
 HEARTBEAT_SECONDS = 10
 END_NOTICE_RETRY = 10.0  # seconds before an end notice a live site did not take is sent again
 DEFAULT_PEER_TIMEOUT = 120.0  # seconds a site may go without a heartbeat before it is routed around
-PURPOSES = {common_pb2.CHAIN_HOP: "chain", common_pb2.FINAL_MODEL: "final"}  # wire -> ledger
-PLAN_PURPOSE = {"chain": HOP, "final": FINAL}  # ledger -> plan
+PURPOSES = {common_pb2.CHAIN_HOP: "chain", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}  # wire -> ledger
+PLAN_PURPOSE = {"chain": HOP, "final": FINAL, "upload": UPLOAD}  # ledger -> plan
+PURPOSE_ERROR = "purpose must be CHAIN_HOP, UPLOAD or FINAL_MODEL"
 
 
 def new_run_id() -> str:
@@ -164,14 +166,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _check_report(self, run: dict, purpose: str, index: int, sender: str, receiver: str,
                       payload_bytes: int, context) -> Transfer:
-        """The checks every transfer report gets: a planned transfer, of the run's model size."""
+        """The checks every transfer report gets: a planned transfer, of the run's model size (an
+        upload: of the size of the run's uploads, model plus the aggregator's extra tensors)."""
         t = self._planned(run["run_id"], purpose, index, sender, receiver)
         if t is None:
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"{sender} -> {receiver} is not transfer {index} ({purpose}) of run {run['run_id']}'s plan")
-        if run["model_bytes"] and payload_bytes != run["model_bytes"]:
+        size, what = ((run["upload_bytes"], "uploads are") if purpose == "upload" else (run["model_bytes"], "model is"))
+        if size and payload_bytes != size:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{payload_bytes} bytes reported; the run's model is {run['model_bytes']} bytes")
+                          f"{payload_bytes} bytes reported; the run's {what} {size} bytes")
         return t
 
     def _settle(self, run: dict, purpose: str, index: int, receiver: str) -> None:
@@ -181,13 +185,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     if (h["hop"], h["receiver"]) == (index, receiver)), None)
         if row is None:
             return
-        what = f"hop {index}" if purpose == "chain" else f"final copy to {receiver}"
+        what = {"chain": f"hop {index}", "upload": f"upload {index}"}.get(purpose, f"final copy to {receiver}")
         if row["status"] == "done":
             got = row["receipt"]
             fresh = self.ledger.run(run["run_id"])
-            if not fresh["model_bytes"]:
-                self.ledger.update_run(run["run_id"], model_bytes=got["payload_bytes"], schema_sha256=got["schema_sha256"])
-            elif fresh["schema_sha256"] and got["schema_sha256"] != fresh["schema_sha256"]:
+            size, schema = ("upload_bytes", "upload_schema_sha256") if purpose == "upload" else (
+                "model_bytes", "schema_sha256")
+            if not fresh[size]:
+                self.ledger.update_run(run["run_id"], **{size: got["payload_bytes"], schema: got["schema_sha256"]})
+            elif fresh[schema] and got["schema_sha256"] != fresh[schema]:
                 self.ledger.add_event(run["run_id"], "warning", f"{what}: the payload's tensors differ from the "
                                       "run's model (schema digest)", site=receiver)
         elif row["status"] == "disputed":
@@ -209,7 +215,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return cpb.ReportReply(duplicate=True)
         purpose = PURPOSES.get(request.purpose)
         if purpose is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "purpose must be CHAIN_HOP or FINAL_MODEL")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, PURPOSE_ERROR)
         t = self._check_report(run, purpose, request.hop, request.sender, request.receiver,
                                request.payload_bytes, context)
         try:
@@ -221,12 +227,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         if new:
             seconds = request.ended - request.started
-            what = (f"hop {request.hop}" + (f" (round {t.round})" if run["rounds"] > 1 else "")
-                    if purpose == "chain" else "final model")
+            what = {"chain": f"hop {request.hop}" + (f" (round {t.round})" if run["rounds"] > 1 else ""),
+                    "upload": f"upload {request.hop}"}.get(purpose, "final model")
             retried = (f", {request.attempts} attempts" if request.attempts > 1 else "") + (
                 f", resumed at byte {request.resumed_from}" if request.resumed_from else "")
             self.ledger.add_event(
-                request.run_id, "hop" if purpose == "chain" else "final_copy",
+                request.run_id, {"chain": "hop", "upload": "upload"}.get(purpose, "final_copy"),
                 f"{what}: {request.sender} -> {request.receiver}, {request.payload_bytes} bytes, "
                 f"sha256 {request.sha256[:12]}, {seconds:.2f} s{retried}",
                 site=request.sender, hop=request.hop, round=t.round, sender=request.sender,
@@ -245,7 +251,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._site_in_run(run, request.receiver, context)
         purpose = PURPOSES.get(request.purpose)
         if purpose is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "purpose must be CHAIN_HOP or FINAL_MODEL")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, PURPOSE_ERROR)
         self._check_report(run, purpose, request.hop, request.sender, request.receiver, request.payload_bytes, context)
         try:
             new = self.ledger.record_receipt(request.run_id, purpose, request.hop, request.sender, request.receiver,
@@ -299,6 +305,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if copies - {request.sha256, None}:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the final model's sha256 differs from the copies "
                                                             f"{request.site} reported sending")
+        if request.missing:
+            self._record_missing(run, list(request.missing), context)
         self.ledger.update_run(request.run_id, final_sha256=request.sha256, final_site=request.site,
                                model_bytes=run["model_bytes"] or request.model_bytes)
         self.ledger.add_event(request.run_id, "final",
@@ -307,6 +315,24 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                               sha256=request.sha256, model_bytes=request.model_bytes)
         self._submit_evaluation(request.run_id)
         return cpb.ReportReply()
+
+    def _record_missing(self, run: dict, missing: list[str], context) -> None:
+        """A star plan's aggregator combined the uploads without those of ``missing`` (they had
+        not arrived within its upload timeout): they are routed around (no final copy, no
+        evaluation), with a plan version that says so."""
+        version, plan = self._plan(run["run_id"])
+        order = [c["name"] for c in run["chain"]]
+        if not plan.aggregator or any(m not in order or m == plan.aggregator for m in missing):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing uploads name sites that upload to no aggregator "
+                                                            f"in run {run['run_id']}")
+        skipped = self._skipped(run["run_id"])
+        received = {h["sender"] for h in self.ledger.hops(run["run_id"], "upload")}
+        new = star_plan(order, plan.aggregator, skipped | set(missing), received - set(missing))
+        reason = "its upload had not arrived when the aggregator combined the others (upload timeout)"
+        if self.ledger.reroute(run["run_id"], new.to_json(), [(m, reason) for m in sorted(missing)]) is not None:
+            self.ledger.add_event(run["run_id"], "warning", f"the aggregator combined the uploads without "
+                                  f"{', '.join(sorted(missing))} (upload timeout): no final copy, no evaluation there",
+                                  site=plan.aggregator, missing=sorted(missing))
 
     def ReportFailure(self, request: cpb.FailureReport, context) -> cpb.ReportReply:
         names.check_failure(request)
@@ -376,6 +402,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if not dead - skipped:  # the common case, every second: nothing more to read
             return []
         _, plan = self._plan(run_id)
+        if plan.aggregator:
+            return self._check_star_route(run, plan, order, dead, skipped)
         visits = list(plan.visits)
         reached = {(h["hop"], h["receiver"]) for h in self.ledger.hops(run_id)}
         at = max(i for i, v in enumerate(visits) if i == 0 or (v.index, v.site) in reached)
@@ -400,6 +428,30 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         for name in sorted(skip):
             self.ledger.add_event(run_id, "skip", f"{name} unreachable for more than {self.peer_timeout:.0f} s: "
                                   "routed around it", site=name)
+        self._queue_reroutes(run, plan, new, version)
+        return sorted(skip)
+
+    def _check_star_route(self, run: dict, plan: Plan, order: list[str], dead: set[str], skipped: set[str]) -> list[str]:
+        """A star plan's rules: the aggregating site down past ``peer_timeout`` fails the run
+        (it holds the uploads); any other site down is routed around: its upload is no longer
+        waited for (one that arrived stays in the final model), it gets no final copy and is not
+        evaluated. The aggregator gets the new part of the plan at once (``Peer.Reroute``)."""
+        run_id = run["run_id"]
+        if plan.aggregator in dead:
+            self._fail(run_id, f"the aggregating site {plan.aggregator} is unreachable (no heartbeat for more "
+                               f"than {self.peer_timeout:.0f} s)", site=plan.aggregator)
+            return []
+        skip = dead - skipped
+        received = {h["sender"] for h in self.ledger.hops(run_id, "upload")}
+        new = star_plan(order, plan.aggregator, skipped | skip, received)
+        reason = f"no heartbeat for more than {self.peer_timeout:.0f} s"
+        version = self.ledger.reroute(run_id, new.to_json(), [(n, reason) for n in sorted(skip)])
+        if version is None:
+            return []
+        for name in sorted(skip):
+            held = " (its upload arrived and stays in the final model)" if name in received else ""
+            self.ledger.add_event(run_id, "skip", f"{name} unreachable for more than {self.peer_timeout:.0f} s: "
+                                  f"the aggregator no longer waits for it{held}", site=name)
         self._queue_reroutes(run, plan, new, version)
         return sorted(skip)
 
@@ -560,7 +612,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             run_params.check_rounds(rounds)
             chosen = plan_chain(peers, names=list(request.peers) or None, order=request.order or "random",
                                 seed=request.seed, arch=request.arch or "cnn")
-            plan = chain_plan(chosen.names, rounds)
+            plan = self._new_plan(params["strategy"], chosen.names, rounds, request.aggregator, request.seed)
         except ValueError as exc:  # PlanError too
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         unreachable = []
@@ -580,9 +632,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                params=params, chain=chain, class_index=chosen.class_index, model=chosen.model,
                                warnings=chosen.warnings, insecure=self.insecure, rounds=rounds, plan=plan.to_json())
         cycles = f", {rounds} rounds ({len(plan.hops)} hops)" if rounds > 1 else ""
-        self.ledger.add_event(run_id, "started", f"run {run_id}: {params['strategy']} over "
-                              f"{len(chain)} sites{cycles}: {' -> '.join(chosen.names)}", order=chosen.names,
-                              rounds=rounds)
+        shape = (f"{len(chain)} sites in parallel, aggregated at {plan.aggregator}: {', '.join(chosen.names)}"
+                 if plan.aggregator else f"{len(chain)} sites{cycles}: {' -> '.join(chosen.names)}")
+        self.ledger.add_event(run_id, "started", f"run {run_id}: {params['strategy']} over {shape}",
+                              order=chosen.names, rounds=rounds, aggregator=plan.aggregator)
         for w in chosen.warnings:
             self.ledger.add_event(run_id, "warning", w)
         spec = common_pb2.ModelSpec(arch=chosen.model["arch"], in_channels=chosen.model["in_channels"],
@@ -597,7 +650,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             a = peer_pb2.Assignment(
                 run_id=run_id, position=pos, chain_length=n, seed=request.seed, params=request.params,
                 model=spec, class_index=chosen.class_index, site=site, order=chosen.names, rounds=rounds,
-                **plan.part_pb(site, address))
+                aggregator=plan.aggregator, **plan.part_pb(site, address))
             try:
                 self._peer(chosen.order[pos]).Assign(a, timeout=wire.CONTROL_TIMEOUT)
             except grpc.RpcError as exc:
@@ -606,6 +659,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
         self.ledger.add_event(run_id, "assigned", "every site has its assignment")
         return cpb.StartChainReply(run_id=run_id, order=chosen.names, warnings=chosen.warnings)
+
+    @staticmethod
+    def _new_plan(strategy: str, order: list[str], rounds: int, aggregator: str, seed: int) -> Plan:
+        """Version 0 of a run's plan: a chain, or a star for the parallel one-shot methods
+        (``aggregator`` "" = chosen by the seed). Raises ``ValueError`` (``PlanError``)."""
+        if registry.strategy(strategy).plan == registry.STAR:
+            if rounds != 1:
+                raise PlanError(f"--rounds {rounds}: {strategy} is a one-shot parallel method (one round)")
+            return star_plan(order, aggregator or pick_aggregator(order, seed))
+        if aggregator:
+            raise PlanError(f"--aggregator: {strategy} runs a chain; only the parallel methods "
+                            f"({', '.join(n for n, s in registry.STRATEGIES.items() if s.plan == registry.STAR)}) "
+                            "have an aggregating site")
+        return chain_plan(order, rounds)
 
     def WatchRun(self, request: cpb.WatchRunRequest, context):
         names.check_run_request(request)
@@ -687,6 +754,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             class_index=run["class_index"], warnings=run["warnings"], error=run["error"] or "",
             created=run["created"], ended=run["ended"] or 0, insecure=bool(run["insecure"]),
             params=run_params.to_pb(run["params"]), rounds=run["rounds"], final_site=run["final_site"] or "",
+            upload_bytes=run["upload_bytes"] or 0,
         )
         plans = self.ledger.plans(run_id)
         plan = Plan.from_json(plans[-1]["plan"]) if plans else None
@@ -694,7 +762,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         s.skipped.extend(c["name"] for c in run["chain"] if c["name"] in skipped)
         s.contributors.extend(c["name"] for c in run["chain"] if c["name"] not in skipped)
         reported = {}
-        for purpose, field in (("chain", s.hops), ("final", s.final_transfers)):
+        for purpose, field in (("chain", s.hops), ("upload", s.uploads), ("final", s.final_transfers)):
             for h in self.ledger.hops(run_id, purpose):
                 got = h["receipt"] or {}
                 reported[(purpose, h["hop"], h["receiver"])] = h
@@ -708,6 +776,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             s.plan.extend(t.to_pb() for t in plan.transfers)
             kept = {("chain", t.index, t.receiver) for t in plan.hops}
             s.planned_hops = len(kept) + sum(1 for k in reported if k[0] == "chain" and k not in kept)
+            s.aggregator = plan.aggregator
+            # an upload routed around after it arrived stays in the plan (star_plan's `received`)
+            s.planned_uploads = len(plan.uploads)
         if run["status"] == "finished":
             s.final.sha256 = run["final_sha256"] or ""
             s.final.accuracy = run["accuracy"] or 0.0

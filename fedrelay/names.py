@@ -223,8 +223,15 @@ def check_assignment(a) -> None:
     check_part(a)
     check_class_names(a.class_index)
     check_label(a.model.arch, "model.arch")
-    check_label(a.params.strategy, "params.strategy")
-    check_label(a.params.selection, "params.selection")
+    check_params(a.params)
+    if a.aggregator:
+        check_site_name(a.aggregator, "aggregator")
+
+
+def check_params(p) -> None:
+    """A ``TrainingParams``' string fields: labels (their values are checked by fedrelay.params)."""
+    for field in ("strategy", "selection", "init", "init_sha256", "weighting", "maecho_alpha", "ofasd_mode"):
+        check_label(getattr(p, field), f"params.{field}")
 
 
 def check_transfer_header(h) -> None:
@@ -297,10 +304,11 @@ def check_progress(r) -> None:
 
 
 def check_final(r) -> None:
-    """``Coordinator.ReportFinal``'s ``FinalReport``: run id, site, SHA-256."""
+    """``Coordinator.ReportFinal``'s ``FinalReport``: run id, site, SHA-256, missing sites."""
     check_run_id(r.run_id)
     check_site_name(r.site)
     check_sha256(r.sha256)
+    check_site_names(r.missing, "missing")
 
 
 def check_failure(r) -> None:
@@ -320,5 +328,6 @@ def check_start_chain(r) -> None:
     check_site_names(r.peers, "peers")
     check_label(r.order, "order")
     check_label(r.arch, "arch")
-    check_label(r.params.strategy, "params.strategy")
-    check_label(r.params.selection, "params.selection")
+    check_params(r.params)
+    if r.aggregator:
+        check_site_name(r.aggregator, "aggregator")

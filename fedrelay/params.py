@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fedrelay import registry
 
 SELECTIONS = ("best-val", "last-epoch")
+INITS = ("shared", "per-site", "file")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class Field:
     kind: type     # int | float | str
     minimum: float | None = None   # ints: smallest allowed; floats: see `positive`
     positive: bool = False         # floats: > 0 instead of >= 0
+    choices: tuple[str, ...] = ()  # strs: the allowed values
+    used_by: tuple[str, ...] = ()  # method options: the strategies that read it (checked only for them)
+    default: object = None         # method options: the value of an unset (zero / empty) field
 
 
 FIELDS = (
@@ -35,16 +39,33 @@ FIELDS = (
     Field("lr", "--lr", float, 0.0, positive=True),
     Field("batch_size", "--batch-size", int, 1),
     Field("weight_decay", "--weight-decay", float, 0.0),
-    Field("selection", "--selection", str),
+    Field("selection", "--selection", str, choices=SELECTIONS),
 )
-NAMES = tuple(f.name for f in FIELDS)
+# The initial model and the aggregators' options: on the wire a zero or empty value means the
+# default (proto3 cannot tell unset from zero), so a run started by an older client still checks.
+OPTIONS = (
+    Field("init", "--init", str, choices=INITS, default=""),
+    Field("init_sha256", "--init-weights", str, default=""),
+    Field("weighting", "--weighting", str, choices=("samples", "uniform"), used_by=("fedavg",), default="samples"),
+    Field("maecho_tau", "--maecho-tau", int, 1, used_by=("maecho",), default=100),
+    Field("maecho_eta", "--maecho-eta", float, 0.0, positive=True, used_by=("maecho",), default=0.05),
+    Field("maecho_alpha", "--maecho-alpha", str, choices=("uniform", "qp"), used_by=("maecho",), default="uniform"),
+    Field("ofasd_mode", "--ofasd-mode", str, choices=("block", "client"), used_by=("ofasd",), default="block"),
+    Field("ofasd_epochs", "--ofasd-epochs", int, 1, used_by=("ofasd",), default=2),
+    Field("ofasd_lr", "--ofasd-lr", float, 0.0, positive=True, used_by=("ofasd",), default=0.01),
+    Field("upload_timeout", "--upload-timeout", float, 0.0, positive=True,
+          used_by=("fedavg", "fedelmy-pfl", "maecho", "ofasd"), default=3600.0),
+)
+TRAIN_NAMES = tuple(f.name for f in FIELDS)   # what TrainConfig holds
+OPTION_NAMES = tuple(f.name for f in OPTIONS)
+NAMES = TRAIN_NAMES + OPTION_NAMES
 MAX_EPOCHS = 100_000   # per field; more is a typo, not a plan
 MAX_BATCH = 1 << 20
 
 
 def to_dict(p) -> dict:
     """``TrainingParams`` (or anything with its attributes) as a plain dict in field order."""
-    return {name: getattr(p, name) for name in NAMES}
+    return {name: getattr(p, name) for name in NAMES if hasattr(p, name)}
 
 
 def to_pb(d: dict):
@@ -53,32 +74,74 @@ def to_pb(d: dict):
     return common_pb2.TrainingParams(**{k: d[k] for k in NAMES if k in d})
 
 
-def check(d: dict) -> None:
+def train_config(d: dict) -> dict:
+    """The fields of ``d`` that ``fedrelay.peer.training.TrainConfig`` holds."""
+    return {k: d[k] for k in TRAIN_NAMES}
+
+
+def options(d: dict) -> dict:
+    """The initial-model and aggregator options of ``d``, unset ones at their default, and
+    ``init`` resolved to the strategy's default (``registry.Strategy.init``) when empty."""
+    out = {f.name: d.get(f.name) or f.default for f in OPTIONS}
+    if not out["init"]:
+        out["init"] = registry.strategy(d["strategy"]).init
+    return out
+
+
+def _check_value(f: Field, value) -> None:
+    if f.kind is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{f.flag} must be a string, got {value!r}")
+        if f.choices and value not in f.choices:
+            raise ValueError(f"{f.flag} must be one of {', '.join(f.choices)}, got {value!r}")
+        return
+    if f.kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{f.flag} must be an integer, got {value!r}")
+        top = MAX_BATCH if f.name == "batch_size" else MAX_EPOCHS
+        if not f.minimum <= value <= top:
+            raise ValueError(f"{f.flag} must be between {f.minimum:g} and {top}, got {value}")
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{f.flag} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{f.flag} must be a finite number, got {value!r}")
+    if f.positive and value <= 0:
+        raise ValueError(f"{f.flag} must be > 0, got {value!r}")
+    if value < f.minimum:
+        raise ValueError(f"{f.flag} must be >= {f.minimum:g}, got {value!r}")
+
+
+def check(d: dict, strict: bool = False) -> None:
     """Raise ``ValueError`` naming the first bad field by its CLI flag: an unknown strategy or
-    selection, a non-integer, a value out of range, or a float that is not finite (nan, inf)."""
+    selection, a non-integer, a value out of range, a float that is not finite (nan, inf), or
+    an initial model the strategy cannot use (OFASD needs one shared initial model; ``--init
+    file`` needs ``--init-weights`` as 64 hex digits). Method options are checked for the
+    strategies that read them; unset ones (zero, empty) take their defaults, unless ``strict``
+    (the CLI: what the operator typed is checked as typed, so ``--maecho-tau 0`` is refused)."""
     try:
-        registry.strategy(d["strategy"])
+        strategy = registry.strategy(d["strategy"])
     except ValueError as exc:
         raise ValueError(f"--strategy: {exc}") from None
-    if d["selection"] not in SELECTIONS:
-        raise ValueError(f"--selection must be one of {', '.join(SELECTIONS)}, got {d['selection']!r}")
     for f in FIELDS:
-        value = d[f.name]
-        if f.kind is int:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{f.flag} must be an integer, got {value!r}")
-            top = MAX_BATCH if f.name == "batch_size" else MAX_EPOCHS
-            if not f.minimum <= value <= top:
-                raise ValueError(f"{f.flag} must be between {f.minimum:g} and {top}, got {value}")
-        elif f.kind is float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{f.flag} must be a number, got {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"{f.flag} must be a finite number, got {value!r}")
-            if f.positive and value <= 0:
-                raise ValueError(f"{f.flag} must be > 0, got {value!r}")
-            if value < f.minimum:
-                raise ValueError(f"{f.flag} must be >= {f.minimum:g}, got {value!r}")
+        _check_value(f, d[f.name])
+    if not any(f.name in d for f in OPTIONS):
+        return  # a TrainConfig: training fields only
+    opts = options(d)
+    if strict:
+        opts.update({f.name: d[f.name] for f in OPTIONS if f.name in d and f.name != "init" and f.kind is not str})
+    for f in OPTIONS:
+        if not f.used_by or strategy.name in f.used_by:
+            _check_value(f, opts[f.name])
+    sha = opts["init_sha256"]
+    if opts["init"] == "file":
+        if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+            raise ValueError(f"--init-weights must be the weights file's SHA-256 (64 lowercase hex digits), got {sha!r}")
+    elif sha:
+        raise ValueError("--init-weights names a weights file: use it with --init file")
+    if strategy.name == "ofasd" and opts["init"] == "per-site":
+        raise ValueError("--init per-site: ofasd composes task vectors against one initial model; "
+                         "use --init shared or --init file")
 
 
 MAX_ROUNDS = 100  # T; with at most 1,024 sites, hop numbers stay below fedrelay.names.MAX_HOP

@@ -88,12 +88,14 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
 def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir: Path, device: str,
           transport: wire.Transport, advertise: str | None = None, stop: threading.Event | None = None,
           ready: threading.Event | None = None, stall_timeout: float = DEFAULT_STALL_TIMEOUT,
-          deterministic: bool = True) -> None:
+          deterministic: bool = True, weights_dir: Path | None = None) -> None:
     """Run a peer daemon until ``stop`` is set (or forever), with mutual TLS on every channel
     unless ``transport`` is insecure. ``stall_timeout``: seconds a handoff may send nothing
     before it is dropped. ``deterministic``: on a CUDA device, use deterministic kernels
     (:func:`fedrelay.peer.training.use_deterministic_kernels`) so that a run's model digests
     repeat; False trains faster on a GPU but the same seed then gives different models.
+    ``weights_dir``: where the site keeps initial-weights files (``start-chain --init file``)
+    [default: ``state_dir/weights``].
 
     Raises ``DataError`` (bad data folder), ``ValueError`` (bad device or address, a name or class
     folder name that breaks its ``fedrelay.names`` rule, or a TLS identity that is not ``name``)
@@ -126,7 +128,7 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
         raise ValueError(f"listening on {listen}: pass --advertise HOST:PORT, the address other sites can reach")
     link = CoordinatorLink(coordinator, transport)
     node = PeerNode(name, address, data, Path(state_dir), device, link, transport=transport,
-                    stall_timeout=stall_timeout)
+                    stall_timeout=stall_timeout, weights_dir=weights_dir)
     add_peer_servicer(PeerServicer(node), server)
     server.start()
     log.info("peer %s (%s) listening on %s (%s), state dir %s, device %s", name, __version__, address,

@@ -1,5 +1,6 @@
 """The peer's run state machine: assigned (waiting) -> receiving -> training -> sending
-(-> distributing at the final site) -> done; "failed" when this site's work failed, "ended"
+(-> distributing at the final site) -> done (a star plan: training -> sending the upload -> done;
+the aggregator: training -> receiving the uploads -> training (aggregating) -> distributing); "failed" when this site's work failed, "ended"
 when the coordinator ended the run while this site was still working on it (``end_run``).
 A run of T rounds goes through receiving -> training -> sending once per visit (round).
 
@@ -13,6 +14,7 @@ trained again, an unsent model is sent, an unreported receipt is reported).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from pathlib import Path
@@ -33,7 +35,7 @@ log = logging.getLogger("fedrelay.peer")
 
 DEFAULT_STALL_TIMEOUT = 60.0  # seconds
 REROUTE_GRACE = 120.0  # seconds a final-model copy retries a refusal after a reroute (see _deliver)
-PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final model"}
+PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final model", common_pb2.UPLOAD: "upload"}
 
 
 class PeerNode:
@@ -46,8 +48,10 @@ class PeerNode:
     def __init__(self, name: str, address: str, data: SiteData, state_dir: Path, device: str,
                  coordinator: CoordinatorLink | None, *, send_deadline: float = 1800.0,
                  start_workers: bool = True, transport: wire.Transport = wire.INSECURE,
-                 stall_timeout: float = DEFAULT_STALL_TIMEOUT):
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT, weights_dir: Path | None = None):
         self.transport = transport
+        # Initial-weights files this site holds (``--init file``), found by their SHA-256.
+        self.weights_dir = Path(weights_dir) if weights_dir is not None else Path(state_dir) / "weights"
         self.name = name
         self.address = address
         self.data = data
@@ -62,6 +66,7 @@ class PeerNode:
         self._route_lock = threading.Lock()
         self.streams = InboundStreams(stall_timeout)  # the Handoff streams open here
         self._tensors: dict[tuple, tuple] = {}
+        self._digests: dict[tuple, str] = {}
         self.reporter = Reporter(coordinator, lambda: self.stop)
         self.stop = threading.Event()
         self._load_runs()
@@ -99,6 +104,9 @@ class PeerNode:
         if a.order[a.position] != self.name:
             raise ValueError(f"order[{a.position}] is {a.order[a.position]!r}, not {self.name!r}")
         run_params.check_rounds(a.rounds or 1)
+        star = registry.strategy(a.params.strategy).plan == registry.STAR
+        if star != bool(a.aggregator) or (a.aggregator and a.aggregator not in a.order):
+            raise ValueError(f"strategy {a.params.strategy!r} and aggregator {a.aggregator!r} do not make a plan")
         self._check_part(a.order, a.rounds or 1, a.transfers, a.peers, a.visits)
         missing = [c for c in self.data.class_names if c not in set(a.class_index)]
         if missing:
@@ -107,6 +115,11 @@ class PeerNode:
         if shape != tuple(self.data.image_shape):
             raise ValueError(f"the run's images are {shape}, this site's are {tuple(self.data.image_shape)}")
         self._train_config(a).validate()
+        params = run_params.to_dict(a.params)
+        run_params.check(params)
+        opts = run_params.options(params)
+        if opts["init"] == "file":
+            self.initial_weights(opts["init_sha256"])  # refuse now, not at the first epoch
         with self._lock:
             run = self.runs.get(a.run_id)
             if run is not None:
@@ -139,12 +152,29 @@ class PeerNode:
                 raise ValueError(f"planned transfer names {other!r}, which is not a site of the run with an address")
             if t.purpose == common_pb2.CHAIN_HOP and not 1 <= t.index < rounds * len(order):
                 raise ValueError(f"hop {t.index} is outside the plan's {rounds * len(order) - 1} hops")
+            if t.purpose == common_pb2.UPLOAD and not (1 <= t.index <= len(order) and order[t.index - 1] == t.sender):
+                raise ValueError(f"upload {t.index} does not come from the site at position {t.index - 1}")
+
+    def initial_weights(self, sha256: str) -> Path:
+        """The initial-weights file (``--init file``) with this SHA-256 in ``weights_dir``: any
+        ``*.safetensors`` file there whose digest is ``sha256`` (digests are cached by size and
+        modification time). Raises ``ValueError`` saying where to place it."""
+        folder = self.weights_dir
+        for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else ():
+            st = path.stat()
+            key = (str(path), st.st_size, st.st_mtime_ns)
+            if key not in self._digests:
+                self._digests[key] = wire.sha256_file(path)
+            if self._digests[key] == sha256:
+                return path
+        raise ValueError(f"this site holds no initial-weights file with SHA-256 {sha256}: copy it into {folder} "
+                         "(any name ending in .safetensors; `sha256sum FILE` shows its digest)")
 
     @staticmethod
     def _train_config(a: peer_pb2.Assignment):
         from fedrelay.peer.training import TrainConfig
 
-        return TrainConfig(**run_params.to_dict(a.params))
+        return TrainConfig(**run_params.train_config(run_params.to_dict(a.params)))
 
     @staticmethod
     def _spec(a: peer_pb2.Assignment):
@@ -262,9 +292,12 @@ class PeerNode:
             if h.purpose == common_pb2.CHAIN_HOP:
                 raise TransferError(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"hop {h.hop} does not end at this site in run {h.run_id}'s plan")
+            if h.purpose == common_pb2.UPLOAD:
+                raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"upload {h.hop} from {h.sender!r} is not planned to this site in run {h.run_id}")
             raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
                                 f"{h.sender!r} is not the last site of run {h.run_id} (no final copy is planned here)")
-        what = "predecessor" if h.purpose == common_pb2.CHAIN_HOP else "last site"
+        what = {common_pb2.CHAIN_HOP: "predecessor", common_pb2.UPLOAD: "uploading site"}.get(h.purpose, "last site")
         if caller is not None and caller != t.sender:
             raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
                                 f"certificate identity {caller!r} is not this site's {what} in run {h.run_id} "
@@ -306,20 +339,41 @@ class PeerNode:
 
     @staticmethod
     def _payload_cap(a: peer_pb2.Assignment) -> int:
-        """Largest payload accepted for a run: 4 x the model's tensor bytes + 1 MiB of header."""
+        """Largest payload accepted for a run: 4 x (the model's tensor bytes + the aggregator's
+        extra tensors' bytes) + 1 MiB of header."""
         from fedrelay.peer.models import state_bytes
 
-        return 4 * state_bytes(PeerNode._spec(a)) + (1 << 20)
+        spec = PeerNode._spec(a)
+        extras = sum(math.prod(shape) * dtype.itemsize for shape, dtype in PeerNode._extras_schema(a).values())
+        return 4 * (state_bytes(spec) + extras) + (1 << 20)
+
+    @staticmethod
+    def _extras_schema(a: peer_pb2.Assignment) -> dict:
+        """Star plans: the extra tensors every upload carries (its aggregator's ``extras_schema``),
+        names with the payload prefix; {} for a chain."""
+        strategy = registry.strategy(a.params.strategy)
+        if not strategy.aggregator:
+            return {}
+        from fedrelay.peer.aggregators import EXTRA
+
+        opts = run_params.options(run_params.to_dict(a.params))
+        schema = registry.load_aggregator(strategy.aggregator).extras_schema(PeerNode._spec(a), opts)
+        return {EXTRA + k: v for k, v in schema.items()}
 
     def _check_model_bytes(self, a: peer_pb2.Assignment, data: bytes, purpose: int) -> None:
         """Parse a payload with safetensors and check it against its schema before anything is
-        kept: a hop's against the strategy's ``payload_schema`` (default: the run's model), a
-        final copy's against the run's model. Raises ``ValueError``."""
-        from fedrelay.peer.models import check_state
+        kept: a hop's against the strategy's ``payload_schema`` (default: the run's model), an
+        upload's against the model plus its aggregator's extra tensors (names, shapes, dtypes),
+        a final copy's against the run's model. No NaN or Inf anywhere. Raises ``ValueError``."""
+        from fedrelay.peer.models import check_state, expected_signature
 
         spec = self._spec(a)
-        schema = getattr(registry.load(a.params.strategy), "payload_schema", None)
-        expected = schema(spec) if schema is not None and purpose == common_pb2.CHAIN_HOP else None
+        expected = None
+        if purpose == common_pb2.CHAIN_HOP:
+            schema = getattr(registry.load(a.params.strategy), "payload_schema", None)
+            expected = schema(spec) if schema is not None else None
+        elif purpose == common_pb2.UPLOAD:
+            expected = {**expected_signature(spec), **self._extras_schema(a)}
         check_state(wire.decode_state(data), spec, expected)
 
     # -- the worker ---------------------------------------------------------------------------------
@@ -354,7 +408,10 @@ class PeerNode:
         visit), train, send the model on; the final site then copies the final model to every
         other site. The route may change meanwhile (``reroute``): each step reads the current
         part of the plan, so a visit that lost its hop is dropped, and one that became the
-        chain's first starts afresh."""
+        chain's first starts afresh. A star plan: ``_work_star``."""
+        if run.is_star:
+            self._work_star(run)
+            return
         r = 0
         while True:
             later = [v for v in run.visits if v > r]
@@ -375,6 +432,147 @@ class PeerNode:
                 r = 0
                 continue
         self._set_state(run, "done", "")
+
+    def _work_star(self, run: Run) -> None:
+        """A star plan (a parallel one-shot method): train once from the run's initial model and
+        write the upload (model + the aggregator's extra tensors); a site uploads it to the
+        aggregator and is done (the final copy arrives later, by ``handoff``). The aggregator
+        waits for the planned uploads (``_wait_for_uploads``), combines them with its own
+        (``_aggregate``), copies the final model to every site whose upload it used and reports
+        it, naming the sites whose upload never came."""
+        outgoing = run.visit_dir(1) / "outgoing.safetensors"
+        if not outgoing.exists():
+            self._train(run, 1, outgoing)
+        if not run.is_final_site:
+            t = run.upload
+            if t is not None:
+                self._set_state(run, "sending", f"upload {t.index} to {t.receiver}")
+                self._deliver(run, t, outgoing, wire.sha256_file(outgoing), outgoing.stat().st_size)
+            self._set_state(run, "done", "")
+            return
+        final = run.final_model
+        if not final.exists():
+            arrived, missing = self._wait_for_uploads(run)
+            if arrived is None:
+                return  # the daemon stops; a restart carries on
+            self._aggregate(run, outgoing, arrived, final)
+            run.missing = missing
+            run.save()
+        sha, size = wire.sha256_file(final), final.stat().st_size
+        run.final_sha256 = sha
+        run.save()
+        self._set_state(run, "distributing", "final model to every site")
+        for c in run.final_copies:
+            if c.receiver not in run.missing:
+                self._deliver(run, c, final, sha, size)  # False: a reroute took the copy away
+        self._report("ReportFinal", cpb.FinalReport(run_id=run.run_id, site=self.name, sha256=sha, model_bytes=size,
+                                                    missing=run.missing))
+        self._set_state(run, "done", "")
+
+    def _wait_for_uploads(self, run: Run):
+        """Wait, at a star plan's aggregator, until every planned upload has arrived, or
+        ``--upload-timeout`` seconds (counted from now: after this site's own training, again
+        after a restart) have passed. The plan may shrink meanwhile (the coordinator routed
+        around a site that stayed down). Returns ``(arrived, missing)``: the planned uploads held
+        (PlannedTransfer) and the senders not heard from; ``(None, [])`` when the daemon stops.
+        Raises ``RunEnded``."""
+        timeout = run_params.options(run_params.to_dict(run.assignment.params))["upload_timeout"]
+        deadline = time.monotonic() + timeout
+        while True:
+            run.wake.clear()
+            planned = run.uploads_in
+            arrived = [t for t in planned if run.destination(t).exists()]
+            missing = [t.sender for t in planned if t not in arrived]
+            if not missing:
+                return arrived, []
+            if time.monotonic() >= deadline:
+                log.warning("run %s: no upload from %s within %.0f s; combining the %d that arrived", run.run_id,
+                            ", ".join(missing), timeout, len(arrived))
+                return arrived, missing
+            if self.stop.is_set():
+                return None, []
+            if run.ended.is_set():
+                raise RunEnded(run.run_id)
+            detail = f"{len(arrived)} of {len(planned)} uploads"
+            if run.state != "receiving" or run.detail != detail:
+                self._set_state(run, "receiving", detail)
+            run.wake.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def _aggregate(self, run: Run, own: Path, arrived: list, final: Path) -> None:
+        """Combine this site's own upload and the ``arrived`` ones with the run's aggregator
+        (``registry.load_aggregator``; uploads in site-name order, so the result does not
+        depend on arrival order) and write the final model to ``final``. The aggregator gets
+        this site's train/validation split (OFASD learns its coefficients there) and the run's
+        initial model (shared or from a file; None with per-site inits)."""
+        from fedrelay.peer.aggregators import Context, Upload, split_payload
+        from fedrelay.peer.data import train_val_split
+        from fedrelay.peer.models import check_state
+        from fedrelay.peer.training import derive_seed
+
+        a = run.assignment
+        strategy = registry.strategy(a.params.strategy)
+        module = registry.load_aggregator(strategy.aggregator)
+        params = run_params.to_dict(a.params)
+        opts = run_params.options(params)
+        spec, cfg = self._spec(a), self._train_config(a)
+        payloads = {self.name: own, **{t.sender: run.destination(t) for t in arrived}}
+        uploads = [Upload(site, *split_payload(wire.decode_state(payloads[site].read_bytes())))
+                   for site in sorted(payloads)]
+        with self._train_lock:
+            self._set_state(run, "training", f"aggregating {len(uploads)} models ({strategy.aggregator})")
+            images, labels = self._site_tensors("train", a.class_index)
+            train, val = train_val_split(images, labels, seed=derive_seed(a.seed, "split", self.name))
+            ctx = Context(spec=spec, initial=self._initial_state(run), train=train, val=val, cfg=cfg, options=opts,
+                          seed=derive_seed(a.seed, "aggregate"), device=self.device,
+                          on_epoch=self._epoch_reporter(run))
+            started = time.time()
+            state = module.aggregate(uploads, ctx)
+            check_state(state, spec)
+            wire.atomic_write(final, wire.encode_state(state))
+        log.info("run %s: aggregated %d models with %s in %.1f s", run.run_id, len(uploads), strategy.aggregator,
+                 time.time() - started)
+
+    def _initial_state(self, run: Run):
+        """The run's initial model as a state, where the run names one: ``--init file`` (the
+        weights file, its SHA-256 checked again as read, and its tensors against the run's
+        model), ``--init shared`` in a star plan (built from ``derive_seed(seed, "init")``, the
+        same at every site). None otherwise: each site draws its own seeded init, and a chain's
+        first site keeps the draw it always made (``derive_seed(seed, "site", 0, "init")``), so
+        chain runs keep their digests. Raises ``ValueError``."""
+        import hashlib
+
+        from fedrelay.peer.models import _build_seeded, check_state
+        from fedrelay.peer.training import derive_seed
+
+        a = run.assignment
+        opts = run_params.options(run_params.to_dict(a.params))
+        spec = self._spec(a)
+        if opts["init"] == "file":
+            data = self.initial_weights(opts["init_sha256"]).read_bytes()
+            if hashlib.sha256(data).hexdigest() != opts["init_sha256"]:
+                raise ValueError(f"the initial-weights file changed while being read (SHA-256 is not "
+                                 f"{opts['init_sha256']})")
+            state = wire.decode_state(data)
+            try:
+                check_state(state, spec)
+            except ValueError as exc:
+                raise ValueError(f"the initial-weights file {opts['init_sha256'][:12]}… does not fit the run's "
+                                 f"model: {exc}") from None
+            return state
+        if opts["init"] == "shared" and run.is_star:
+            return _build_seeded(spec, derive_seed(a.seed, "init")).state_dict()
+        return None
+
+    def _epoch_reporter(self, run: Run):
+        def on_epoch(info: dict) -> None:
+            if run.ended.is_set():  # stops the training at the end of this epoch
+                raise RunEnded(run.run_id)
+            val_acc = info.get("val_accuracy")
+            self.reporter.progress(cpb.ProgressReport(
+                run_id=run.run_id, site=self.name, kind="epoch", stage=info["stage"], model=info["model"],
+                epoch=info["epoch"], epochs=info["epochs"], train_loss=info["train_loss"],
+                val_accuracy=-1.0 if val_acc is None else val_acc, seconds=info["seconds"]))
+        return on_epoch
 
     def _wait_for_hop(self, run: Run, r: int) -> bool:
         """Wait until visit ``r``'s hop has arrived (True at once at the chain's first visit).
@@ -448,25 +646,30 @@ class PeerNode:
             def on_model(j: int, state) -> None:
                 wire.atomic_write(pool_dir / f"model-{j}.safetensors", wire.encode_state(state))
 
-            def on_epoch(info: dict) -> None:
-                if run.ended.is_set():  # stops the training at the end of this epoch
-                    raise RunEnded(run.run_id)
-                val_acc = info.get("val_accuracy")
-                self.reporter.progress(cpb.ProgressReport(
-                    run_id=run.run_id, site=self.name, kind="epoch", stage=info["stage"], model=info["model"],
-                    epoch=info["epoch"], epochs=info["epochs"], train_loss=info["train_loss"],
-                    val_accuracy=-1.0 if val_acc is None else val_acc, seconds=info["seconds"]))
-
             seed = derive_seed(a.seed, "site", a.position) if r == 1 else derive_seed(a.seed, "site", a.position,
                                                                                        "round", r)
             started = time.time()
             send, pool = run_site(m0, spec, train, val, cfg, seed, self.device, finished=finished,
-                                  on_epoch=on_epoch, on_model=on_model,
+                                  on_epoch=self._epoch_reporter(run), on_model=on_model,
                                   on_warmup=lambda state: wire.atomic_write(folder / "warmup.safetensors",
-                                                                            wire.encode_state(state)))
+                                                                            wire.encode_state(state)),
+                                  initial=self._initial_state(run) if m0 is None else None)
+            if run.is_star:  # the upload: the model and what the aggregator needs besides
+                send = self._with_extras(a, send, train)
             wire.atomic_write(outgoing, wire.encode_state(send))
             log.info("run %s: round %d: trained %d pool models in %.1f s", run.run_id, r, len(pool) - 1,
                      time.time() - started)
+
+    def _with_extras(self, a: peer_pb2.Assignment, state, train):
+        """A star plan's upload: ``state`` plus the extra tensors its aggregator computes at the
+        site (``site_extras``, over the site's own train split), in one payload."""
+        from fedrelay.peer.aggregators import join_payload
+
+        strategy = registry.strategy(a.params.strategy)
+        opts = run_params.options(run_params.to_dict(a.params))
+        extras = registry.load_aggregator(strategy.aggregator).site_extras(state, self._spec(a), train, opts,
+                                                                           self.device)
+        return join_payload(state, extras)
 
     def _deliver(self, run: Run, t: common_pb2.PlannedTransfer, path: Path, sha: str, size: int) -> bool:
         """Send ``path`` for the planned transfer ``t`` with retries (exponential backoff and
@@ -618,7 +821,7 @@ class PeerNode:
             self._set_state(run, "ended", f"run {status} at the coordinator" + (f": {reason}" if reason else ""),
                             force=True)
         removed = sum(remove_partials(folder) for folder in
-                      {run.folder, *(run.visit_dir(v) for v in range(1, (run.assignment.rounds or 1) + 1))}
+                      {run.folder, run.path("uploads"), *(run.visit_dir(v) for v in range(1, (run.assignment.rounds or 1) + 1))}
                       if folder.is_dir())
         if removed:
             log.info("run %s: removed %d bytes of partial transfers", run_id, removed)

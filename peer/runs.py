@@ -4,7 +4,9 @@ One :class:`Run` per run the site takes part in, persisted in its folder of the 
 
     runs/<run_id>/assignment.pb        the coordinator's Assignment (protobuf; replaced by a Reroute)
     runs/<run_id>/state.json           state, detail, transfers sent, receipts, final digest
-    runs/<run_id>/final.safetensors    the final model, copied here for evaluation (not at the final site)
+    runs/<run_id>/final.safetensors    the final model, copied here for evaluation (not at a chain's
+                                       final site); a star plan's aggregator writes it here
+    runs/<run_id>/uploads/<site>.safetensors   a star plan's aggregator: each site's upload
 
 and, for each visit (round r in which the site trains; round 1 in the run folder itself, round
 r > 1 in ``runs/<run_id>/round-<r>/``)::
@@ -12,12 +14,15 @@ r > 1 in ``runs/<run_id>/round-<r>/``)::
     received.safetensors     the model the visit's hop brought, once verified
     warmup.safetensors       the chain's first visit: its warm-up model (its m0)
     pool/model-<j>.safetensors  each finished model of the visit's pool
-    outgoing.safetensors     what the visit sends on (at the chain's last visit: the final model)
+    outgoing.safetensors     what the visit sends on (at the chain's last visit: the final model;
+                             in a star plan: the site's upload, model + the aggregator's extras)
 
 A site's part of the plan (``Assignment.transfers``, ``visits``; coordinator/plan.py) says
 everything else: visit r starts with the hop that ends at the site in round r (none: the
 chain's first visit, a warm-up), and ends with the next hop the site sends, or, when it sends no
-later hop, with the final copies.
+later hop, with the final copies. In a star plan (``Assignment.aggregator`` set) a site trains
+once from the run's initial model and uploads to the aggregator, which copies the final model
+to every other site.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class Run:
     sent: list[str] = field(default_factory=list)   # keys (``sent_key``) of transfers delivered
     final_sha256: str = ""
     receipts: dict = field(default_factory=dict)     # key -> {"report": ReceiptReport fields, "reported": bool}
+    missing: list[str] = field(default_factory=list)  # star aggregator: sites whose upload never came
     wake: threading.Event = field(default_factory=threading.Event)  # a model arrived, or the route changed
     rerouted: threading.Event = field(default_factory=threading.Event)
     ended: threading.Event = field(default_factory=threading.Event)  # the coordinator ended the run (EndRun)
@@ -54,14 +60,14 @@ class Run:
         a = peer_pb2.Assignment.FromString((folder / "assignment.pb").read_bytes())
         doc = json.loads((folder / "state.json").read_text())
         run = cls(a, folder, doc.get("state", "assigned"), doc.get("detail", ""), doc.get("sent", []),
-                  doc.get("final_sha256", ""), doc.get("receipts", {}))
+                  doc.get("final_sha256", ""), doc.get("receipts", {}), doc.get("missing", []))
         if run.state == "ended":
             run.ended.set()
         return run
 
     def save(self) -> None:
         doc = {"state": self.state, "detail": self.detail, "sent": self.sent, "final_sha256": self.final_sha256,
-               "receipts": self.receipts}
+               "receipts": self.receipts, "missing": self.missing}
         wire.atomic_write(self.path("state.json"), json.dumps(doc, indent=1).encode())
 
     def save_assignment(self, a: peer_pb2.Assignment) -> None:
@@ -112,14 +118,34 @@ class Run:
         return [t for t in self.assignment.transfers if t.purpose == common_pb2.FINAL_MODEL and t.sender == self.site]
 
     @property
+    def is_star(self) -> bool:
+        """A star plan (a parallel one-shot method): ``Assignment.aggregator`` names its aggregator."""
+        return bool(self.assignment.aggregator)
+
+    @property
     def is_final_site(self) -> bool:
-        """This site's last visit is the chain's last: its outgoing model is the final model."""
+        """This site makes the final model: a chain's last visit, or a star's aggregator."""
+        if self.is_star:
+            return self.assignment.aggregator == self.site
         return bool(self.visits) and self.outbound(self.visits[-1]) is None
+
+    @property
+    def upload(self) -> common_pb2.PlannedTransfer | None:
+        """Star plans: this site's upload to the aggregator (None at the aggregator, or once a
+        reroute took it away)."""
+        return next((t for t in self.assignment.transfers if t.purpose == common_pb2.UPLOAD and t.sender == self.site),
+                    None)
+
+    @property
+    def uploads_in(self) -> list[common_pb2.PlannedTransfer]:
+        """Star plans, at the aggregator: the uploads planned to it, by index."""
+        return sorted((t for t in self.assignment.transfers if t.purpose == common_pb2.UPLOAD and t.receiver == self.site),
+                      key=lambda t: t.index)
 
     def planned_into(self, purpose: int, index: int) -> common_pb2.PlannedTransfer | None:
         """The planned transfer of ``purpose`` and ``index`` that ends at this site, if any."""
         for t in self.assignment.transfers:
-            if t.purpose == purpose and t.receiver == self.site and (purpose != common_pb2.CHAIN_HOP or t.index == index):
+            if t.purpose == purpose and t.receiver == self.site and (purpose == common_pb2.FINAL_MODEL or t.index == index):
                 return t
         return None
 
@@ -141,16 +167,23 @@ class Run:
         """Where a received transfer is kept."""
         if t.purpose == common_pb2.CHAIN_HOP:
             return self.visit_dir(t.round) / "received.safetensors"
+        if t.purpose == common_pb2.UPLOAD:
+            return self.path("uploads") / f"{t.sender}.safetensors"
         return self.path("final.safetensors")
 
     @property
     def final_model(self) -> Path:
         """Where this site holds the run's final model (if it does)."""
-        if self.is_final_site:
+        if self.is_final_site and not self.is_star:
             return self.visit_dir(self.visits[-1]) / "outgoing.safetensors"
         return self.path("final.safetensors")
 
 
 def sent_key(t: common_pb2.PlannedTransfer) -> str:
-    """How ``Run.sent`` names a delivered transfer: ``hop:<index>`` or ``final:<receiver>``."""
-    return f"hop:{t.index}" if t.purpose == common_pb2.CHAIN_HOP else f"final:{t.receiver}"
+    """How ``Run.sent`` names a delivered transfer: ``hop:<index>``, ``upload:<index>`` or
+    ``final:<receiver>``."""
+    if t.purpose == common_pb2.CHAIN_HOP:
+        return f"hop:{t.index}"
+    if t.purpose == common_pb2.UPLOAD:
+        return f"upload:{t.index}"
+    return f"final:{t.receiver}"

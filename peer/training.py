@@ -54,7 +54,7 @@ from torch.nn import functional as F
 from fedrelay import params, registry
 
 from .models import ModelSpec, _build_seeded
-from .states import State, clone_state
+from .states import State, build_loaded, clone_state
 
 __all__ = [
     "State",
@@ -445,14 +445,17 @@ def run_site(
     on_epoch: EpochCallback | None = None,
     on_model: ModelCallback | None = None,
     on_warmup: Callable[[State], None] | None = None,
+    initial: Mapping[str, Tensor] | None = None,
 ) -> tuple[State, list[State]]:
     """Everything one site does (paper Algorithm 1, one iteration of the client loop).
 
     ``on_warmup(m0)`` is called with the first site's warm-up state as soon as it exists, so a
     daemon can persist it and, after a restart, pass it back as ``m0`` (same result).
 
-    If ``m0`` is None (the first site): ``torch.manual_seed(derive_seed(seed,
-    "init"))``, build the model and :func:`warm_up` it; the warm-up state is m0.  The
+    If ``m0`` is None (the first site): the model starts from ``initial`` when given (the
+    run's shared initial model or a weights file, ``fedrelay.params.INITS``), else
+    ``torch.manual_seed(derive_seed(seed, "init"))`` and build it; then :func:`warm_up` it;
+    the warm-up state is m0.  The
     seeding and construction happen inside ``torch.random.fork_rng`` (the caller's
     global RNG state is restored) and under the model zoo's construction lock, so a
     concurrent ``build_model`` in another thread cannot change the initialisation.
@@ -482,7 +485,10 @@ def run_site(
     cfg.validate()
     train, val = check_site_data(spec, train, val)
     if m0 is None:
-        model = _build_seeded(spec, derive_seed(seed, "init"))
+        if initial is not None:
+            model = build_loaded(spec, initial)
+        else:
+            model = _build_seeded(spec, derive_seed(seed, "init"))
         m0 = warm_up(model, train, val, cfg, seed, device, on_epoch=on_epoch)
         del model
         if on_warmup is not None:

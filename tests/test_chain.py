@@ -104,7 +104,7 @@ def trial_watch(trial, run_id):
 def test_bad_requests_get_clear_errors(trial):
     res = trial.cli("start-chain", "--seed", "1", "--peers", "site-00,nowhere", capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and "nowhere" in res.stderr and "not registered" in res.stderr
-    res = trial.cli("start-chain", "--seed", "1", "--strategy", "fedavg", capture_output=True, text=True, timeout=60)
+    res = trial.cli("start-chain", "--seed", "1", "--strategy", "fedprox", capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and "unknown strategy" in res.stderr
     res = trial.cli("show", "no-such-run", capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and "unknown run" in res.stderr

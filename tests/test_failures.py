@@ -114,7 +114,7 @@ def coordinator(tmp_path):
 @pytest.mark.parametrize("field,value,words", [
     ("lr", float("nan"), "--lr must be a finite number"), ("lr", float("inf"), "--lr must be a finite number"),
     ("alpha", float("nan"), "--alpha"), ("beta", -1.0, "--beta"), ("weight_decay", float("-inf"), "--weight-decay"),
-    ("local_epochs", 0, "--local-epochs"), ("strategy", "fedavg", "unknown strategy"),
+    ("local_epochs", 0, "--local-epochs"), ("strategy", "fedprox", "unknown strategy"),
     ("selection", "best", "--selection")])
 def test_bad_parameters_are_refused_before_anything_is_written(coordinator, field, value, words):
     stub, ledger = coordinator

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fedrelay.coordinator.plan import (FINAL, HOP, PlanError, Transfer, chain_plan, chain_visits,
-                                       live_visits, replan)
+from fedrelay.coordinator.plan import (FINAL, HOP, UPLOAD, Plan, PlanError, Transfer, chain_plan, chain_visits,
+                                       live_visits, pick_aggregator, replan, star_plan)
 
 ORDER = [f"s{i}" for i in range(10)]
 
@@ -72,3 +72,42 @@ def test_a_first_site_lost_before_sending_makes_the_next_live_visit_start_afresh
 def test_visits_are_numbered_across_rounds():
     visits = chain_visits(["a", "b"], 2)
     assert [(v.index, v.round, v.site) for v in visits] == [(0, 1, "a"), (1, 1, "b"), (2, 2, "a"), (3, 2, "b")]
+
+
+def test_a_star_plan_is_n_minus_1_uploads_then_the_final_copies():
+    """The parallel one-shot methods: every site trains in round 1; the others upload to the
+    aggregator (index 1 + position, stable), which copies the final model to every site."""
+    plan = star_plan(["a", "b", "c", "d"], "c")
+    assert [(t.purpose, t.index, t.round, t.sender, t.receiver) for t in plan.transfers] == [
+        (UPLOAD, 1, 1, "a", "c"), (UPLOAD, 2, 1, "b", "c"), (UPLOAD, 4, 1, "d", "c"),
+        (FINAL, 0, 1, "c", "a"), (FINAL, 0, 1, "c", "b"), (FINAL, 0, 1, "c", "d")]
+    assert plan.final_site == "c" and plan.aggregator == "c" and not plan.hops and len(plan.uploads) == 3
+    assert all(plan.part(s).visits == (1,) for s in "abcd")
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.part("a").transfers == (Transfer(UPLOAD, 1, 1, "a", "c"), Transfer(FINAL, 0, 1, "c", "a"))
+
+
+def test_a_star_routed_around_a_site_keeps_an_upload_that_arrived():
+    order = ["a", "b", "c", "d"]
+    lost = star_plan(order, "a", skipped=["b"])  # b down before its upload
+    assert [(t.purpose, t.sender, t.receiver) for t in lost.transfers] == [
+        (UPLOAD, "c", "a"), (UPLOAD, "d", "a"), (FINAL, "a", "c"), (FINAL, "a", "d")]
+    kept = star_plan(order, "a", skipped=["b"], received=["b"])  # b down after it: no final copy
+    assert [(t.purpose, t.index, t.sender) for t in kept.uploads] == [(UPLOAD, 2, "b"), (UPLOAD, 3, "c"),
+                                                                       (UPLOAD, 4, "d")]
+    assert "b" not in {t.receiver for t in kept.transfers if t.purpose == FINAL}
+
+
+@pytest.mark.parametrize("aggregator, skipped, words", [
+    ("z", (), "is not one of the run's sites"), ("a", ("a",), "was routed around")])
+def test_impossible_star_plans_are_refused(aggregator, skipped, words):
+    with pytest.raises(PlanError, match=words):
+        star_plan(["a", "b"], aggregator, skipped)
+    with pytest.raises(PlanError, match="at least 2 sites"):
+        star_plan(["a"], "a")
+
+
+def test_the_default_aggregator_is_fixed_by_the_seed():
+    picks = {pick_aggregator(ORDER, seed) for seed in range(40)}
+    assert pick_aggregator(ORDER, 3) == pick_aggregator(list(reversed(ORDER)), 3)  # not by the order
+    assert len(picks) > 3 and picks <= set(ORDER)  # different seeds spread over the sites

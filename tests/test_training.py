@@ -259,7 +259,7 @@ def test_config_validate():
     TrainConfig().validate()
     TrainConfig(warmup_epochs=0, alpha=0.0, beta=0.0).validate()
     for bad in (
-        dict(strategy="fedavg"),
+        dict(strategy="fedprox"),
         dict(selection="best"),
         dict(models_per_site=0),
         dict(local_epochs=0),

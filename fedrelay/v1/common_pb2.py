@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x65\x64relay/v1/common.proto\x12\x0b\x66\x65\x64relay.v1\"b\n\tModelSpec\x12\x0c\n\x04\x61rch\x18\x01 \x01(\t\x12\x13\n\x0bin_channels\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x13\n\x0bnum_classes\x18\x05 \x01(\r\"\xce\x01\n\x0eTrainingParams\x12\x10\n\x08strategy\x18\x01 \x01(\t\x12\x17\n\x0fmodels_per_site\x18\x02 \x01(\r\x12\x14\n\x0clocal_epochs\x18\x03 \x01(\r\x12\x15\n\rwarmup_epochs\x18\x04 \x01(\r\x12\r\n\x05\x61lpha\x18\x05 \x01(\x01\x12\x0c\n\x04\x62\x65ta\x18\x06 \x01(\x01\x12\n\n\x02lr\x18\x07 \x01(\x01\x12\x12\n\nbatch_size\x18\x08 \x01(\r\x12\x14\n\x0cweight_decay\x18\t \x01(\x01\x12\x11\n\tselection\x18\n \x01(\t\"(\n\x07SiteRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"x\n\x0fPlannedTransfer\x12%\n\x07purpose\x18\x01 \x01(\x0e\x32\x14.fedrelay.v1.Purpose\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05round\x18\x03 \x01(\r\x12\x0e\n\x06sender\x18\x04 \x01(\t\x12\x10\n\x08receiver\x18\x05 \x01(\t\"\x99\x01\n\x0eTransferHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0b\n\x03hop\x18\x02 \x01(\r\x12\x0e\n\x06sender\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12%\n\x07purpose\x18\x06 \x01(\x0e\x32\x14.fedrelay.v1.Purpose\x12\x0e\n\x06offset\x18\x07 \x01(\x04\"S\n\nModelChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.fedrelay.v1.TransferHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind*B\n\x07Purpose\x12\x17\n\x13PURPOSE_UNSPECIFIED\x10\x00\x12\r\n\tCHAIN_HOP\x10\x01\x12\x0f\n\x0b\x46INAL_MODEL\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x65\x64relay/v1/common.proto\x12\x0b\x66\x65\x64relay.v1\"b\n\tModelSpec\x12\x0c\n\x04\x61rch\x18\x01 \x01(\t\x12\x13\n\x0bin_channels\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x13\n\x0bnum_classes\x18\x05 \x01(\r\"\x96\x03\n\x0eTrainingParams\x12\x10\n\x08strategy\x18\x01 \x01(\t\x12\x17\n\x0fmodels_per_site\x18\x02 \x01(\r\x12\x14\n\x0clocal_epochs\x18\x03 \x01(\r\x12\x15\n\rwarmup_epochs\x18\x04 \x01(\r\x12\r\n\x05\x61lpha\x18\x05 \x01(\x01\x12\x0c\n\x04\x62\x65ta\x18\x06 \x01(\x01\x12\n\n\x02lr\x18\x07 \x01(\x01\x12\x12\n\nbatch_size\x18\x08 \x01(\r\x12\x14\n\x0cweight_decay\x18\t \x01(\x01\x12\x11\n\tselection\x18\n \x01(\t\x12\x0c\n\x04init\x18\x0b \x01(\t\x12\x13\n\x0binit_sha256\x18\x0c \x01(\t\x12\x11\n\tweighting\x18\r \x01(\t\x12\x12\n\nmaecho_tau\x18\x0e \x01(\r\x12\x12\n\nmaecho_eta\x18\x0f \x01(\x01\x12\x14\n\x0cmaecho_alpha\x18\x10 \x01(\t\x12\x12\n\nofasd_mode\x18\x11 \x01(\t\x12\x14\n\x0cofasd_epochs\x18\x12 \x01(\r\x12\x10\n\x08ofasd_lr\x18\x13 \x01(\x01\x12\x16\n\x0eupload_timeout\x18\x14 \x01(\x01\"(\n\x07SiteRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"x\n\x0fPlannedTransfer\x12%\n\x07purpose\x18\x01 \x01(\x0e\x32\x14.fedrelay.v1.Purpose\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05round\x18\x03 \x01(\r\x12\x0e\n\x06sender\x18\x04 \x01(\t\x12\x10\n\x08receiver\x18\x05 \x01(\t\"\x99\x01\n\x0eTransferHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0b\n\x03hop\x18\x02 \x01(\r\x12\x0e\n\x06sender\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12%\n\x07purpose\x18\x06 \x01(\x0e\x32\x14.fedrelay.v1.Purpose\x12\x0e\n\x06offset\x18\x07 \x01(\x04\"S\n\nModelChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.fedrelay.v1.TransferHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind*N\n\x07Purpose\x12\x17\n\x13PURPOSE_UNSPECIFIED\x10\x00\x12\r\n\tCHAIN_HOP\x10\x01\x12\x0f\n\x0b\x46INAL_MODEL\x10\x02\x12\n\n\x06UPLOAD\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedrelay.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PURPOSE']._serialized_start=755
-  _globals['_PURPOSE']._serialized_end=821
+  _globals['_PURPOSE']._serialized_start=955
+  _globals['_PURPOSE']._serialized_end=1033
   _globals['_MODELSPEC']._serialized_start=41
   _globals['_MODELSPEC']._serialized_end=139
   _globals['_TRAININGPARAMS']._serialized_start=142
-  _globals['_TRAININGPARAMS']._serialized_end=348
-  _globals['_SITEREF']._serialized_start=350
-  _globals['_SITEREF']._serialized_end=390
-  _globals['_PLANNEDTRANSFER']._serialized_start=392
-  _globals['_PLANNEDTRANSFER']._serialized_end=512
-  _globals['_TRANSFERHEADER']._serialized_start=515
-  _globals['_TRANSFERHEADER']._serialized_end=668
-  _globals['_MODELCHUNK']._serialized_start=670
-  _globals['_MODELCHUNK']._serialized_end=753
+  _globals['_TRAININGPARAMS']._serialized_end=548
+  _globals['_SITEREF']._serialized_start=550
+  _globals['_SITEREF']._serialized_end=590
+  _globals['_PLANNEDTRANSFER']._serialized_start=592
+  _globals['_PLANNEDTRANSFER']._serialized_end=712
+  _globals['_TRANSFERHEADER']._serialized_start=715
+  _globals['_TRANSFERHEADER']._serialized_end=868
+  _globals['_MODELCHUNK']._serialized_start=870
+  _globals['_MODELCHUNK']._serialized_end=953
 # @@protoc_insertion_point(module_scope)

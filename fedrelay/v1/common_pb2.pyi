@@ -11,9 +11,11 @@ class Purpose(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PURPOSE_UNSPECIFIED: _ClassVar[Purpose]
     CHAIN_HOP: _ClassVar[Purpose]
     FINAL_MODEL: _ClassVar[Purpose]
+    UPLOAD: _ClassVar[Purpose]
 PURPOSE_UNSPECIFIED: Purpose
 CHAIN_HOP: Purpose
 FINAL_MODEL: Purpose
+UPLOAD: Purpose
 
 class ModelSpec(_message.Message):
     __slots__ = ("arch", "in_channels", "height", "width", "num_classes")
@@ -30,7 +32,7 @@ class ModelSpec(_message.Message):
     def __init__(self, arch: _Optional[str] = ..., in_channels: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_classes: _Optional[int] = ...) -> None: ...
 
 class TrainingParams(_message.Message):
-    __slots__ = ("strategy", "models_per_site", "local_epochs", "warmup_epochs", "alpha", "beta", "lr", "batch_size", "weight_decay", "selection")
+    __slots__ = ("strategy", "models_per_site", "local_epochs", "warmup_epochs", "alpha", "beta", "lr", "batch_size", "weight_decay", "selection", "init", "init_sha256", "weighting", "maecho_tau", "maecho_eta", "maecho_alpha", "ofasd_mode", "ofasd_epochs", "ofasd_lr", "upload_timeout")
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     MODELS_PER_SITE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_EPOCHS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +43,16 @@ class TrainingParams(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     SELECTION_FIELD_NUMBER: _ClassVar[int]
+    INIT_FIELD_NUMBER: _ClassVar[int]
+    INIT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTING_FIELD_NUMBER: _ClassVar[int]
+    MAECHO_TAU_FIELD_NUMBER: _ClassVar[int]
+    MAECHO_ETA_FIELD_NUMBER: _ClassVar[int]
+    MAECHO_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    OFASD_MODE_FIELD_NUMBER: _ClassVar[int]
+    OFASD_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    OFASD_LR_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     strategy: str
     models_per_site: int
     local_epochs: int
@@ -51,7 +63,17 @@ class TrainingParams(_message.Message):
     batch_size: int
     weight_decay: float
     selection: str
-    def __init__(self, strategy: _Optional[str] = ..., models_per_site: _Optional[int] = ..., local_epochs: _Optional[int] = ..., warmup_epochs: _Optional[int] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., lr: _Optional[float] = ..., batch_size: _Optional[int] = ..., weight_decay: _Optional[float] = ..., selection: _Optional[str] = ...) -> None: ...
+    init: str
+    init_sha256: str
+    weighting: str
+    maecho_tau: int
+    maecho_eta: float
+    maecho_alpha: str
+    ofasd_mode: str
+    ofasd_epochs: int
+    ofasd_lr: float
+    upload_timeout: float
+    def __init__(self, strategy: _Optional[str] = ..., models_per_site: _Optional[int] = ..., local_epochs: _Optional[int] = ..., warmup_epochs: _Optional[int] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., lr: _Optional[float] = ..., batch_size: _Optional[int] = ..., weight_decay: _Optional[float] = ..., selection: _Optional[str] = ..., init: _Optional[str] = ..., init_sha256: _Optional[str] = ..., weighting: _Optional[str] = ..., maecho_tau: _Optional[int] = ..., maecho_eta: _Optional[float] = ..., maecho_alpha: _Optional[str] = ..., ofasd_mode: _Optional[str] = ..., ofasd_epochs: _Optional[int] = ..., ofasd_lr: _Optional[float] = ..., upload_timeout: _Optional[float] = ...) -> None: ...
 
 class SiteRef(_message.Message):
     __slots__ = ("name", "address")

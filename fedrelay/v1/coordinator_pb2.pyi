@@ -135,16 +135,18 @@ class ProgressReport(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., site: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., stage: _Optional[str] = ..., model: _Optional[int] = ..., epoch: _Optional[int] = ..., epochs: _Optional[int] = ..., train_loss: _Optional[float] = ..., val_accuracy: _Optional[float] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class FinalReport(_message.Message):
-    __slots__ = ("run_id", "site", "sha256", "model_bytes")
+    __slots__ = ("run_id", "site", "sha256", "model_bytes", "missing")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     site: str
     sha256: str
     model_bytes: int
-    def __init__(self, run_id: _Optional[str] = ..., site: _Optional[str] = ..., sha256: _Optional[str] = ..., model_bytes: _Optional[int] = ...) -> None: ...
+    missing: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., site: _Optional[str] = ..., sha256: _Optional[str] = ..., model_bytes: _Optional[int] = ..., missing: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FailureReport(_message.Message):
     __slots__ = ("run_id", "site", "error")
@@ -163,20 +165,22 @@ class ReportReply(_message.Message):
     def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
 
 class StartChainRequest(_message.Message):
-    __slots__ = ("peers", "order", "seed", "params", "arch", "rounds")
+    __slots__ = ("peers", "order", "seed", "params", "arch", "rounds", "aggregator")
     PEERS_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATOR_FIELD_NUMBER: _ClassVar[int]
     peers: _containers.RepeatedScalarFieldContainer[str]
     order: str
     seed: int
     params: _common_pb2.TrainingParams
     arch: str
     rounds: int
-    def __init__(self, peers: _Optional[_Iterable[str]] = ..., order: _Optional[str] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., arch: _Optional[str] = ..., rounds: _Optional[int] = ...) -> None: ...
+    aggregator: str
+    def __init__(self, peers: _Optional[_Iterable[str]] = ..., order: _Optional[str] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., arch: _Optional[str] = ..., rounds: _Optional[int] = ..., aggregator: _Optional[str] = ...) -> None: ...
 
 class StartChainReply(_message.Message):
     __slots__ = ("run_id", "order", "warnings")
@@ -278,7 +282,7 @@ class FinalResult(_message.Message):
     def __init__(self, sha256: _Optional[str] = ..., accuracy: _Optional[float] = ..., per_site: _Optional[_Mapping[str, SiteAccuracy]] = ...) -> None: ...
 
 class RunSummary(_message.Message):
-    __slots__ = ("run_id", "strategy", "order", "model_bytes", "hops", "final", "status", "params", "seed", "arch", "class_index", "warnings", "error", "created", "ended", "final_transfers", "insecure", "skipped", "contributors", "rounds", "plan", "final_site", "planned_hops")
+    __slots__ = ("run_id", "strategy", "order", "model_bytes", "hops", "final", "status", "params", "seed", "arch", "class_index", "warnings", "error", "created", "ended", "final_transfers", "insecure", "skipped", "contributors", "rounds", "plan", "final_site", "planned_hops", "uploads", "planned_uploads", "aggregator", "upload_bytes")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +306,10 @@ class RunSummary(_message.Message):
     PLAN_FIELD_NUMBER: _ClassVar[int]
     FINAL_SITE_FIELD_NUMBER: _ClassVar[int]
     PLANNED_HOPS_FIELD_NUMBER: _ClassVar[int]
+    UPLOADS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_UPLOADS_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATOR_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     strategy: str
     order: _containers.RepeatedScalarFieldContainer[str]
@@ -325,7 +333,11 @@ class RunSummary(_message.Message):
     plan: _containers.RepeatedCompositeFieldContainer[_common_pb2.PlannedTransfer]
     final_site: str
     planned_hops: int
-    def __init__(self, run_id: _Optional[str] = ..., strategy: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., model_bytes: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., final: _Optional[_Union[FinalResult, _Mapping]] = ..., status: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., seed: _Optional[int] = ..., arch: _Optional[str] = ..., class_index: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., created: _Optional[float] = ..., ended: _Optional[float] = ..., final_transfers: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., insecure: _Optional[bool] = ..., skipped: _Optional[_Iterable[str]] = ..., contributors: _Optional[_Iterable[str]] = ..., rounds: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[_common_pb2.PlannedTransfer, _Mapping]]] = ..., final_site: _Optional[str] = ..., planned_hops: _Optional[int] = ...) -> None: ...
+    uploads: _containers.RepeatedCompositeFieldContainer[HopRecord]
+    planned_uploads: int
+    aggregator: str
+    upload_bytes: int
+    def __init__(self, run_id: _Optional[str] = ..., strategy: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., model_bytes: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., final: _Optional[_Union[FinalResult, _Mapping]] = ..., status: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., seed: _Optional[int] = ..., arch: _Optional[str] = ..., class_index: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., created: _Optional[float] = ..., ended: _Optional[float] = ..., final_transfers: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., insecure: _Optional[bool] = ..., skipped: _Optional[_Iterable[str]] = ..., contributors: _Optional[_Iterable[str]] = ..., rounds: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[_common_pb2.PlannedTransfer, _Mapping]]] = ..., final_site: _Optional[str] = ..., planned_hops: _Optional[int] = ..., uploads: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., planned_uploads: _Optional[int] = ..., aggregator: _Optional[str] = ..., upload_bytes: _Optional[int] = ...) -> None: ...
 
 class ListRunsRequest(_message.Message):
     __slots__ = ()
