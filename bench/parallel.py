@@ -247,7 +247,8 @@ def plot(figures: dict, comm: dict, path: Path) -> list[str]:
     for key in dirs:
         b = figures[key]
         for m in [m for m in METHODS if m in b and m in comm and isinstance(comm[m]["to_model_bytes"], int)]:
-            x = comm[m]["to_model_bytes"] / 1e6
+            # methods that move the same bytes are spread sideways by 6 % per method (log axis) to stay legible
+            x = comm[m]["to_model_bytes"] / 1e6 * 1.06 ** (list(MARKERS).index(m) - 2.5)
             ax.errorbar([x], [100 * b[m]["mean"]], yerr=[100 * b[m]["std"]], marker=MARKERS[m], color=colors[key],
                         ms=8, capsize=3, linestyle="none", mfc=colors[key] if key == dirs[0] else "none")
             for v in b[m]["per_seed"].values():
@@ -256,7 +257,12 @@ def plot(figures: dict, comm: dict, path: Path) -> list[str]:
             if m in b:
                 ax.axhline(100 * b[m]["mean"], color=colors[key], ls=ls, lw=1, alpha=0.7)
     ax.set_xscale("log")
-    ax.set_xlabel("bytes moved to produce the final model (MB, log; chain: N − 1 hops; star: N − 1 uploads)")
+    from matplotlib.ticker import FormatStrFormatter
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    ax.tick_params(axis="x", which="minor", labelsize=7)
+    ax.set_xlabel("MB moved to produce the final model (log; chain: N − 1 hops, star: N − 1 uploads;\n"
+                  "markers at equal bytes spread sideways by a few % for legibility)", fontsize=8)
     ax.set_ylabel("test accuracy (%)")
     handles = [plt.Line2D([], [], marker=MARKERS[m], color="k", ls="none", label=LABELS[m]) for m in MARKERS if m in comm]
     handles += [plt.Line2D([], [], color=colors[k], marker="o", mfc=colors[k] if k == dirs[0] else "none", ls="none",
