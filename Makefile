@@ -9,7 +9,7 @@ SEED ?= 0
 DIRICHLET ?= 0.5
 CHAIN_ARGS ?= --models-per-site 5 --local-epochs 2 --warmup-epochs 2
 
-.PHONY: setup demo test bench bench-reduced bench-few-shot proto clean
+.PHONY: setup demo test bench bench-reduced bench-few-shot bench-parallel proto clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,13 @@ bench-reduced: setup
 # 0.1/0.5, one 5-round chain per cell (estimated 1.5 hours on 2 quiet cores; resumable).
 bench-few-shot: setup
 	nice -n 15 $(PY) -m bench.few_shot
+
+# Accuracy against communication of the one-shot methods (chains FedELMY/FedSeq, stars FedAvg,
+# FedELMY-PFL, MA-Echo, OFASD; local-only/centralized): seeds 0-4 x Dirichlet 0.5/0.1, E = Ew = 5,
+# full data. Hours on 2 cores (not part of `make bench`); resumable. The published run is reduced:
+# see bench/README.md.
+bench-parallel: setup
+	nice -n 15 $(PY) -m bench.parallel
 
 proto: setup
 	$(PY) -m fedrelay.protogen

@@ -122,3 +122,49 @@ def test_few_shot_study_smoke(tmp_path, idx_source):
     assert again["dir0_5"]["fedelmy"]["T2"] == fs["dir0_5"]["fedelmy"]["T2"] and again["wall_seconds_this_run"] < 30
     assert any("equal in 1 of 2 cells" in n and "fedseq_last_epoch/seed 0" in n for n in again["notes"])
     assert any("Why they differ" in n for n in again["notes"])
+
+
+def test_parallel_study_smoke(tmp_path, idx_source):
+    from bench import parallel
+
+    r = tmp_path / "r.json"
+    r.write_text(json.dumps({"transfer": {"x": 1}, "accuracy": {"dir0_5": {"fedelmy": 2}}}))  # earlier sections stay
+    args = ["--quick", "--source", str(idx_source), "--workdir", str(tmp_path / "w"), "--results", str(r),
+            "--plots", str(tmp_path / "plots")]
+    parallel.main(args)
+    data = json.loads(r.read_text())
+    assert data["transfer"] == {"x": 1} and data["accuracy"]["dir0_5"] == {"fedelmy": 2}
+    p = data["accuracy"]["parallel"]
+    assert not p["failures"] and "parallel" in data["accuracy"]["subsections"]
+    block = p["dir0_5"]
+    for m in parallel.METHODS:
+        assert 0.0 <= block[m]["mean"] <= 1.0 and block[m]["n"] == 1 and block[m]["seeds"] == [0], m
+    comm = data["communication"]
+    m_bytes = comm["fedelmy"]["model_bytes"]
+    for m in parallel.CHAIN:  # 3 sites: 2 hops of M, 2 final copies of M
+        assert comm[m]["kind"] == "chain" and comm[m]["to_model_bytes"] == 2 * m_bytes and comm[m]["hops"] == 2
+    for m in parallel.STAR:  # 2 uploads of M + extra
+        c = comm[m]
+        assert c["kind"] == "star" and c["uploads"] == 2 and c["upload_bytes"] == m_bytes + c["extra_bytes"]
+        assert c["to_model_bytes"] == 2 * c["upload_bytes"]
+        assert block[m]["bytes"]["aggregator_per_seed"]["0"].startswith("site-")
+    assert comm["maecho"]["extra_bytes"] > comm["maecho"]["model_bytes"] and comm["fedavg"]["extra_bytes"] > 0
+    assert comm["ofasd"]["extra_bytes"] == comm["fedelmy-pfl"]["extra_bytes"] == 0
+    for c in [comm[m] for m in parallel.CHAIN + parallel.STAR]:
+        assert c["final_copies"] == 2 and c["final_copies_bytes"] == 2 * m_bytes and c["ledger_equals_plan"]
+    assert (tmp_path / "plots" / "parallel.png").stat().st_size > 1000
+    md = (tmp_path / "RESULTS.md").read_text()
+    assert "### accuracy.parallel" in md and "## communication" in md
+    # a ledger that disagrees with the plan fails the cell
+    run = {"strategy": "fedseq", "run_id": "x", "model_bytes": 10, "hops": [{"payload_bytes": 10, "status": "done"}],
+           "planned_hops": 2, "total_bytes": 10, "expected_total_bytes": 20,
+           "final_transfers": [{"payload_bytes": 10, "status": "done"}] * 2}
+    try:
+        parallel.ledger_check(run, 3)
+    except RuntimeError as exc:
+        assert "disagrees" in str(exc)
+    else:
+        raise AssertionError("a chain ledger of 1 hop for 3 sites passed")
+    # figures again from the cache, without training
+    again = parallel.main([*args, "--publish-only"])
+    assert again["dir0_5"]["maecho"]["per_seed"] == block["maecho"]["per_seed"] and again["wall_seconds_this_run"] < 30
