@@ -95,6 +95,20 @@ def test_run_list_and_one_run_as_it_progresses(service, client):
     assert {s: v["accuracy"] for s, v in view["sites"].items()} == {"site-a": 0.5, "site-b": 0.6, "site-c": 0.7}
 
 
+def test_a_star_run_lists_its_uploads_and_final_copies(service, client):
+    from fedrelay.coordinator.plan import star_plan
+
+    service.ledger.create_run("s1", strategy="fedavg", arch="cnn", seed=1, params={},
+                              chain=[{"name": n, "address": "127.0.0.1:9"} for n in ORDER], class_index=["x"],
+                              model={}, warnings=[], insecure=True, plan=star_plan(ORDER, "site-b").to_json())
+    service.ledger.record_hop("s1", "upload", 1, "site-a", "site-b", M + 80, M + 130, "u" * 64, 1.0, 2.0)
+    view = client.get("/api/runs/s1").json()
+    assert view["aggregator"] == "site-b"
+    assert [(t["key"], t["sender"], t["receiver"], t["status"]) for t in view["transfers"]] == [
+        ("upload:1", "site-a", "site-b", "sent"), ("upload:3", "site-c", "site-b", "planned"),
+        ("final:site-a", "site-b", "site-a", "planned"), ("final:site-c", "site-b", "site-c", "planned")]
+
+
 def test_unknown_run_is_a_404_page_not_a_traceback(service, client):
     for path in ("/runs/nope", "/runs/nope/events", "/elsewhere"):
         res = client.get(path)
@@ -259,8 +273,13 @@ def test_the_server_starts_on_a_port_and_stops_with_a_stream_still_open(service)
         stream = urllib.request.urlopen(page.url + "runs/r4/events", timeout=10)
         assert stream.readline() == b"retry: 2000\n"
         assert [stream.readline() for _ in range(2)] == [b"\n", b"id: 1\n"]
+        stream.readline(), stream.readline()
+        # An event added while the stream is open arrives on it (the bell wakes the stream).
+        seq = service.ledger.add_event("r4", "state", "later", site="site-a", state="training")
+        assert stream.readline() == f"id: {seq}\n".encode()
+        assert json.loads(stream.readline()[len(b"data: "):])["message"] == "later"
     finally:
         started = time.monotonic()
         page.stop()
     assert time.monotonic() - started < 5
-    assert stream.read() is not None  # the stream was closed by the server, not left hanging
+    assert stream.read().strip() == b""  # the server closed the stream (a hanging one would time out)

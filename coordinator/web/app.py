@@ -38,7 +38,7 @@ log = logging.getLogger("fedrelay.coordinator.web")
 STATIC = Path(__file__).resolve().parent / "static"
 DEFAULT_HOST = "127.0.0.1"
 KEEPALIVE_S = 15.0   # a comment line on an idle event stream, so that a gone browser is noticed
-WAIT_S = 1.0         # one wait on the ledger's event condition per idle stream, at most this long
+WAIT_S = 1.0         # the bell's wait on the ledger's event condition, at most this long
 HEADERS = {"Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:",
            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
 
@@ -51,11 +51,53 @@ def _not_found(what: str) -> HTMLResponse:
     return HTMLResponse(body, status_code=404, headers=HEADERS)
 
 
+class Bell:
+    """Wakes every open event stream when the ledger may hold new events: one thread waits on
+    the ledger's event condition (``Ledger.wait_for_events``) for all of them, at most ``WAIT_S``
+    seconds at a time, and rings the streams on the server's event loop. Started by the first
+    stream; ends when ``stopping`` is set."""
+
+    def __init__(self, ledger, stopping: threading.Event):
+        self._ledger, self._stopping = ledger, stopping
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    async def wait(self) -> None:
+        """Return at the next ring (an event was added, or ``WAIT_S`` passed), or after
+        2 × ``WAIT_S`` at most."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop, self._event = loop, asyncio.Event()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="web-page-bell", daemon=True)
+            self._thread.start()
+        try:
+            await asyncio.wait_for(self._event.wait(), 2 * WAIT_S)
+        except TimeoutError:
+            pass
+
+    def _ring(self) -> None:
+        event, self._event = self._event, asyncio.Event()
+        event.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._ledger.wait_for_events(WAIT_S)
+                self._loop.call_soon_threadsafe(self._ring)
+        except RuntimeError:  # the server's loop has closed: nothing left to wake
+            pass
+        except Exception as exc:  # a background thread that fails says so
+            log.error("the live run page's event thread stopped: %s: %s", type(exc).__name__, exc)
+
+
 def create_app(service, stopping: threading.Event | None = None) -> Starlette:
     """The page's ASGI app over a ``CoordinatorService`` (its ``summary()`` and ``ledger``).
     ``stopping``, once set, ends every open event stream."""
     ledger = service.ledger
     stopping = stopping or threading.Event()
+    bell = Bell(ledger, stopping)
 
     def page(name: str) -> Response:
         return FileResponse(STATIC / name, media_type="text/html", headers=HEADERS)
@@ -89,7 +131,7 @@ def create_app(service, stopping: threading.Event | None = None) -> Starlette:
         except ValueError:
             return JSONResponse({"error": f"Last-Event-ID / after must be a ledger seq (an integer), got {raw!r}"},
                                 status_code=400, headers=HEADERS)
-        return StreamingResponse(_stream(ledger, run_id, after, stopping), media_type="text/event-stream",
+        return StreamingResponse(_stream(ledger, bell, run_id, after, stopping), media_type="text/event-stream",
                                  headers={**HEADERS, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     routes = [
@@ -109,7 +151,7 @@ def create_app(service, stopping: threading.Event | None = None) -> Starlette:
     return Starlette(routes=routes, exception_handlers={404: not_found})
 
 
-async def _stream(ledger, run_id: str, seq: int, stopping: threading.Event):
+async def _stream(ledger, bell: Bell, run_id: str, seq: int, stopping: threading.Event):
     """Server-sent events of ``run_id`` after ledger seq ``seq``, until the run has ended and
     every event was sent, the client goes, or ``stopping`` is set."""
     yield "retry: 2000\n\n"
@@ -127,7 +169,7 @@ async def _stream(ledger, run_id: str, seq: int, stopping: threading.Event):
         if run is None or run["status"] in TERMINAL:
             yield f"event: end\ndata: {json.dumps({'status': run['status'] if run else 'unknown'})}\n\n"
             return
-        await asyncio.to_thread(ledger.wait_for_events, WAIT_S)
+        await bell.wait()
         if time.monotonic() - idle_since > KEEPALIVE_S:
             idle_since = time.monotonic()
             yield ": keepalive\n\n"
