@@ -54,6 +54,8 @@ def serve(
     peer_timeout: float = typer.Option(120.0, "--peer-timeout",
                                        help="Seconds a site of a running chain may go without a heartbeat "
                                             "before the chain is routed around it."),
+    web: str = typer.Option(None, "--web", help="PORT or HOST:PORT: serve the live run page there (read-only, no "
+                            "authentication; a bare PORT listens on 127.0.0.1). Off by default."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Run the coordinator (ledger: SQLite at --db)."""
@@ -63,7 +65,7 @@ def serve(
     from fedrelay.coordinator.service import serve as run_service
 
     try:
-        run_service(listen, db, transport=transport, peer_timeout=peer_timeout)
+        run_service(listen, db, transport=transport, peer_timeout=peer_timeout, web=web)
     except (RuntimeError, ValueError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:

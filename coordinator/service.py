@@ -789,10 +789,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
 
 def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: threading.Event | None = None,
-          stop: threading.Event | None = None, peer_timeout: float = DEFAULT_PEER_TIMEOUT) -> None:
+          stop: threading.Event | None = None, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+          web: str | None = None) -> None:
     """Run the coordinator until ``stop`` is set (or forever), with mutual TLS unless ``transport``
-    is insecure (then every run it starts is recorded as insecure). Raises ``RuntimeError`` if it
-    cannot bind, ``ValueError`` if a TLS identity is not the coordinator's."""
+    is insecure (then every run it starts is recorded as insecure). ``web``: PORT or HOST:PORT of
+    the live run page (``coordinator.web``; off when None). Raises ``RuntimeError`` if it
+    cannot bind, ``ValueError`` if a TLS identity is not the coordinator's or ``web`` is malformed."""
     if transport.secure and transport.identity != wire.COORDINATOR_IDENTITY:
         raise ValueError(f"--tls {transport.source}: this is the identity {transport.identity!r}, "
                          f"not {wire.COORDINATOR_IDENTITY!r} (use PKI/coordinator from `coordinator init-ca`)")
@@ -803,6 +805,7 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
     server.start()
     log.info("coordinator %s listening on %s (%s), ledger %s", __version__, wire.with_port(listen, port),
              "mutual TLS" if transport.secure else "INSECURE plaintext", db)
+    page = _start_web(web, service, server, ledger) if web else None
     picked = service.recover()
     if picked:
         log.info("picked up %d running run(s) from the ledger: %s", len(picked), ", ".join(picked))
@@ -814,6 +817,22 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
         while not stop.wait(1.0):
             pass
     finally:
+        if page is not None:
+            page.stop()
         server.stop(grace=2).wait()
         service.close()
         ledger.close()
+
+
+def _start_web(web: str, service: CoordinatorService, server: grpc.Server, ledger: Ledger):
+    """The live run page on ``web``; when it cannot start, the gRPC server and ledger are closed
+    before the error propagates."""
+    from fedrelay.coordinator.web import start_web
+
+    try:
+        return start_web(web, service)
+    except BaseException:
+        server.stop(grace=0).wait()
+        service.close()
+        ledger.close()
+        raise
