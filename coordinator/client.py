@@ -120,10 +120,21 @@ class OperatorClient:
         return list(self.stub.ListPeers(cpb.ListPeersRequest(), timeout=wire.CONTROL_TIMEOUT).peers)
 
     def fetch_model(self, run_id: str, out: Path) -> tuple[str, int]:
-        """Download the run's final model to ``out`` (atomically), verifying size and SHA-256.
+        """Download the run's final model to ``out`` (a file path; written atomically, mode
+        0644), verifying its size and SHA-256 against the ledger's digest, and add fedrelay's
+        metadata to the file's header (architecture, input shape, class names, run id, strategy,
+        the ledger's digest: ``fedrelay/final_model.py``); the tensors are written unchanged.
 
-        Returns (sha256, bytes). Raises ``ValueError`` when the stream does not match its header.
+        Returns ``(sha256, bytes)`` of the model as the ledger records it (the written file is
+        a few hundred bytes larger, and its own SHA-256 differs, because of the metadata).
+        Raises ``grpc.RpcError`` (unknown run, no final model yet, no site holds it),
+        ``ValueError`` when the stream does not match its header, ``OSError`` when ``out``
+        cannot be written. Load the file with ``fedrelay.load_model(out)``.
         """
+        import json
+
+        from fedrelay import final_model
+
         out = Path(out)
         stream = self.stub.FetchModel(peer_pb2.FetchModelRequest(run_id=run_id), timeout=3600)
         first = next(stream)
@@ -138,6 +149,14 @@ class OperatorClient:
         if len(data) != h.total_bytes or digest.hexdigest() != h.sha256:
             raise ValueError(f"model stream damaged: {len(data)} of {h.total_bytes} bytes, "
                              f"sha256 {digest.hexdigest()} instead of {h.sha256}")
+        spec_json = dict(stream.initial_metadata() or ()).get(final_model.MODEL_SPEC_METADATA)
+        if spec_json is None:
+            raise ValueError("the coordinator did not say the model's architecture and input shape "
+                             "(a coordinator older than this client?)")
+        spec, run = json.loads(spec_json), self.run(run_id)
+        data = final_model.with_metadata(data, final_model.describe(
+            arch=spec["arch"], input_shape=(spec["in_channels"], spec["height"], spec["width"]),
+            class_names=run["class_index"], run_id=run_id, strategy=run["strategy"], final_sha256=h.sha256))
         wire.atomic_write(out, data)
         os.chmod(out, 0o644)
-        return h.sha256, len(data)
+        return h.sha256, h.total_bytes
