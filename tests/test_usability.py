@@ -169,3 +169,171 @@ def test_enroll_refuses_to_overwrite_an_identity(tmp_path):
     assert res.exit_code == 1 and "--force" in flat(res.output) and (out / "key.pem").read_bytes() == key
     assert invoke(coord_cli.app, "enroll", "site-a", "--ca", str(pki), "--out", str(out), "--force").exit_code == 0
     assert (out / "key.pem").read_bytes() != key
+
+
+# -- messages, not tracebacks -------------------------------------------------------------------
+
+def _unwritable_folder(tmp_path: Path) -> Path:
+    """A folder this process cannot write: a read-only folder, or for root (who writes through
+    permission bits) a path under /proc."""
+    import os
+
+    if os.geteuid() == 0:
+        return Path("/proc/fedrelay-test")
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    return folder
+
+
+def test_coordinator_ledger_that_cannot_be_opened_is_a_clear_error(tmp_path):
+    from fedrelay.coordinator.ledger import Ledger, LedgerError
+
+    junk = tmp_path / "notes.txt"
+    junk.write_text("these are not the ledger's tables\n" * 100)
+    cases = ((tmp_path, "is a folder"), (junk, "not an SQLite database"),
+             (_unwritable_folder(tmp_path) / "ledger.sqlite", "in a folder this user can write"))
+    for db, message in cases:
+        with pytest.raises(LedgerError, match=message):
+            Ledger(db)
+    assert junk.read_text().startswith("these are not")  # nothing lost
+    res = run("coordinator", "serve", "--insecure", "--listen", "127.0.0.1:0", "--db", str(junk), timeout=60)
+    assert res.returncode == 1 and "not an SQLite database" in flat(res.stderr) and "Traceback" not in res.stderr
+
+
+def test_read_only_state_dir_is_refused_at_start(tmp_path):
+    from fedrelay import wire
+    from fedrelay.peer import daemon
+
+    state = _unwritable_folder(tmp_path) / "state"
+    with pytest.raises(ValueError, match="--state-dir .* is not a writable folder"):
+        daemon.serve(data_dir=tmp_path / "nowhere", name="site-a", listen="127.0.0.1:0", coordinator="127.0.0.1:9",
+                     state_dir=state, device="cpu", transport=wire.Transport.insecure())
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="--state-dir"):
+        daemon.check_state_dir(tmp_path / "file")
+    daemon.check_state_dir(tmp_path / "new" / "state")
+    assert (tmp_path / "new" / "state").is_dir() and not any((tmp_path / "new" / "state").iterdir())
+
+
+def test_tls_and_plaintext_mismatch_is_named(tmp_path):
+    import threading
+
+    from fedrelay.coordinator import pki
+    from fedrelay.coordinator.service import serve
+    from fedrelay import wire
+
+    pki.init_ca(tmp_path / "pki")
+    stop, servers = threading.Event(), {}
+    threads = []
+    for kind, transport in (("tls", wire.Transport.from_dir(tmp_path / "pki" / "coordinator")),
+                            ("plain", wire.Transport.insecure())):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ready = threading.Event()
+        t = threading.Thread(target=serve, args=(f"127.0.0.1:{port}", tmp_path / f"{kind}.sqlite"),
+                             kwargs=dict(transport=transport, ready=ready, stop=stop), daemon=True)
+        t.start()
+        assert ready.wait(30)
+        servers[kind], threads = f"127.0.0.1:{port}", threads + [t]
+    try:
+        assert wire.speaks_tls(servers["tls"]) is True and wire.speaks_tls(servers["plain"]) is False
+        res = invoke(coord_cli.app, "runs", "-c", servers["tls"], "--insecure")
+        assert res.exit_code == 1 and f"the coordinator at {servers['tls']} speaks TLS" in flat(res.output)
+        assert "--tls DIR" in flat(res.output)
+        res = invoke(coord_cli.app, "runs", "-c", servers["plain"], "--tls", str(tmp_path / "pki" / "operator"))
+        assert res.exit_code == 1 and f"the coordinator at {servers['plain']} speaks plaintext" in flat(res.output)
+        assert "pass --insecure" in flat(res.output)
+        res = invoke(peer_cli.app, "status", "--peer", servers["tls"], "--insecure")  # any TLS server will do
+        assert res.exit_code == 1 and "speaks TLS" in flat(res.output)
+        # Nothing listening: still "not reachable".
+        res = invoke(coord_cli.app, "runs", "-c", "127.0.0.1:9", "--insecure")
+        assert res.exit_code == 1 and "not reachable" in flat(res.output)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+
+
+def test_fetch_model_into_a_folder_writes_run_id_safetensors(tmp_path, monkeypatch):
+    written = []
+
+    class Client:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def fetch_model(self, run_id, out):
+            written.append(out)
+            return "ab" * 32, 10
+
+    monkeypatch.setattr(coord_cli, "_client", lambda *a: Client())
+    res = invoke(coord_cli.app, "fetch-model", "run-1", "-o", str(tmp_path), "--insecure")
+    assert res.exit_code == 0 and written == [tmp_path / "run-1.safetensors"]
+
+
+def test_skipped_files_and_every_corrupt_image_are_reported(tmp_path):
+    from PIL import Image
+
+    from fedrelay.peer.data import DataError, load_site
+
+    root = tmp_path / "site"
+    (root / "train" / "a").mkdir(parents=True)
+    for i in range(3):
+        Image.new("L", (8, 8), i).save(root / "train" / "a" / f"ok{i}.png")
+    for name in ("x.bmp", "y.webp", "z.tif", "w.gif"):
+        Image.new("L", (8, 8), 1).save(root / "train" / "a" / name)
+    (root / "train" / "a" / ".hidden").write_text("")
+    site = load_site(root)
+    assert site.train_counts == {"a": 3}
+    assert sorted(p.name for p in site.skipped) == ["w.gif", "x.bmp", "y.webp", "z.tif"]
+    msg = site.skipped_message()
+    assert msg.startswith("skipped 4 file(s)") and "w.gif" in msg and msg.count("train/a/") == 3
+    for i in range(5):
+        (root / "train" / "a" / f"bad{i}.png").write_bytes(b"not a png")
+    with pytest.raises(DataError) as err:
+        load_site(root)
+    text = str(err.value)
+    assert text.startswith("5 images of") and all(f"bad{i}.png" in text for i in range(3))
+
+
+# -- the final model ----------------------------------------------------------------------------
+
+def test_load_model_from_a_file_with_metadata(tmp_path):
+    import hashlib
+
+    import torch
+
+    from fedrelay import final_model, load_model, wire
+    from fedrelay.peer.models import ModelSpec, build_model
+
+    torch.manual_seed(0)
+    source = build_model(ModelSpec("cnn", 1, (12, 12), 3)).eval()
+    site_bytes = wire.encode_state(source.state_dict())  # what the sites exchange; its digest is the ledger's
+    sha = hashlib.sha256(site_bytes).hexdigest()
+    meta = final_model.describe(arch="cnn", input_shape=(1, 12, 12), class_names=["cat", "dog", "eel"],
+                                run_id="r-1", strategy="fedelmy", final_sha256=sha)
+    path = tmp_path / "final.safetensors"
+    path.write_bytes(final_model.with_metadata(site_bytes, meta))
+    assert path.read_bytes().endswith(site_bytes[-1000:])  # the tensors' bytes are untouched
+    assert final_model.original_sha256(path) == sha
+    model, classes = load_model(path)
+    assert classes == ["cat", "dog", "eel"] and not model.training
+    x = torch.rand(4, 1, 12, 12)
+    with torch.no_grad():
+        assert torch.equal(model(x), source(x))
+    # A site's file has no metadata; a file whose tensors are not the run's fails the digest check.
+    bare = tmp_path / "bare.safetensors"
+    bare.write_bytes(site_bytes)
+    with pytest.raises(ValueError, match="no fedrelay metadata.*fetch-model"):
+        load_model(bare)
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(final_model.with_metadata(wire.encode_state(build_model(ModelSpec("cnn", 1, (12, 12), 3))
+                                                                  .state_dict()), meta))
+    with pytest.raises(ValueError, match="not the run's final model"):
+        load_model(other)
