@@ -127,19 +127,20 @@ def start_chain(
                               help="The architecture (fedrelay/peer/models.py)."),
     aggregator: str = typer.Option("", "--aggregator", help="Parallel methods: the site that combines the uploads "
                                    "\\[default: chosen by --seed]."),
-    init: _choice(run_params.INITS) = typer.Option(None, "--init", help="The initial model: shared (one seeded init for every site) | per-site "
-                             "(independent seeded inits, as supplementary Alg. 2 reads) | file (--init-weights) "
-                             "\\[default: shared]."),
+    init: _choice(run_params.INITS) = typer.Option(
+        None, "--init", help="The initial model: shared (one seeded init for every site) | per-site (independent seeded "
+        "inits, as supplementary Alg. 2 reads) | file (--init-weights) \\[default: shared]."),
     init_weights: str = typer.Option("", "--init-weights", help="--init file: the SHA-256 of a safetensors weights file "
                                      "every site holds in its --weights-dir (README: 'A pretrained initial model')."),
-    weighting: _choice(run_params.choices("weighting")) = typer.Option("samples", "--weighting", help="fedavg: samples (weights n_k / n) | uniform."),
+    weighting: _choice(run_params.choices("weighting")) = typer.Option(
+        "samples", "--weighting", help="fedavg: samples (weights n_k / n) | uniform."),
     maecho_tau: int = typer.Option(100, "--maecho-tau", help="maecho: echo iterations (tau)."),
     maecho_eta: float = typer.Option(0.05, "--maecho-eta", help="maecho: step (eta)."),
     maecho_alpha: _choice(run_params.choices("maecho_alpha")) = typer.Option("uniform", "--maecho-alpha",
                                      help="maecho: model weights uniform (the authors' "
                                      "released code) | qp (Eq. 6, solved with cvxopt)."),
-    ofasd_mode: _choice(run_params.choices("ofasd_mode")) = typer.Option("block", "--ofasd-mode", help="ofasd: block (a coefficient per site and parameter "
-                                   "tensor) | client (one per site)."),
+    ofasd_mode: _choice(run_params.choices("ofasd_mode")) = typer.Option(
+        "block", "--ofasd-mode", help="ofasd: block (a coefficient per site and parameter tensor) | client (one per site)."),
     ofasd_epochs: int = typer.Option(2, "--ofasd-epochs", help="ofasd: epochs of coefficient learning at the aggregator."),
     ofasd_lr: float = typer.Option(0.01, "--ofasd-lr", help="ofasd: Adam learning rate of the coefficients."),
     upload_timeout: float = typer.Option(3600.0, "--upload-timeout", help="Parallel methods: seconds the aggregator "
@@ -348,8 +349,9 @@ def show(run_id: str = typer.Argument(..., help="The run's id (`coordinator runs
 
 
 @app.command()
-def runs(coordinator: str = COORD, as_json: bool = typer.Option(False, "--json", help="Print JSON: a list of run "
-                                                                  "summaries (the shape of `show --json`)."), tls: Path = TLS,
+def runs(coordinator: str = COORD,
+         as_json: bool = typer.Option(False, "--json", help="Print JSON: a list of run summaries (as `show --json`)."),
+         tls: Path = TLS,
          insecure: bool = INSECURE) -> None:
     """List the runs in the ledger."""
     with _client(coordinator, tls, insecure) as client:

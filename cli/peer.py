@@ -6,8 +6,8 @@ from pathlib import Path
 
 import typer
 
-from fedrelay.cli.common import (CONTEXT_SETTINGS, ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECURE_HELP, TLS_HELP, fail,
-                                 setup_logging, stop_on_sigterm, transport_from, version_option)
+from fedrelay.cli.common import (CONTEXT_SETTINGS, ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECURE_HELP, TLS_HELP,
+                                 fail, setup_logging, stop_on_sigterm, transport_from, version_option)
 
 app = typer.Typer(help="fedrelay peer: one daemon per site (institution).", no_args_is_help=True,
                   add_completion=False, context_settings=CONTEXT_SETTINGS)

@@ -95,7 +95,8 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
                 log.error("the coordinator refused the registration: %s", exc.details())
             else:
                 hint = wire.transport_mismatch(exc, link.address, link.transport.secure, what="coordinator")
-                log.warning("coordinator %s not reachable (%s); retrying", link.address, hint or wire.status_message(exc))
+                log.warning("coordinator %s not reachable (%s); retrying", link.address,
+                            hint or wire.status_message(exc))
             period = None
             stop.wait(next(delays))
         except Exception:  # noqa: BLE001 - say so, and keep heartbeating
