@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Literal
 
 import grpc
 import typer
@@ -13,30 +14,49 @@ from rich import box
 from rich.table import Table
 
 from fedrelay import params as run_params
-from fedrelay.cli.common import (INSECURE_HELP, TLS_HELP, console, err_console, fail, setup_logging, stop_on_sigterm,
-                                 transport_from)
-from fedrelay.registry import STRATEGIES
+from fedrelay.cli.common import (CONTEXT_SETTINGS, ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECURE_HELP, TLS_HELP,
+                                 console, err_console, fail, load_config_callback, setup_logging, stop_on_sigterm,
+                                 transport_from, version_option)
+from fedrelay.coordinator.planner import ORDERS
+from fedrelay.registry import ARCHS, STRATEGIES
 
 app = typer.Typer(help="fedrelay coordinator: plans chains, assigns roles, keeps the ledger.",
-                  no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False, context_settings=CONTEXT_SETTINGS)
 
-COORD = typer.Option("127.0.0.1:50070", "--coordinator", "-c", envvar="FEDRELAY_COORDINATOR",
+
+@app.callback()
+def main(version: bool = version_option()) -> None:
+    """fedrelay coordinator: plans chains, assigns roles, keeps the ledger."""
+
+
+COORD = typer.Option("127.0.0.1:50070", "--coordinator", "-c", envvar=ENV_COORDINATOR,
                      help="HOST:PORT of the coordinator.")
-INSECURE = typer.Option(False, "--insecure", help=INSECURE_HELP)
-TLS = typer.Option(None, "--tls", help=TLS_HELP + " Operator commands: PKI/operator.", file_okay=False)
+INSECURE = typer.Option(False, "--insecure", envvar=ENV_INSECURE, help=INSECURE_HELP)
+TLS = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " Operator commands: PKI/operator.",
+                   file_okay=False)
 HOSTS = typer.Option(None, "--host", help="Host name or IP others dial this identity at (repeatable; goes in the "
                      "certificate's SAN) \\[default: localhost, 127.0.0.1, ::1].")
 
 
+_secure: list[bool] = []  # the transport of this process's client (_rpc_fail's hint)
+
+
 def _client(address: str, tls: Path | None, insecure: bool):
     transport = transport_from(tls, insecure)
+    _secure[:] = [transport.secure]
     from fedrelay.coordinator.client import OperatorClient
 
     return OperatorClient(address, transport)
 
 
 def _rpc_fail(exc: grpc.RpcError, address: str) -> None:
+    from fedrelay.wire import transport_mismatch
+
     details = exc.details() or ""
+    tls_words = any(w in details for w in ("ssl", "SSL", "TLS", "Tls", "verif", "handshake"))
+    hint = transport_mismatch(exc, address, secure=_secure[0] if _secure else tls_words, what="coordinator")
+    if hint:
+        fail(hint)
     if exc.code() == grpc.StatusCode.UNAVAILABLE and any(w in details for w in ("ssl", "SSL", "TLS", "Tls", "verif", "handshake")):
         fail(f"TLS with the coordinator at {address} failed ({details}); check --tls (same CA? an insecure "
              "coordinator?)")
@@ -49,14 +69,15 @@ def _rpc_fail(exc: grpc.RpcError, address: str) -> None:
 def serve(
     listen: str = typer.Option("127.0.0.1:50070", "--listen", help="HOST:PORT to listen on."),
     db: Path = typer.Option(Path("fedrelay-ledger.sqlite"), "--db", help="SQLite ledger file."),
-    tls: Path = typer.Option(None, "--tls", help=TLS_HELP + " Here: PKI/coordinator.", file_okay=False),
+    tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " Here: PKI/coordinator.",
+                             file_okay=False),
     insecure: bool = INSECURE,
     peer_timeout: float = typer.Option(120.0, "--peer-timeout",
                                        help="Seconds a site of a running chain may go without a heartbeat "
                                             "before the chain is routed around it."),
     web: str = typer.Option(None, "--web", help="PORT or HOST:PORT: serve the live run page there (read-only, no "
                             "authentication; a bare PORT listens on 127.0.0.1). Off by default."),
-    verbose: bool = typer.Option(False, "--verbose", "-v"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
 ) -> None:
     """Run the coordinator (ledger: SQLite at --db)."""
     transport = transport_from(tls, insecure)
@@ -72,13 +93,24 @@ def serve(
         pass
 
 
+def _choice(values):
+    """The allowed values of an option as the type typer offers as choices, from the registry or
+    fedrelay/params.py (never retyped)."""
+    return Literal[tuple(values)]
+
+
 @app.command("start-chain")
 def start_chain(
+    config: Path = typer.Option(None, "--config", is_eager=True, callback=load_config_callback, dir_okay=False,
+                                help="A TOML file of start-chain options (keys: the long option names, e.g. "
+                                     "models-per-site = 5); options given on the command line override it "
+                                     "(deploy/run.example.toml)."),
     coordinator: str = COORD,
     peers: str = typer.Option("", "--peers", help="Comma-separated site names \\[default: every registered peer]."),
-    order: str = typer.Option("random", "--order", help="random (fixed by --seed) | given (as --peers lists them)."),
+    order: _choice(ORDERS) = typer.Option("random", "--order",
+                              help="random (fixed by --seed) | given (as --peers lists them)."),
     seed: int = typer.Option(..., "--seed", help="Fixes the order, each site's train/validation split and the training."),
-    strategy: str = typer.Option("fedelmy", "--strategy", help="What each site does: "
+    strategy: _choice(STRATEGIES) = typer.Option("fedelmy", "--strategy", help="What each site does: "
                                  + "; ".join(f"{s.name}: {s.summary}" for s in STRATEGIES.values()) + "."),
     rounds: int = typer.Option(1, "--rounds", "-T", help="T: passes over the chain (few-shot cycles, FedELMY "
                                "supplementary Alg. 1; warm-up in round 1 only); 1 = one-shot."),
@@ -88,24 +120,29 @@ def start_chain(
     alpha: float = typer.Option(1.0, "--alpha", help="Weight of d1 (distance to the pool)."),
     beta: float = typer.Option(1.0, "--beta", help="Weight of d2 (distance to m0)."),
     lr: float = typer.Option(1e-3, "--lr", help="Adam learning rate."),
-    batch_size: int = typer.Option(128, "--batch-size"),
+    batch_size: int = typer.Option(128, "--batch-size", help="Images per training step."),
     weight_decay: float = typer.Option(1e-4, "--weight-decay", help="Adam weight decay (coupled L2)."),
-    selection: str = typer.Option("best-val", "--selection", help="best-val (the paper's protocol) | last-epoch"),
-    model: str = typer.Option("cnn", "--model", help="cnn | resnet18"),
+    selection: _choice(run_params.SELECTIONS) = typer.Option("best-val", "--selection",
+                                  help="Which epoch's model a site keeps: best-val (best validation accuracy, the "
+                                       "paper's protocol) | last-epoch."),
+    model: _choice(ARCHS) = typer.Option("cnn", "--model",
+                              help="The architecture (fedrelay/peer/models.py)."),
     aggregator: str = typer.Option("", "--aggregator", help="Parallel methods: the site that combines the uploads "
                                    "\\[default: chosen by --seed]."),
-    init: str = typer.Option("", "--init", help="The initial model: shared (one seeded init for every site) | per-site "
-                             "(independent seeded inits, as supplementary Alg. 2 reads) | file (--init-weights) "
-                             "\\[default: shared]."),
+    init: _choice(run_params.INITS) = typer.Option(
+        None, "--init", help="The initial model: shared (one seeded init for every site) | per-site (independent seeded "
+        "inits, as supplementary Alg. 2 reads) | file (--init-weights) \\[default: shared]."),
     init_weights: str = typer.Option("", "--init-weights", help="--init file: the SHA-256 of a safetensors weights file "
                                      "every site holds in its --weights-dir (README: 'A pretrained initial model')."),
-    weighting: str = typer.Option("samples", "--weighting", help="fedavg: samples (weights n_k / n) | uniform."),
+    weighting: _choice(run_params.choices("weighting")) = typer.Option(
+        "samples", "--weighting", help="fedavg: samples (weights n_k / n) | uniform."),
     maecho_tau: int = typer.Option(100, "--maecho-tau", help="maecho: echo iterations (tau)."),
     maecho_eta: float = typer.Option(0.05, "--maecho-eta", help="maecho: step (eta)."),
-    maecho_alpha: str = typer.Option("uniform", "--maecho-alpha", help="maecho: model weights uniform (the authors' "
+    maecho_alpha: _choice(run_params.choices("maecho_alpha")) = typer.Option("uniform", "--maecho-alpha",
+                                     help="maecho: model weights uniform (the authors' "
                                      "released code) | qp (Eq. 6, solved with cvxopt)."),
-    ofasd_mode: str = typer.Option("block", "--ofasd-mode", help="ofasd: block (a coefficient per site and parameter "
-                                   "tensor) | client (one per site)."),
+    ofasd_mode: _choice(run_params.choices("ofasd_mode")) = typer.Option(
+        "block", "--ofasd-mode", help="ofasd: block (a coefficient per site and parameter tensor) | client (one per site)."),
     ofasd_epochs: int = typer.Option(2, "--ofasd-epochs", help="ofasd: epochs of coefficient learning at the aggregator."),
     ofasd_lr: float = typer.Option(0.01, "--ofasd-lr", help="ofasd: Adam learning rate of the coefficients."),
     upload_timeout: float = typer.Option(3600.0, "--upload-timeout", help="Parallel methods: seconds the aggregator "
@@ -119,12 +156,13 @@ def start_chain(
     for the parallel methods (fedavg, fedelmy-pfl, maecho, ofasd), a star around --aggregator."""
     chosen = dict(strategy=strategy, models_per_site=models_per_site, local_epochs=local_epochs,
                   warmup_epochs=warmup_epochs, alpha=alpha, beta=beta, lr=lr, batch_size=batch_size,
-                  weight_decay=weight_decay, selection=selection, init=init, init_sha256=init_weights.lower(),
+                  weight_decay=weight_decay, selection=selection, init=init or "", init_sha256=init_weights.lower(),
                   weighting=weighting, maecho_tau=maecho_tau, maecho_eta=maecho_eta, maecho_alpha=maecho_alpha,
                   ofasd_mode=ofasd_mode, ofasd_epochs=ofasd_epochs, ofasd_lr=ofasd_lr, upload_timeout=upload_timeout)
     try:
         run_params.check(chosen, strict=True)
         run_params.check_rounds(rounds)
+        run_params.check_seed(seed)
     except ValueError as exc:
         fail(str(exc))
     client = _client(coordinator, tls, insecure)
@@ -297,7 +335,8 @@ def _render_outcome(s: dict) -> None:
 
 
 @app.command()
-def show(run_id: str, coordinator: str = COORD, as_json: bool = typer.Option(False, "--json"),
+def show(run_id: str = typer.Argument(..., help="The run's id (`coordinator runs` lists them)."),
+         coordinator: str = COORD, as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
          tls: Path = TLS, insecure: bool = INSECURE) -> None:
     """Show one run: order, hops, bytes, final accuracy (works while it runs)."""
     with _client(coordinator, tls, insecure) as client:
@@ -312,7 +351,9 @@ def show(run_id: str, coordinator: str = COORD, as_json: bool = typer.Option(Fal
 
 
 @app.command()
-def runs(coordinator: str = COORD, as_json: bool = typer.Option(False, "--json"), tls: Path = TLS,
+def runs(coordinator: str = COORD,
+         as_json: bool = typer.Option(False, "--json", help="Print JSON: a list of run summaries (as `show --json`)."),
+         tls: Path = TLS,
          insecure: bool = INSECURE) -> None:
     """List the runs in the ledger."""
     with _client(coordinator, tls, insecure) as client:
@@ -354,9 +395,14 @@ def peers(coordinator: str = COORD, tls: Path = TLS, insecure: bool = INSECURE) 
 
 
 @app.command("fetch-model")
-def fetch_model(run_id: str, out: Path = typer.Option(..., "-o", "--out", help="Where to write the safetensors file."),
+def fetch_model(run_id: str = typer.Argument(..., help="The run's id (`coordinator runs` lists them)."),
+                out: Path = typer.Option(..., "-o", "--out", help="Where to write the safetensors file; an existing "
+                                         "folder: FOLDER/<run id>.safetensors."),
                 coordinator: str = COORD, tls: Path = TLS, insecure: bool = INSECURE) -> None:
-    """Download a finished run's final model (safetensors), verified against its SHA-256."""
+    """Download a finished run's final model (safetensors), verified against its SHA-256, with
+    its architecture, input shape and class names in the file's metadata (fedrelay.load_model)."""
+    if out.is_dir():
+        out = out / f"{run_id}.safetensors"
     with _client(coordinator, tls, insecure) as client:
         try:
             sha, size = client.fetch_model(run_id, out)
@@ -364,7 +410,10 @@ def fetch_model(run_id: str, out: Path = typer.Option(..., "-o", "--out", help="
             _rpc_fail(exc, coordinator)
         except ValueError as exc:
             fail(str(exc))
-    console.print(f"wrote {out} ({size:,} bytes, sha256 {sha})", highlight=False)
+        except OSError as exc:
+            fail(f"cannot write {out}: {exc.strerror or exc}")
+    console.print(f"wrote {out}: the final model ({size:,} bytes, sha256 {sha} in the ledger) with fedrelay's "
+                  "metadata; load it with fedrelay.load_model", highlight=False)
 
 
 @app.command("init-ca")
@@ -390,12 +439,18 @@ def enroll(
     out: Path = typer.Option(..., "--out", help="Folder to write key.pem (0600), cert.pem, ca.pem to."),
     host: list[str] = HOSTS,
     days: int = typer.Option(825, "--days", help="Validity of the certificate in days."),
+    force: bool = typer.Option(False, "--force", help="Replace the key and certificate of an --out folder that "
+                               "already holds them (the old key stops working with a new certificate)."),
 ) -> None:
     """Issue a key and certificate for one site (give the folder to the site; --tls DIR for `peer serve`)."""
     from fedrelay.coordinator.pki import DEFAULT_HOSTS, PKIError, enroll as do_enroll
 
     if days < 1:
         fail("--days must be >= 1")
+    held = [f for f in ("key.pem", "cert.pem") if (out / f).exists()]
+    if held and not force:
+        fail(f"{out} already holds {' and '.join(held)}: an identity is never overwritten silently; pass --force "
+             "to replace it, or choose another --out folder")
     try:
         do_enroll(name, ca, out, hosts=host or DEFAULT_HOSTS, days=days)
     except (PKIError, OSError) as exc:
@@ -408,7 +463,7 @@ def split_dataset(
     name: str = typer.Argument(..., help="Dataset: fashion-mnist"),
     sites: int = typer.Option(10, "--sites", help="N: number of sites."),
     dirichlet: float = typer.Option(0.5, "--dirichlet", help="Dirichlet concentration of the label skew."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="Fixes the Dirichlet draws and the subsampling."),
     out: Path = typer.Option(..., "--out", help="Folder for site-00 ... site-(N-1)."),
     source: Path = typer.Option(None, "--source", help="Folder with the IDX files \\[default: Debian's dataset-fashion-mnist]."),
     max_train_per_site: int = typer.Option(None, "--max-train-per-site", help="Subsample each site's train images."),

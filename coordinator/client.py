@@ -84,8 +84,36 @@ def summary_dict(s: cpb.RunSummary) -> dict:
 
 
 class OperatorClient:
-    """Calls to a coordinator at ``address`` over ``transport`` (mutual TLS with the operator's
-    identity, or insecure). Methods raise ``grpc.RpcError`` on refusal."""
+    """The operator's Python API: what the ``coordinator`` commands call (start-chain, show,
+    runs, peers, fetch-model, the live view of ``--wait``).
+
+    ``address``: the coordinator's ``HOST:PORT``. ``transport``: mutual TLS with the operator's
+    identity (``wire.Transport.from_dir("pki/operator")``; the coordinator answers only the
+    ``operator`` and ``coordinator`` identities), or ``wire.Transport.insecure()`` for a
+    coordinator started with ``--insecure``. A context manager: ``with OperatorClient(...) as
+    client:`` closes its channel at the end.
+
+    Every method raises ``grpc.RpcError`` when the coordinator refuses or cannot be reached:
+    ``exc.code()`` is e.g. ``INVALID_ARGUMENT`` (a bad parameter; ``exc.details()`` names it),
+    ``NOT_FOUND`` (an unknown run), ``FAILED_PRECONDITION``, ``PERMISSION_DENIED`` (a wrong
+    identity) or ``UNAVAILABLE`` (not reachable; ``fedrelay.wire.transport_mismatch`` tells a
+    TLS/plaintext mismatch).
+
+    Example::
+
+        from fedrelay import params, wire
+        from fedrelay.coordinator.client import OperatorClient
+
+        with OperatorClient("127.0.0.1:50070", wire.Transport.from_dir("pki/operator")) as client:
+            chosen = dict(strategy="fedelmy", models_per_site=5, local_epochs=2, warmup_epochs=2, alpha=1.0,
+                          beta=1.0, lr=1e-3, batch_size=128, weight_decay=1e-4, selection="best-val")
+            params.check(chosen)
+            reply = client.start_chain(peers=[], order="random", seed=0, arch="cnn", params=params.to_pb(chosen))
+            for event in client.watch(reply.run_id):
+                print(event.kind, event.message)
+            summary = client.run(reply.run_id)      # the dict of `coordinator show --json`
+            client.fetch_model(reply.run_id, "final.safetensors")
+    """
 
     def __init__(self, address: str, transport: wire.Transport = wire.INSECURE):
         self.address = address
@@ -93,6 +121,7 @@ class OperatorClient:
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     def close(self) -> None:
+        """Close the channel to the coordinator (the client is unusable afterwards)."""
         self._channel.close()
 
     def __enter__(self):
@@ -103,27 +132,60 @@ class OperatorClient:
 
     def start_chain(self, *, peers: list[str], order: str, seed: int, arch: str,
                     params: common_pb2.TrainingParams, rounds: int = 1, aggregator: str = "") -> cpb.StartChainReply:
+        """Start a run; returns at once (``reply.run_id``, ``reply.order``: the site names in chain
+        order, or the star's sites; ``reply.warnings``).
+
+        ``peers``: site names (empty: every registered peer). ``order``: ``"random"`` (shuffled by
+        ``seed``) or ``"given"`` (as ``peers`` lists them). ``seed``: 0 .. 2**64 - 1. ``arch``:
+        one of ``fedrelay.registry.ARCHS``. ``params``: ``fedrelay.params.to_pb(d)`` of a dict
+        checked with ``fedrelay.params.check(d)`` (the coordinator checks it again). ``rounds``:
+        T, 1 .. 100. ``aggregator``: the star plans' aggregating site ("" = chosen by the seed).
+        Waits up to 120 s (the coordinator asks every chosen peer first)."""
         return self.stub.StartChain(cpb.StartChainRequest(peers=peers, order=order, seed=seed, arch=arch,
                                                           params=params, rounds=rounds, aggregator=aggregator),
                                     timeout=120.0)
 
     def watch(self, run_id: str, after_seq: int = 0) -> Iterator[cpb.RunEvent]:
+        """The run's events, from the first one after ``after_seq`` on, as they happen; the
+        iterator ends when the run has ended (after its ``finished`` or ``failed`` event).
+
+        Each ``RunEvent`` has ``seq`` (pass the last one seen as ``after_seq`` to resume after a
+        broken stream), ``kind`` (``started``, ``state``, ``epoch``, ``hop``, ``upload``, ``final_copy``,
+        ``final``, ``evaluated``, ``warning``, ``skip``, ``finished``, ``failed``), ``site`` and a readable
+        ``message``. No timeout: break out of the loop to stop watching (the run goes on)."""
         return self.stub.WatchRun(cpb.WatchRunRequest(run_id=run_id, after_seq=after_seq))
 
     def run(self, run_id: str) -> dict:
+        """One run's summary as a dict (:func:`summary_dict`: the JSON of ``coordinator show
+        --json``); works while the run is in progress. ``NOT_FOUND`` for an unknown run."""
         return summary_dict(self.stub.GetRun(cpb.GetRunRequest(run_id=run_id), timeout=wire.CONTROL_TIMEOUT))
 
     def runs(self) -> list[dict]:
+        """Every run in the ledger, as :func:`summary_dict` dicts."""
         return [summary_dict(s) for s in self.stub.ListRuns(cpb.ListRunsRequest(), timeout=wire.CONTROL_TIMEOUT).runs]
 
     def peers(self) -> list[cpb.PeerRecord]:
+        """The registered peers: ``PeerRecord`` messages with ``name``, ``address``, ``classes``
+        (name, train and test image counts), ``channels``, ``height``, ``width``, ``device`` and
+        ``last_seen`` (unix seconds of the last heartbeat)."""
         return list(self.stub.ListPeers(cpb.ListPeersRequest(), timeout=wire.CONTROL_TIMEOUT).peers)
 
     def fetch_model(self, run_id: str, out: Path) -> tuple[str, int]:
-        """Download the run's final model to ``out`` (atomically), verifying size and SHA-256.
+        """Download the run's final model to ``out`` (a file path; written atomically, mode
+        0644), verifying its size and SHA-256 against the ledger's digest, and add fedrelay's
+        metadata to the file's header (architecture, input shape, class names, run id, strategy,
+        the ledger's digest: ``fedrelay/final_model.py``); the tensors are written unchanged.
 
-        Returns (sha256, bytes). Raises ``ValueError`` when the stream does not match its header.
+        Returns ``(sha256, bytes)`` of the model as the ledger records it (the written file is
+        a few hundred bytes larger, and its own SHA-256 differs, because of the metadata).
+        Raises ``grpc.RpcError`` (unknown run, no final model yet, no site holds it),
+        ``ValueError`` when the stream does not match its header, ``OSError`` when ``out``
+        cannot be written. Load the file with ``fedrelay.load_model(out)``.
         """
+        import json
+
+        from fedrelay import final_model
+
         out = Path(out)
         stream = self.stub.FetchModel(peer_pb2.FetchModelRequest(run_id=run_id), timeout=3600)
         first = next(stream)
@@ -138,6 +200,14 @@ class OperatorClient:
         if len(data) != h.total_bytes or digest.hexdigest() != h.sha256:
             raise ValueError(f"model stream damaged: {len(data)} of {h.total_bytes} bytes, "
                              f"sha256 {digest.hexdigest()} instead of {h.sha256}")
+        spec_json = dict(stream.initial_metadata() or ()).get(final_model.MODEL_SPEC_METADATA)
+        if spec_json is None:
+            raise ValueError("the coordinator did not say the model's architecture and input shape "
+                             "(a coordinator older than this client?)")
+        spec, run = json.loads(spec_json), self.run(run_id)
+        data = final_model.with_metadata(data, final_model.describe(
+            arch=spec["arch"], input_shape=(spec["in_channels"], spec["height"], spec["width"]),
+            class_names=run["class_index"], run_id=run_id, strategy=run["strategy"], final_sha256=h.sha256))
         wire.atomic_write(out, data)
         os.chmod(out, 0o644)
-        return h.sha256, len(data)
+        return h.sha256, h.total_bytes

@@ -15,6 +15,7 @@ streams). Writes are serialised by one lock; the file uses WAL so readers never 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -128,21 +129,54 @@ def transfer_status(sent: dict | None, received: dict | None) -> str:
     return "done" if same else "disputed"
 
 
+class LedgerError(RuntimeError):
+    """The ledger file cannot be opened or written; the message names the path and the fix."""
+
+
+def _open_error(path: Path, exc: Exception) -> LedgerError:
+    """A ``LedgerError`` for a ledger at ``path`` that failed to open with ``exc``."""
+    text = str(exc)
+    if "not a database" in text:
+        why = "it is not an SQLite database (some other file?); pass another --db path"
+    elif "readonly" in text or "read-only" in text or isinstance(exc, PermissionError) or (
+            path.parent.is_dir() and not os.access(path.parent, os.W_OK)):
+        why = (f"the folder {path.parent} or the file is not writable (the ledger writes the file and its "
+               "-wal/-shm journal next to it); pass --db in a folder this user can write")
+    else:
+        why = "pass --db FILE in a folder this user can write"
+    return LedgerError(f"cannot open the ledger {path}: {text}; {why}")
+
+
 class Ledger:
-    """Thread-safe access to the SQLite ledger at ``path`` (``":memory:"`` for tests)."""
+    """Thread-safe access to the SQLite ledger at ``path`` (``":memory:"`` for tests).
+
+    Raises ``LedgerError`` when ``path`` is a folder, not an SQLite database, or not writable
+    (with its folder), before anything is served."""
 
     def __init__(self, path: str | Path):
         if str(path) != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._lock = threading.RLock()
-        self._events = threading.Condition(self._lock)
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(SCHEMA)
-            self._migrate()
+            p = Path(path)
+            if p.is_dir():
+                raise LedgerError(f"--db {p} is a folder; pass the ledger's file, e.g. {p / 'ledger.sqlite'}")
+            try:
+                p.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise LedgerError(f"cannot create the ledger's folder {p.parent}: {exc.strerror or exc}; "
+                                  "pass --db in a folder this user can write") from None
+        try:
+            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+            self._db.row_factory = sqlite3.Row
+            self._lock = threading.RLock()
+            self._events = threading.Condition(self._lock)
+            with self._lock:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=FULL")
+                self._db.executescript(SCHEMA)
+                self._migrate()
+        except (sqlite3.Error, OSError) as exc:
+            if hasattr(self, "_db"):
+                self._db.close()
+            raise _open_error(Path(path), exc) from None
 
     def _migrate(self) -> None:
         """Bring a ledger written by an older fedrelay up to this schema (columns added since)."""

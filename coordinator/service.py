@@ -14,6 +14,7 @@ each site to evaluate it on its own test split, and records per-site and global 
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -28,6 +29,7 @@ from fedrelay.coordinator.ledger import TERMINAL, Ledger, LedgerConflict
 from fedrelay.coordinator.plan import (FINAL, HOP, UPLOAD, Plan, PlanError, Transfer, chain_plan, pick_aggregator,
                                        replan, star_plan)
 from fedrelay.coordinator.planner import PeerInfo, plan_chain
+from fedrelay.final_model import MODEL_SPEC_METADATA
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("fedrelay.coordinator")
@@ -724,6 +726,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # The site that produced the final model, then any site whose copy of it both ends attested.
         holders = [run["final_site"]] + [h["receiver"] for h in self.ledger.hops(request.run_id, "final")
                                          if h["status"] == "done" and h["sha256"] == run["final_sha256"]]
+        # What the operator's client writes into the fetched file's metadata (fedrelay/final_model.py).
+        context.send_initial_metadata(((MODEL_SPEC_METADATA, json.dumps(run["model"])),))
         errors = []
         for name in dict.fromkeys(h for h in holders if h):
             stream = self._peer({"name": name, "address": self._address(name)}).FetchModel(

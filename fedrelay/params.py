@@ -8,6 +8,7 @@ recorded) and by the peer (an assignment it could not run is refused).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -63,6 +64,14 @@ MAX_EPOCHS = 100_000   # per field; more is a typo, not a plan
 MAX_BATCH = 1 << 20
 
 
+def choices(name: str) -> tuple[str, ...]:
+    """The allowed values of the string field ``name`` (e.g. ``"weighting"``): the CLI's choices."""
+    for f in FIELDS + OPTIONS:
+        if f.name == name and f.choices:
+            return f.choices
+    raise KeyError(f"{name!r} is not a field with choices")
+
+
 def to_dict(p) -> dict:
     """``TrainingParams`` (or anything with its attributes) as a plain dict in field order."""
     return {name: getattr(p, name) for name in NAMES if hasattr(p, name)}
@@ -112,13 +121,59 @@ def _check_value(f: Field, value) -> None:
         raise ValueError(f"{f.flag} must be >= {f.minimum:g}, got {value!r}")
 
 
+@functools.lru_cache(maxsize=None)
+def _wire_limits() -> dict[str, tuple[type, int, int]]:
+    """Field name -> (Python type, smallest, largest) for the integer fields of ``TrainingParams``,
+    read from the protobuf descriptor (uint32: 0 .. 2**32 - 1), so the check follows the wire."""
+    from google.protobuf.descriptor import FieldDescriptor as FD
+
+    from fedrelay.v1 import common_pb2
+
+    bits = {FD.TYPE_UINT32: (0, 2**32 - 1), FD.TYPE_UINT64: (0, 2**64 - 1), FD.TYPE_INT32: (-2**31, 2**31 - 1),
+            FD.TYPE_INT64: (-2**63, 2**63 - 1)}
+    return {f.name: bits[f.type] for f in common_pb2.TrainingParams.DESCRIPTOR.fields if f.type in bits}
+
+
+def check_wire(d: dict) -> None:
+    """Raise ``ValueError`` naming the option (by its flag) of any field of ``d`` that its wire
+    type cannot hold: a negative or too large integer for a uint32, a non-number for a double, a
+    non-string for a string. Every field present is checked, whatever the strategy, so that
+    :func:`to_pb` never fails."""
+    limits = _wire_limits()
+    for f in FIELDS + OPTIONS:
+        if f.name not in d:
+            continue
+        value = d[f.name]
+        if f.kind is str:
+            if not isinstance(value, str):
+                raise ValueError(f"{f.flag} must be a string, got {value!r}")
+        elif f.kind is int:
+            lo, hi = limits[f.name]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{f.flag} must be an integer, got {value!r}")
+            if not lo <= value <= hi:
+                raise ValueError(f"{f.flag} must be between {lo} and {hi} (an unsigned 32-bit integer), got {value}")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{f.flag} must be a number, got {value!r}")
+
+
+MAX_SEED = 2**64 - 1  # StartChainRequest.seed is a uint64
+
+
+def check_seed(seed: int) -> None:
+    """Raise ``ValueError`` unless 0 <= seed <= 2**64 - 1 (the wire's uint64)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"--seed must be an integer between 0 and {MAX_SEED}, got {seed!r}")
+
+
 def check(d: dict, strict: bool = False) -> None:
     """Raise ``ValueError`` naming the first bad field by its CLI flag: an unknown strategy or
     selection, a non-integer, a value out of range, a float that is not finite (nan, inf), or
     an initial model the strategy cannot use (OFASD needs one shared initial model; ``--init
     file`` needs ``--init-weights`` as 64 hex digits). Method options are checked for the
     strategies that read them; unset ones (zero, empty) take their defaults, unless ``strict``
-    (the CLI: what the operator typed is checked as typed, so ``--maecho-tau 0`` is refused)."""
+    (the CLI: what the operator typed is checked as typed, so ``--maecho-tau 0`` is refused).
+    Every field present, used or not, must also fit its wire type (:func:`check_wire`)."""
     try:
         strategy = registry.strategy(d["strategy"])
     except ValueError as exc:
@@ -126,6 +181,7 @@ def check(d: dict, strict: bool = False) -> None:
     for f in FIELDS:
         _check_value(f, d[f.name])
     if not any(f.name in d for f in OPTIONS):
+        check_wire(d)
         return  # a TrainConfig: training fields only
     opts = options(d)
     if strict:
@@ -142,6 +198,7 @@ def check(d: dict, strict: bool = False) -> None:
     if strategy.name == "ofasd" and opts["init"] == "per-site":
         raise ValueError("--init per-site: ofasd composes task vectors against one initial model; "
                          "use --init shared or --init file")
+    check_wire(d)  # the fields the strategy does not read must still fit the wire
 
 
 MAX_ROUNDS = 100  # T; with at most 1,024 sites, hop numbers stay below fedrelay.names.MAX_HOP

@@ -334,3 +334,52 @@ def status_message(exc: grpc.RpcError) -> str:
         return f"{exc.code().name}: {exc.details()}"
     except Exception:  # not a call error with a status
         return str(exc)
+
+
+def speaks_tls(address: str, timeout: float = 2.0) -> bool | None:
+    """Whether the server at ``address`` (HOST:PORT) answers a TLS ClientHello with TLS: True
+    (a TLS server: its first record is a handshake or an alert), False (it answered something
+    else, or closed the connection: a plaintext gRPC server), None (no connection within
+    ``timeout`` seconds). Sends one ClientHello and reads one reply; nothing is verified."""
+    import socket
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing)
+    try:
+        tls.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    hello = outgoing.read()
+    try:
+        host, port = split_hostport(address)
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(hello)
+            first = sock.recv(1)
+    except (OSError, ValueError):
+        return None
+    return first[:1] in (b"\x16", b"\x15")
+
+
+def transport_mismatch(exc: grpc.RpcError, address: str, secure: bool, what: str = "server") -> str | None:
+    """A message for a failed call when the server at ``address`` speaks the other transport
+    than this client (``secure``: the client used mutual TLS), else None; ``what`` names the
+    server in the message ("coordinator", "peer"). Probes the server
+    (:func:`speaks_tls`) only for a call that failed to connect (UNAVAILABLE)."""
+    try:
+        if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            return None
+    except Exception:  # not a call error with a status
+        return None
+    server_tls = speaks_tls(address)
+    if server_tls is True and not secure:
+        return (f"the {what} at {address} speaks TLS and this call was plaintext (--insecure); "
+                "pass --tls DIR (or set FEDRELAY_TLS) instead")
+    if server_tls is False and secure:
+        return (f"the {what} at {address} speaks plaintext (it was started with --insecure) and this call "
+                "used --tls; pass --insecure (or restart the server with --tls)")
+    return None

@@ -39,6 +39,24 @@ def resolve_device(device: str) -> str:
     raise ValueError(f"--device must be auto, cpu or cuda:N, not {device!r}")
 
 
+def check_state_dir(state_dir: Path) -> None:
+    """Make ``state_dir`` if needed and prove it writable (a probe file is written, synced and
+    removed), so that a read-only --state-dir is refused at start, not at the first assignment.
+    Raises ``ValueError`` naming the folder."""
+    import os
+    import tempfile
+
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=state_dir, prefix=".write-probe-") as f:
+            f.write(b"fedrelay")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise ValueError(f"--state-dir {state_dir} is not a writable folder ({exc.strerror or exc}); the daemon keeps "
+                         "every run's models there: pass a folder this user can write") from None
+
+
 def _warm_up_imports() -> None:
     """Pay PyTorch's one-time costs at start-up, not inside the first run's training: building
     the first optimiser imports torch._dynamo (~2.5 s here), and the training module imports
@@ -76,7 +94,9 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
             if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
                 log.error("the coordinator refused the registration: %s", exc.details())
             else:
-                log.warning("coordinator %s not reachable (%s); retrying", link.address, wire.status_message(exc))
+                hint = wire.transport_mismatch(exc, link.address, link.transport.secure, what="coordinator")
+                log.warning("coordinator %s not reachable (%s); retrying", link.address,
+                            hint or wire.status_message(exc))
             period = None
             stop.wait(next(delays))
         except Exception:  # noqa: BLE001 - say so, and keep heartbeating
@@ -106,6 +126,7 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
         raise ValueError(f"--tls {transport.source} holds the identity {transport.identity!r}, not --name {name!r}")
     if stall_timeout <= 0:
         raise ValueError("--stall-timeout must be > 0 seconds")
+    check_state_dir(Path(state_dir))
     device = resolve_device(device)
     from fedrelay.peer.training import use_deterministic_kernels
 
@@ -116,6 +137,8 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
                     "not give the same model digests")
     log.info("loading site data from %s", data_dir)
     data = load_site(data_dir)
+    if data.skipped:
+        log.warning("%s: %s", data_dir, data.skipped_message())
     names.check_class_names(data.class_names, f"the class folders of {data_dir}")
     log.info("site %s: %d classes, %s images, train %d, test %d", name, len(data.class_names),
              "x".join(map(str, data.image_shape)), sum(data.train_counts.values()), sum(data.test_counts.values()))

@@ -6,9 +6,13 @@ Layout (the same one ``coordinator split`` writes)::
       train/<class name>/<file>.png|.jpg|.jpeg     (required; at least one image overall)
       test/<class name>/<file>.png|.jpg|.jpeg      (optional)
 
-* Extensions are matched case-insensitively (``.PNG``, ``.JPG`` ...). Any other file
-  (``.DS_Store``, ``README``, ``labels.csv`` ...) is ignored, as are hidden entries (names
-  starting with ``.``) and sub-folders *inside* a class folder (the scan is not recursive).
+* Extensions are matched case-insensitively (``.PNG``, ``.JPG`` ...). Any other file in a
+  class folder (``README``, ``labels.csv``, a ``.bmp`` or ``.webp`` image ...) is skipped and
+  listed in ``SiteData.skipped`` (the daemon says so when it starts); hidden entries (names
+  starting with ``.``) and sub-folders *inside* a class folder are ignored (the scan is not
+  recursive).
+* Every image is decoded even after one fails: unreadable or corrupt images are reported
+  together (how many, and the first few paths).
 * An image lying directly in ``train/`` or ``test/`` (not in a class folder) is an error:
   the label would be unknown.
 * A class folder that is absent, or present but empty, is normal under label skew: the
@@ -76,6 +80,15 @@ class SiteData:
     _images: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _local_labels: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     has_test: bool = True
+    skipped: list[Path] = field(default_factory=list)  # files in class folders that are not .png/.jpg/.jpeg
+
+    def skipped_message(self, show: int = 3) -> str:
+        """One line on :attr:`skipped` (empty if none): how many files, and the first ``show``."""
+        if not self.skipped:
+            return ""
+        names = ", ".join(str(p) for p in self.skipped[:show]) + (", ..." if len(self.skipped) > show else "")
+        return (f"skipped {len(self.skipped)} file(s) that are not .png/.jpg/.jpeg images: {names}; convert "
+                "images of other formats to PNG to use them")
 
     def num_samples(self, split: str) -> int:
         """Number of images in ``split`` ("train" or "test")."""
@@ -132,8 +145,9 @@ def _is_image_file(path: Path) -> bool:
     return path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
 
 
-def _scan_split(split_dir: Path) -> dict[str, list[Path]]:
-    """class name -> sorted image paths, for the class folders directly under split_dir."""
+def _scan_split(split_dir: Path, skipped: list[Path] | None = None) -> dict[str, list[Path]]:
+    """class name -> sorted image paths, for the class folders directly under split_dir; other
+    visible files of the class folders are appended to ``skipped``."""
     try:
         entries = sorted(split_dir.iterdir(), key=lambda p: p.name)
     except OSError as e:
@@ -144,10 +158,11 @@ def _scan_split(split_dir: Path) -> dict[str, list[Path]]:
             continue
         if entry.is_dir():
             try:
-                files = sorted(
-                    (p for p in entry.iterdir() if _is_image_file(p) and p.is_file()),
-                    key=lambda p: p.name,
-                )
+                listed = sorted(entry.iterdir(), key=lambda p: p.name)
+                files = [p for p in listed if _is_image_file(p) and p.is_file()]
+                if skipped is not None:
+                    skipped.extend(p for p in listed if not p.name.startswith(".") and not _is_image_file(p)
+                                   and p.is_file())
             except OSError as e:
                 raise DataError(f"cannot list {entry}: {e}; check that it is a readable folder") from e
             classes[entry.name] = files
@@ -254,7 +269,8 @@ def load_site(root: str | Path, *, expect_shape: tuple[int, int, int] | None = N
     if has_test and not test_dir.is_dir():
         raise DataError(f"{test_dir} is not a folder; remove it or make it test/<class name>/ image folders")
 
-    scans = {"train": _scan_split(train_dir), "test": _scan_split(test_dir) if has_test else {}}
+    skipped: list[Path] = []
+    scans = {"train": _scan_split(train_dir, skipped), "test": _scan_split(test_dir, skipped) if has_test else {}}
     if not any(scans["train"].values()):
         raise DataError(
             f"no training images found under {train_dir}; put the site's training images in "
@@ -268,6 +284,7 @@ def load_site(root: str | Path, *, expect_shape: tuple[int, int, int] | None = N
     images: dict[str, torch.Tensor] = {}
     local_labels: dict[str, torch.Tensor] = {}
     counts: dict[str, dict[str, int]] = {}
+    unreadable: list[DataError] = []
     for split in SPLITS:
         scan = scans[split]
         paths: list[Path] = []
@@ -279,7 +296,11 @@ def load_site(root: str | Path, *, expect_shape: tuple[int, int, int] | None = N
         counts[split] = {c: len(scan.get(c, [])) for c in class_names} if (split == "train" or has_test) else {}
         buf: np.ndarray | None = None
         for i, path in enumerate(paths):
-            arr = _decode(path)
+            try:
+                arr = _decode(path)
+            except DataError as exc:
+                unreadable.append(exc)  # decode the others too, to report every bad file at once
+                continue
             if shape is None:
                 shape = tuple(arr.shape)  # type: ignore[assignment]
                 reference_file = path
@@ -303,6 +324,14 @@ def load_site(root: str | Path, *, expect_shape: tuple[int, int, int] | None = N
         images[split] = torch.from_numpy(buf)
         local_labels[split] = torch.tensor(labels, dtype=torch.int64)
 
+    if len(unreadable) == 1:
+        raise unreadable[0]
+    if unreadable:
+        raise DataError(
+            f"{len(unreadable)} images of {root} cannot be read or decoded; the first ones: "
+            + "; ".join(str(e).split(";")[0] for e in unreadable[:3])
+            + "; check that the files are readable and valid PNG/JPEG, else replace or delete them"
+        )
     assert shape is not None  # at least one training image was decoded
     # The test split may have been allocated before the shape was known only if empty.
     if images["test"].shape[1:] != torch.Size(shape):
@@ -316,6 +345,7 @@ def load_site(root: str | Path, *, expect_shape: tuple[int, int, int] | None = N
         _images=images,
         _local_labels=local_labels,
         has_test=has_test,
+        skipped=skipped,
     )
 
 

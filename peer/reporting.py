@@ -39,6 +39,7 @@ class CoordinatorLink:
 
     def __init__(self, address: str, transport: wire.Transport = wire.INSECURE):
         self.address = address
+        self.transport = transport
         self._channel = transport.channel(address, expect=wire.COORDINATOR_IDENTITY)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 

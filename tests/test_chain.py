@@ -69,7 +69,18 @@ def test_one_shot_chain_end_to_end(trial):
     assert json.loads(shown.stdout)["final"] == final
     out = trial.workdir / "final.safetensors"
     assert trial.cli("fetch-model", run["run_id"], "-o", str(out), capture_output=True, timeout=60).returncode == 0
-    assert hashlib.sha256(out.read_bytes()).hexdigest() == final["sha256"]
+    # The fetched file carries metadata (so its own digest differs); its tensors are the final model's.
+    from fedrelay import final_model, load_model
+
+    assert final_model.original_sha256(out) == final["sha256"]
+    meta = final_model.read_metadata(out)
+    assert (meta["final_sha256"], meta["run_id"], meta["arch"]) == (final["sha256"], run["run_id"], run["arch"])
+    model, classes = load_model(out)
+    assert classes == run["class_index"] and not model.training
+    import torch
+
+    with torch.no_grad():
+        assert model(torch.rand(2, *meta["input_shape"])).shape == (2, len(classes))
 
 
 def test_same_seed_same_order_same_final_digest(trial):

@@ -89,13 +89,16 @@ def test_bad_chain_parameters_are_refused_before_the_coordinator_is_called():
     """``--lr nan`` used to pass every check and leave a failed run in the ledger; the CLI now
     checks every parameter first (the coordinator, unreachable here, is never called)."""
     for flags, words in ((("--lr", "nan"), "--lr must be a finite number"), (("--rounds", "0"), "--rounds"),
-                         (("--strategy", "fedprox"), "unknown strategy"),
                          (("--init", "file"), "--init-weights must be the weights file's SHA-256"),
                          (("--strategy", "ofasd", "--init", "per-site"), "one initial model"),
                          (("--strategy", "maecho", "--maecho-tau", "0"), "--maecho-tau must be between")):
         res = run("coordinator", "start-chain", "--seed", "1", *flags, "--coordinator", "127.0.0.1:9", "--insecure")
         assert res.returncode == 1 and words in res.stderr and "Traceback" not in res.stderr
         assert "not reachable" not in res.stderr
+    # A choice outside the registry is a usage error (exit 2) that lists the choices.
+    res = run("coordinator", "start-chain", "--seed", "1", "--strategy", "fedprox", "--coordinator", "127.0.0.1:9",
+              "--insecure")
+    assert res.returncode == 2 and "fedelmy" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_missing_dataset_says_how_to_get_it(tmp_path):

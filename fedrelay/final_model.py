@@ -1,0 +1,175 @@
+"""The fetched final model: a safetensors file that says what it is, and how to load it.
+
+The sites produce and exchange the final model as plain safetensors bytes
+(``fedrelay.wire.encode_state``: the tensors and ``{"format": "pt"}`` only), so that its SHA-256,
+the digest the ledger records, depends on the weights alone. ``coordinator fetch-model`` writes
+the same tensors, byte for byte, under a header that also carries this metadata (all values
+strings, as safetensors requires):
+
+=========================  ====================================================================
+``fedrelay.arch``          the architecture (``fedrelay.registry.ARCHS``: ``cnn``, ``resnet18``)
+``fedrelay.input_shape``   the input image shape ``[C, H, W]`` (JSON), pixels
+``fedrelay.class_names``   the class names in logit order (JSON list): logit ``i`` is class ``i``
+``fedrelay.run_id``        the run that trained it
+``fedrelay.strategy``      the run's strategy
+``fedrelay.final_sha256``  the ledger's digest of the final model (the sites' file)
+``fedrelay.version``       the fedrelay version that wrote the file
+=========================  ====================================================================
+
+The fetched file's own SHA-256 therefore differs from ``fedrelay.final_sha256``; the tensors
+are the same, and :func:`load_model` checks that they are: it re-encodes them as the sites did
+and compares that digest with ``fedrelay.final_sha256``.
+
+Only :func:`load_model` imports torch; adding the metadata (:func:`with_metadata`) rewrites the
+header alone, so the coordinator's CLI stays free of torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+PREFIX = "fedrelay."
+# gRPC metadata key of the coordinator's FetchModel reply: the run's ModelSpec as JSON
+# ({"arch", "in_channels", "height", "width", "num_classes"}), for the file's metadata.
+MODEL_SPEC_METADATA = "fedrelay-model-spec"
+KEYS = ("arch", "input_shape", "class_names", "run_id", "strategy", "final_sha256", "version")
+
+
+class ModelFileError(ValueError):
+    """A file that is not a fedrelay final model, or whose tensors do not match its digest."""
+
+
+def _split(data: bytes) -> tuple[dict, bytes]:
+    """safetensors bytes -> (header dict, the tensor data after the header)."""
+    if len(data) < 8:
+        raise ModelFileError("not a safetensors file (shorter than 8 bytes)")
+    (length,) = struct.unpack("<Q", data[:8])
+    if length > len(data) - 8:
+        raise ModelFileError("not a safetensors file (its header length exceeds the file)")
+    try:
+        header = json.loads(data[8:8 + length])
+    except ValueError as exc:
+        raise ModelFileError(f"not a safetensors header: {exc}") from None
+    if not isinstance(header, dict):
+        raise ModelFileError("not a safetensors header (not a JSON object)")
+    return header, data[8 + length:]
+
+
+def with_metadata(data: bytes, metadata: dict[str, str]) -> bytes:
+    """``data`` (a safetensors file's bytes) with ``metadata`` added to its header's
+    ``__metadata__`` (string keys and values; existing keys are kept unless overwritten). The
+    tensor bytes are copied unchanged (their offsets are relative to the end of the header);
+    the header is padded with spaces to a multiple of 8 bytes, as safetensors writes it.
+    Raises ``ModelFileError`` for bytes that are not safetensors."""
+    header, body = _split(data)
+    meta = dict(header.get("__metadata__") or {})
+    meta.update({str(k): str(v) for k, v in metadata.items()})
+    header["__metadata__"] = meta
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head + body
+
+
+def describe(*, arch: str, input_shape, class_names, run_id: str, strategy: str, final_sha256: str) -> dict[str, str]:
+    """The metadata of a final model (module docstring), as safetensors' strings."""
+    from fedrelay import __version__
+
+    return {PREFIX + "arch": arch, PREFIX + "input_shape": json.dumps([int(v) for v in input_shape]),
+            PREFIX + "class_names": json.dumps(list(class_names)), PREFIX + "run_id": run_id,
+            PREFIX + "strategy": strategy, PREFIX + "final_sha256": final_sha256, PREFIX + "version": __version__}
+
+
+def read_metadata(path: str | Path) -> dict:
+    """The fedrelay metadata of a final model file: ``arch`` (str), ``input_shape`` ((C, H, W)
+    ints), ``class_names`` (list of str), ``run_id``, ``strategy``, ``final_sha256``, ``version``.
+    Reads the header only. Raises ``ModelFileError`` for a file without it (e.g. a model file
+    taken from a site's state dir: fetch it with ``coordinator fetch-model``), ``OSError`` if
+    it cannot be read."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ModelFileError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (length,) = struct.unpack("<Q", head)
+        if length > 100 << 20:
+            raise ModelFileError(f"{path}: not a safetensors file (a header of {length} bytes)")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as exc:
+            raise ModelFileError(f"{path}: not a safetensors file: {exc}") from None
+    meta = (header.get("__metadata__") or {}) if isinstance(header, dict) else {}
+    missing = [PREFIX + k for k in KEYS if PREFIX + k not in meta and k != "version"]
+    if missing:
+        raise ModelFileError(f"{path} has no fedrelay metadata ({', '.join(missing)} missing): it is not a final model "
+                             "written by `coordinator fetch-model RUN -o FILE` (a site's model file carries only "
+                             "tensors); fetch the run's final model with that command")
+    try:
+        out = {k: meta.get(PREFIX + k, "") for k in KEYS}
+        out["input_shape"] = tuple(int(v) for v in json.loads(out["input_shape"]))
+        out["class_names"] = [str(c) for c in json.loads(out["class_names"])]
+        if len(out["input_shape"]) != 3:
+            raise ValueError("input_shape must be [C, H, W]")
+    except (ValueError, TypeError) as exc:
+        raise ModelFileError(f"{path}: malformed fedrelay metadata: {exc}") from None
+    return out
+
+
+def original_sha256(path: str | Path) -> str:
+    """The SHA-256 of the file's tensors encoded as the sites encoded them
+    (``fedrelay.wire.encode_state``): for a fetched final model, the ledger's digest of the run's
+    final model (``fedrelay.final_sha256``). Imports torch. Raises ``ModelFileError`` for a file
+    that is not safetensors."""
+    from fedrelay import wire
+
+    try:
+        state = wire.decode_state(Path(path).read_bytes())
+    except ValueError as exc:
+        raise ModelFileError(f"{path}: {exc}") from None
+    return hashlib.sha256(wire.encode_state(state)).hexdigest()
+
+
+def load_model(path: str | Path, device: str = "cpu", *, verify: bool = True):
+    """Load a final model written by ``coordinator fetch-model``: ``(model, class_names)``.
+
+    ``model`` is a ``torch.nn.Module`` of the run's architecture (fedrelay/peer/models.py) on
+    ``device``, in eval mode, with the run's weights; it maps float32 images ``N x C x H x W``
+    with pixel values in ``[0, 1]`` (uint8 pixels ``/ 255``, no other normalisation) to float32
+    logits ``N x K``. ``class_names``: the K class names in logit order.
+
+    ``verify``: re-encode the tensors as the sites did (``fedrelay.wire.encode_state``) and check
+    that their SHA-256 is the ledger's digest ``fedrelay.final_sha256`` (the encoding is
+    deterministic for a given safetensors version).
+
+    Raises ``ModelFileError`` (a ``ValueError``) for a file without fedrelay's metadata, tensors
+    that do not fit the architecture, or (with ``verify``) tensors that do not match the digest;
+    ``OSError`` when the file cannot be read.
+    """
+    import torch
+
+    from fedrelay import wire
+    from fedrelay.peer.models import ModelSpec, build_model
+
+    path = Path(path)
+    meta = read_metadata(path)
+    try:
+        state = wire.decode_state(path.read_bytes())
+    except ValueError as exc:
+        raise ModelFileError(f"{path}: {exc}") from None
+    if verify:
+        digest = hashlib.sha256(wire.encode_state(state)).hexdigest()
+        if digest != meta["final_sha256"]:
+            raise ModelFileError(f"{path}: its tensors encode to sha256 {digest}, not the run's final model "
+                                 f"{meta['final_sha256']} (a damaged or altered file; pass verify=False to load "
+                                 "it anyway)")
+    c, h, w = meta["input_shape"]
+    try:
+        model = build_model(ModelSpec(meta["arch"], c, (h, w), len(meta["class_names"])))
+        model.load_state_dict(state, strict=True)
+    except (ValueError, RuntimeError) as exc:
+        raise ModelFileError(f"{path}: the tensors do not fit {meta['arch']} for {c}x{h}x{w} images and "
+                             f"{len(meta['class_names'])} classes: {exc}") from None
+    model.eval()
+    return model.to(torch.device(device)), meta["class_names"]
