@@ -56,6 +56,9 @@ def serve(
                                             "before the chain is routed around it."),
     web: str = typer.Option(None, "--web", help="PORT or HOST:PORT: serve the live run page there (read-only, no "
                             "authentication; a bare PORT listens on 127.0.0.1). Off by default."),
+    metrics_listen: str = typer.Option(None, "--metrics-listen", help="HOST:PORT to serve Prometheus metrics on "
+                                       "(plain HTTP, /metrics; unauthenticated: bind it where only your "
+                                       "monitoring reaches) \\[default: off]."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Run the coordinator (ledger: SQLite at --db)."""
@@ -65,7 +68,8 @@ def serve(
     from fedrelay.coordinator.service import serve as run_service
 
     try:
-        run_service(listen, db, transport=transport, peer_timeout=peer_timeout, web=web)
+        run_service(listen, db, transport=transport, peer_timeout=peer_timeout, web=web,
+                    metrics_listen=metrics_listen)
     except (RuntimeError, ValueError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -365,6 +369,22 @@ def fetch_model(run_id: str, out: Path = typer.Option(..., "-o", "--out", help="
         except ValueError as exc:
             fail(str(exc))
     console.print(f"wrote {out} ({size:,} bytes, sha256 {sha})", highlight=False)
+
+
+@app.command()
+def health(coordinator: str = COORD,
+           tls: Path = typer.Option(None, "--tls", file_okay=False, help=TLS_HELP + " The health service sits behind "
+                                    "mutual TLS like every call: PKI/coordinator or PKI/operator."),
+           insecure: bool = INSECURE,
+           timeout: float = typer.Option(5.0, "--timeout", help="Seconds to wait for the answer.")) -> None:
+    """Probe the coordinator's gRPC health service: prints one line, exits 0 when SERVING, else 1."""
+    transport = transport_from(tls, insecure)
+    from fedrelay import wire
+    from fedrelay.health import probe
+
+    ok, line = probe(transport, coordinator, expect=wire.COORDINATOR_IDENTITY, timeout=timeout)
+    console.print(f"coordinator {coordinator}: {line}", highlight=False, soft_wrap=True)
+    raise typer.Exit(0 if ok else 1)
 
 
 @app.command("init-ca")
