@@ -77,6 +77,9 @@ def serve(
                                             "before the chain is routed around it."),
     web: str = typer.Option(None, "--web", help="PORT or HOST:PORT: serve the live run page there (read-only, no "
                             "authentication; a bare PORT listens on 127.0.0.1). Off by default."),
+    metrics_listen: str = typer.Option(None, "--metrics-listen", help="HOST:PORT to serve Prometheus metrics on "
+                                       "(plain HTTP, /metrics; unauthenticated: bind it where only your "
+                                       "monitoring reaches) \\[default: off]."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
 ) -> None:
     """Run the coordinator (ledger: SQLite at --db)."""
@@ -86,7 +89,8 @@ def serve(
     from fedrelay.coordinator.service import serve as run_service
 
     try:
-        run_service(listen, db, transport=transport, peer_timeout=peer_timeout, web=web)
+        run_service(listen, db, transport=transport, peer_timeout=peer_timeout, web=web,
+                    metrics_listen=metrics_listen)
     except (RuntimeError, ValueError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -414,6 +418,22 @@ def fetch_model(run_id: str = typer.Argument(..., help="The run's id (`coordinat
             fail(f"cannot write {out}: {exc.strerror or exc}")
     console.print(f"wrote {out}: the final model ({size:,} bytes, sha256 {sha} in the ledger) with fedrelay's "
                   "metadata; load it with fedrelay.load_model", highlight=False)
+
+
+@app.command()
+def health(coordinator: str = COORD,
+           tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS, file_okay=False, help=TLS_HELP + " The health service sits behind "
+                                    "mutual TLS like every call: PKI/coordinator or PKI/operator."),
+           insecure: bool = INSECURE,
+           timeout: float = typer.Option(5.0, "--timeout", help="Seconds to wait for the answer.")) -> None:
+    """Probe the coordinator's gRPC health service: prints one line, exits 0 when SERVING, else 1."""
+    transport = transport_from(tls, insecure)
+    from fedrelay import wire
+    from fedrelay.health import probe
+
+    ok, line = probe(transport, coordinator, expect=wire.COORDINATOR_IDENTITY, timeout=timeout)
+    console.print(f"coordinator {coordinator}: {line}", highlight=False, soft_wrap=True)
+    raise typer.Exit(0 if ok else 1)
 
 
 @app.command("init-ca")

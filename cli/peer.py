@@ -41,6 +41,9 @@ def serve(
     weights_dir: Path = typer.Option(None, "--weights-dir", file_okay=False,
                                      help="Initial-weights files this site holds (start-chain --init file finds "
                                           "them by SHA-256) \\[default: <state-dir>/weights]."),
+    metrics_listen: str = typer.Option(None, "--metrics-listen", help="HOST:PORT to serve Prometheus metrics on "
+                                       "(plain HTTP, /metrics; unauthenticated: bind it where only your "
+                                       "monitoring reaches) \\[default: off]."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
 ) -> None:
     """Serve a site: receive models from the predecessor, train the model pool, send to the successor."""
@@ -54,7 +57,7 @@ def serve(
         run_daemon(data_dir=data, name=name, listen=listen, coordinator=coordinator,
                    state_dir=state_dir or Path(".fedrelay") / name, device=device, advertise=advertise,
                    transport=transport, stall_timeout=stall_timeout, deterministic=deterministic,
-                   weights_dir=weights_dir)
+                   weights_dir=weights_dir, metrics_listen=metrics_listen)
     except (DataError, ValueError, RuntimeError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -64,8 +67,9 @@ def serve(
 @app.command()
 def status(
     peer: str = typer.Option(..., "--peer", help="HOST:PORT of a peer daemon."),
-    tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " Peers answer only the coordinator's "
-                             "identity (PKI/coordinator).", file_okay=False),
+    tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " A peer answers the coordinator's identity "
+                             "(PKI/coordinator) and its own site's (the folder `coordinator enroll NAME` wrote, "
+                             "which the daemon uses); other sites are refused.", file_okay=False),
     insecure: bool = INSECURE,
 ) -> None:
     """Ask a peer daemon for its state and runs."""
@@ -78,18 +82,65 @@ def status(
     from fedrelay.v1 import peer_pb2, peer_pb2_grpc
 
     try:
-        with transport.channel(peer) as ch:
+        with transport.channel(peer, expect=_own_site(transport)) as ch:
             st = peer_pb2_grpc.PeerStub(ch).GetStatus(peer_pb2.StatusRequest(), timeout=wire.CONTROL_TIMEOUT)
     except grpc.RpcError as exc:
         fail(wire.transport_mismatch(exc, peer, transport.secure, what="peer")
              or f"peer at {peer}: {wire.status_message(exc)}")
     console.print(f"peer [bold]{st.name}[/] at {st.address}, device {st.device}, fedrelay {st.version}", highlight=False)
+    _print_link(st)
     t = Table(title="runs")
     for col in ("run", "state", "detail"):
         t.add_column(col)
     for r in st.runs:
         t.add_row(r.run_id, r.state, r.detail)
     console.print(t)
+
+
+def _print_link(st) -> None:
+    """One line on the daemon's link to the coordinator (PeerStatus fields 20-23)."""
+    import time
+
+    from rich.markup import escape
+
+    from fedrelay.cli.common import console
+
+    if not st.coordinator:
+        return
+    now = time.time()
+    seen = (f"last registered {now - st.last_registered:.0f} s ago" if st.last_registered
+            else "[yellow]not registered yet[/]")
+    error = f"; [red]latest attempt failed: {escape(st.registration_error)}[/]" if st.registration_error else ""
+    up = f", up {now - st.started:.0f} s" if st.started else ""
+    console.print(f"coordinator {escape(st.coordinator)}: {seen}{error}{up}", highlight=False)
+
+
+def _own_site(transport) -> str | None:
+    """The identity a daemon's certificate must name when dialled with ``transport``: a site's
+    own identity asks its own daemon; the coordinator's and operator's dial by address."""
+    from fedrelay import wire
+
+    who = transport.identity
+    return who if who and who not in (wire.COORDINATOR_IDENTITY, wire.OPERATOR_IDENTITY) else None
+
+
+@app.command()
+def health(
+    peer: str = typer.Option(..., "--peer", help="HOST:PORT of a peer daemon."),
+    tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " The health service sits behind mutual TLS like "
+                             "every call: the site's own folder (then the daemon's certificate must name that "
+                             "site) or PKI/coordinator.", file_okay=False),
+    insecure: bool = INSECURE,
+    timeout: float = typer.Option(5.0, "--timeout", help="Seconds to wait for the answer."),
+) -> None:
+    """Probe a peer daemon's gRPC health service: prints one line, exits 0 when SERVING, else 1."""
+    transport = transport_from(tls, insecure)
+    from fedrelay.cli.common import console
+    from fedrelay.health import probe
+
+    ok, line = probe(transport, peer, expect=_own_site(transport), timeout=timeout)
+    console.print(f"peer {peer}: {line}", highlight=False, soft_wrap=True)
+    raise typer.Exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -168,6 +168,7 @@ class Ledger:
             self._db.row_factory = sqlite3.Row
             self._lock = threading.RLock()
             self._events = threading.Condition(self._lock)
+            self.on_run_ended: list = []  # callables (run_id, status, error), after a run ended (finish_run)
             with self._lock:
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
@@ -299,6 +300,10 @@ class Ledger:
     def run_ids(self) -> list[str]:
         return [r["run_id"] for r in self._all("SELECT run_id FROM runs ORDER BY created")]
 
+    def run_counts(self) -> dict[str, int]:
+        """Runs by status: ``{status: count}`` (statuses with no run are absent)."""
+        return {r["status"]: r["n"] for r in self._all("SELECT status, COUNT(*) AS n FROM runs GROUP BY status")}
+
     def update_run(self, run_id: str, **fields: Any) -> None:
         if not fields:
             return
@@ -340,6 +345,8 @@ class Ledger:
                 raise
             if ended and message:
                 self._events.notify_all()
+            for listener in self.on_run_ended if ended else ():
+                listener(run_id, status, error)
             return ended
 
     # -- hops ----------------------------------------------------------------------------------
@@ -406,6 +413,15 @@ class Ledger:
             row["status"] = transfer_status(sent.get(key), got.get(key))
             out.append(row)
         return out
+
+    def transfer_totals(self) -> dict[str, dict[str, int]]:
+        """Every run's transfers as their senders reported them, by purpose (chain|upload|final):
+        ``{purpose: {"transfers", "payload_bytes", "wire_bytes", "retries" (streams beyond the
+        first), "resumed_bytes" (bytes the receivers already held when the last stream began)}}``."""
+        rows = self._all("""SELECT purpose, COUNT(*) AS transfers, SUM(payload_bytes) AS payload_bytes,
+                                   SUM(wire_bytes) AS wire_bytes, SUM(MAX(attempts, 1) - 1) AS retries,
+                                   SUM(resumed_from) AS resumed_bytes FROM hops GROUP BY purpose""")
+        return {r.pop("purpose"): r for r in rows}
 
     # -- routing around sites that stayed down -----------------------------------------------------
     def add_skip(self, run_id: str, site: str, reason: str) -> bool:

@@ -26,6 +26,8 @@ import grpc
 
 from fedrelay import __version__, names, params as run_params, registry, wire
 from fedrelay.coordinator.ledger import TERMINAL, Ledger, LedgerConflict
+from fedrelay.coordinator.monitoring import CoordinatorMonitor
+from fedrelay.health import COORDINATOR_SERVICE, Health
 from fedrelay.coordinator.plan import (FINAL, HOP, UPLOAD, Plan, PlanError, Transfer, chain_plan, pick_aggregator,
                                        replan, star_plan)
 from fedrelay.coordinator.planner import PeerInfo, plan_chain
@@ -63,6 +65,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._eval_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="evaluate")
         self._channels: dict[tuple[str, str], tuple[grpc.Channel, peer_pb2_grpc.PeerStub]] = {}
         self._channels_lock = threading.Lock()
+        self.monitor = CoordinatorMonitor(self)  # metrics and the event log (coordinator/monitoring.py)
 
     # -- authorization ---------------------------------------------------------------------------
     def _as_site(self, context, claimed: str) -> None:
@@ -96,7 +99,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return self._channels[key][1]
 
     def close(self) -> None:
-        """Close the channels to the sites (the daemon is stopping)."""
+        """Close the channels to the sites and the metrics endpoint (the daemon is stopping)."""
+        self.monitor.close()
         with self._channels_lock:
             for channel, _ in self._channels.values():
                 channel.close()
@@ -118,9 +122,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         classes = [{"name": c.name, "train": c.train, "test": c.test} for c in request.classes]
+        before = self.ledger.peer(request.name)
         self.ledger.upsert_peer(request.name, request.address, classes,
                                 (request.channels, request.height, request.width),
                                 request.device, request.version)
+        self.monitor.registered(request.name, request.address, before)
         return cpb.RegisterReply(version=__version__, heartbeat_seconds=self.heartbeat_seconds)
 
     def ResolveSite(self, request: cpb.ResolveSiteRequest, context) -> common_pb2.SiteRef:
@@ -242,6 +248,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 sha256=request.sha256, seconds=seconds, attempts=max(1, request.attempts),
                 resumed_from=request.resumed_from,
             )
+            self.monitor.transfer_reported(request, purpose)
             self._settle(run, purpose, request.hop, request.receiver)
         return cpb.ReportReply(duplicate=not new)
 
@@ -284,6 +291,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 epochs=request.epochs, train_loss=request.train_loss, val_accuracy=val,
                 seconds=request.seconds,
             )
+            self.monitor.progress(request)
         else:
             self.ledger.add_event(request.run_id, "state",
                                   f"{request.site}: {request.state}"
@@ -638,6 +646,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                  if plan.aggregator else f"{len(chain)} sites{cycles}: {' -> '.join(chosen.names)}")
         self.ledger.add_event(run_id, "started", f"run {run_id}: {params['strategy']} over {shape}",
                               order=chosen.names, rounds=rounds, aggregator=plan.aggregator)
+        self.monitor.run_started(run_id, params["strategy"], chosen.names, plan.aggregator, context)
         for w in chosen.warnings:
             self.ledger.add_event(run_id, "warning", w)
         spec = common_pb2.ModelSpec(arch=chosen.model["arch"], in_channels=chosen.model["in_channels"],
@@ -794,18 +803,24 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
 def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: threading.Event | None = None,
           stop: threading.Event | None = None, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
-          web: str | None = None) -> None:
+          web: str | None = None, metrics_listen: str | None = None) -> None:
     """Run the coordinator until ``stop`` is set (or forever), with mutual TLS unless ``transport``
-    is insecure (then every run it starts is recorded as insecure). ``web``: PORT or HOST:PORT of
-    the live run page (``coordinator.web``; off when None). Raises ``RuntimeError`` if it
-    cannot bind, ``ValueError`` if a TLS identity is not the coordinator's or ``web`` is malformed."""
+    is insecure (then every run it starts is recorded as insecure), the gRPC health service
+    (``fedrelay.health``) and, with ``metrics_listen`` (``HOST:PORT``), Prometheus metrics over
+    HTTP (``coordinator/monitoring.py``). ``web``: PORT or HOST:PORT of the live run page
+    (``coordinator.web``; off when None). Raises ``RuntimeError`` if it cannot bind,
+    ``ValueError`` if a TLS identity is not the coordinator's or ``web`` or ``metrics_listen``
+    is malformed."""
     if transport.secure and transport.identity != wire.COORDINATOR_IDENTITY:
         raise ValueError(f"--tls {transport.source}: this is the identity {transport.identity!r}, "
                          f"not {wire.COORDINATOR_IDENTITY!r} (use PKI/coordinator from `coordinator init-ca`)")
     ledger = Ledger(db)
     service = CoordinatorService(ledger, transport=transport, peer_timeout=peer_timeout)
-    server, port = wire.make_server(listen, transport=transport)
+    server, port = wire.make_server(listen, transport=transport, guard=service.monitor.guard())
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+    health = Health(server, COORDINATOR_SERVICE)
+    if metrics_listen:
+        service.monitor.serve_http(metrics_listen)
     server.start()
     log.info("coordinator %s listening on %s (%s), ledger %s", __version__, wire.with_port(listen, port),
              "mutual TLS" if transport.secure else "INSECURE plaintext", db)
@@ -813,6 +828,7 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
     picked = service.recover()
     if picked:
         log.info("picked up %d running run(s) from the ledger: %s", len(picked), ", ".join(picked))
+    health.serving()
     if ready is not None:
         ready.set()
     stop = stop or threading.Event()
@@ -821,6 +837,8 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
         while not stop.wait(1.0):
             pass
     finally:
+        log.info("coordinator shutting down")
+        health.stopping()
         if page is not None:
             page.stop()
         server.stop(grace=2).wait()

@@ -24,7 +24,7 @@ one on every server) that wraps every method:
 - **Names**: a :class:`fedrelay.names.InvalidName` raised by a servicer method is answered with
   INVALID_ARGUMENT.
 - **One log line per refused call** (any call a handler ended with an error status), naming
-  the caller, the method and the reason, at most ``log_lines`` lines per caller per
+  the caller, the method, the reason and the caller's address (``context.peer()``), at most ``log_lines`` lines per caller per
   ``log_window`` seconds; the lines over that are counted and summed up in one line ("suppressed
   K refusal lines ...") once the window is over (written with the caller's next refusal or the
   next refusal of anyone, or by :meth:`RefusalLog.flush`).
@@ -87,8 +87,9 @@ class RefusalLog:
         self._lock = threading.Lock()
         self._windows: dict[str, list] = {}  # caller -> [window start, lines written, lines suppressed]
 
-    def refused(self, caller: str, method: str, reason: str) -> None:
-        """Write ``refused METHOD from CALLER: REASON`` unless this caller's window is full."""
+    def refused(self, caller: str, method: str, reason: str, address: str = "") -> None:
+        """Write ``refused METHOD from CALLER: REASON (peer ADDRESS)`` unless this caller's window
+        is full (``address``: gRPC's ``context.peer()``, e.g. ``ipv4:10.0.0.5:41234``)."""
         now = self.clock()
         with self._lock:
             summaries = self._expired(now)
@@ -98,7 +99,8 @@ class RefusalLog:
         for line in summaries:
             self.logger.warning(line)
         if write:
-            self.logger.warning("refused %s from %s: %s", method, caller, reason)
+            self.logger.warning("refused %s from %s: %s%s", method, caller, reason,
+                                f" (peer {address})" if address else "")
 
     def flush(self, force: bool = False) -> None:
         """Write the summaries of the windows that are over (every window when ``force``)."""
@@ -168,10 +170,14 @@ def _clean(text: str) -> str:
 
 class Guard(grpc.ServerInterceptor):
     """The server interceptor described in the module docstring. ``limits`` may be changed on a
-    running guard (tests shorten ``first_message_timeout``); counts in flight are in ``counts()``."""
+    running guard (tests shorten ``first_message_timeout``); counts in flight are in ``counts()``.
+    ``on_refusal(method, code)`` is called for every refused call (``Peer.Handoff``, a
+    ``grpc.StatusCode``), also those whose log line the rate limit suppresses: the daemons'
+    metrics count refusals with it."""
 
-    def __init__(self, limits: Limits | None = None):
+    def __init__(self, limits: Limits | None = None, on_refusal=None):
         self.limits = limits or Limits()
+        self.on_refusal = on_refusal
         self.refusals = RefusalLog(log, self.limits.log_lines, self.limits.log_window)
         self._lock = threading.Lock()
         self._counts: dict[tuple, int] = {}
@@ -329,11 +335,20 @@ class Guard(grpc.ServerInterceptor):
         if code is not None and code != grpc.StatusCode.OK:
             details = context.details()
             details = details.decode("utf-8", "replace") if isinstance(details, bytes) else (details or "")
-            self.refusals.refused(slot.label, _short(method), f"{code.name}: {_clean(details)}")
+            self._note(context, slot.label, method, code, details)
         raise exc
 
     def _refuse(self, context, label: str, method: str, code: grpc.StatusCode, details: str) -> None:
         """Log one (rate-limited) line for the caller ``label`` and end the call with ``code``
         and ``details`` (raises, as ``context.abort`` does)."""
-        self.refusals.refused(label, _short(method), f"{code.name}: {_clean(details)}")
+        self._note(context, label, method, code, details)
         context.abort(code, details)
+
+    def _note(self, context, label: str, method: str, code: grpc.StatusCode, details: str) -> None:
+        """Count a refused call (``on_refusal``) and write its rate-limited log line."""
+        if self.on_refusal is not None:
+            try:
+                self.on_refusal(_short(method), code)
+            except Exception:  # noqa: BLE001 - a metrics error must not change the answer
+                log.exception("counting a refusal failed")
+        self.refusals.refused(label, _short(method), f"{code.name}: {_clean(details)}", context.peer())

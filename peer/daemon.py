@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 import grpc
 
 from fedrelay import __version__, names, wire
+from fedrelay.guard import Guard
+from fedrelay.health import PEER_SERVICE, Health
 from fedrelay.peer.data import SiteData, load_site
 from fedrelay.peer.node import DEFAULT_STALL_TIMEOUT, PeerNode
 from fedrelay.peer.reporting import CoordinatorLink
@@ -85,12 +88,14 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
     while not stop.is_set():
         try:
             reply = link.stub.Register(request, timeout=wire.CONTROL_TIMEOUT)
+            link.last_registered, link.registration_error = time.time(), ""
             if period is None:
                 log.info("registered with the coordinator at %s as %s (%s)", link.address, request.name, request.address)
             period = reply.heartbeat_seconds or 10
             delays = backoff_delays(cap=10.0)
             stop.wait(period)
         except grpc.RpcError as exc:
+            link.registration_error = wire.status_message(exc)
             if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
                 log.error("the coordinator refused the registration: %s", exc.details())
             else:
@@ -108,14 +113,15 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
 def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir: Path, device: str,
           transport: wire.Transport, advertise: str | None = None, stop: threading.Event | None = None,
           ready: threading.Event | None = None, stall_timeout: float = DEFAULT_STALL_TIMEOUT,
-          deterministic: bool = True, weights_dir: Path | None = None) -> None:
+          deterministic: bool = True, weights_dir: Path | None = None, metrics_listen: str | None = None) -> None:
     """Run a peer daemon until ``stop`` is set (or forever), with mutual TLS on every channel
     unless ``transport`` is insecure. ``stall_timeout``: seconds a handoff may send nothing
     before it is dropped. ``deterministic``: on a CUDA device, use deterministic kernels
     (:func:`fedrelay.peer.training.use_deterministic_kernels`) so that a run's model digests
     repeat; False trains faster on a GPU but the same seed then gives different models.
     ``weights_dir``: where the site keeps initial-weights files (``start-chain --init file``)
-    [default: ``state_dir/weights``].
+    [default: ``state_dir/weights``]. Serves the gRPC health service (``fedrelay.health``) and,
+    with ``metrics_listen`` (``HOST:PORT``), Prometheus metrics over HTTP (``peer/monitoring.py``).
 
     Raises ``DataError`` (bad data folder), ``ValueError`` (bad device or address, a name or class
     folder name that breaks its ``fedrelay.names`` rule, or a TLS identity that is not ``name``)
@@ -143,7 +149,8 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     log.info("site %s: %d classes, %s images, train %d, test %d", name, len(data.class_names),
              "x".join(map(str, data.image_shape)), sum(data.train_counts.values()), sum(data.test_counts.values()))
     _warm_up_imports()
-    server, port = wire.make_server(listen, transport=transport)
+    guard = Guard()
+    server, port = wire.make_server(listen, transport=transport, guard=guard)
     address = advertise or wire.with_port(listen, port)
     names.check_address(address, "--advertise" if advertise else "--listen")
     host, _ = wire.split_hostport(address)
@@ -153,6 +160,10 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     node = PeerNode(name, address, data, Path(state_dir), device, link, transport=transport,
                     stall_timeout=stall_timeout, weights_dir=weights_dir)
     add_peer_servicer(PeerServicer(node), server)
+    node.metrics.watch(guard)
+    health = Health(server, PEER_SERVICE)
+    if metrics_listen:
+        node.metrics.serve_http(metrics_listen)
     server.start()
     log.info("peer %s (%s) listening on %s (%s), state dir %s, device %s", name, __version__, address,
              "mutual TLS" if transport.secure else "INSECURE plaintext", state_dir, device)
@@ -162,11 +173,14 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     hb = threading.Thread(target=_heartbeat, args=(link, registration(name, address, data, device), stop),
                           name="heartbeat", daemon=True)
     hb.start()
+    health.serving()
     if ready is not None:
         ready.set()
     try:
         while not stop.wait(1.0):
             pass
     finally:
+        health.stopping()
         server.stop(grace=2).wait()
+        node.metrics.close()
         link.close()

@@ -24,6 +24,7 @@ import grpc
 from fedrelay import __version__, params as run_params, registry, wire
 from fedrelay.peer.data import SiteData
 from fedrelay.peer.inbound import InboundStreams, Stream
+from fedrelay.peer.monitoring import PeerMetrics
 from fedrelay.peer.reporting import RETRYABLE, CoordinatorLink, Reporter
 from fedrelay.wire import backoff_delays
 from fedrelay.peer.runs import ACTIVE, Run, sent_key
@@ -69,6 +70,8 @@ class PeerNode:
         self._digests: dict[tuple, str] = {}
         self.reporter = Reporter(coordinator, lambda: self.stop)
         self.stop = threading.Event()
+        self.metrics = PeerMetrics(self)  # Prometheus metrics (peer/monitoring.py)
+        self.started = time.time()
         self._load_runs()
 
     # -- persistence -----------------------------------------------------------------------------
@@ -261,6 +264,7 @@ class PeerNode:
             "payload_bytes": got.size, "sha256": got.sha256, "schema_sha256": wire.schema_digest(got.path),
             "received": time.time()}}
         run.save()
+        self.metrics.kept(h.purpose, got.size)
         self._send_receipt(run, key)
         run.wake.set()
         return peer_pb2.HandoffReceipt(run_id=run.run_id, hop=h.hop, receiver=self.name,
@@ -563,10 +567,11 @@ class PeerNode:
             return _build_seeded(spec, derive_seed(a.seed, "init")).state_dict()
         return None
 
-    def _epoch_reporter(self, run: Run):
+    def _epoch_reporter(self, run: Run, images: int = 0):
         def on_epoch(info: dict) -> None:
             if run.ended.is_set():  # stops the training at the end of this epoch
                 raise RunEnded(run.run_id)
+            self.metrics.epoch(run.run_id, info, images)
             val_acc = info.get("val_accuracy")
             self.reporter.progress(cpb.ProgressReport(
                 run_id=run.run_id, site=self.name, kind="epoch", stage=info["stage"], model=info["model"],
@@ -650,7 +655,7 @@ class PeerNode:
                                                                                        "round", r)
             started = time.time()
             send, pool = run_site(m0, spec, train, val, cfg, seed, self.device, finished=finished,
-                                  on_epoch=self._epoch_reporter(run), on_model=on_model,
+                                  on_epoch=self._epoch_reporter(run, len(train[1])), on_model=on_model,
                                   on_warmup=lambda state: wire.atomic_write(folder / "warmup.safetensors",
                                                                             wire.encode_state(state)),
                                   initial=self._initial_state(run) if m0 is None else None)
@@ -726,6 +731,7 @@ class PeerNode:
             payload_bytes=sent.payload_bytes, wire_bytes=counter[0], sha256=sha, started=sent.started,
             ended=sent.ended, attempts=attempts, resumed_from=sent.resumed_from, round=t.round,
             schema_sha256=wire.schema_digest(path)))
+        self.metrics.delivered(t.purpose, sent.payload_bytes, counter[0], attempts, sent.resumed_from)
         run.sent.append(key)
         run.save()
         return True
@@ -858,6 +864,11 @@ class PeerNode:
 
     def status(self) -> peer_pb2.PeerStatus:
         st = peer_pb2.PeerStatus(name=self.name, address=self.address, device=self.device, version=__version__)
+        st.started = self.started
+        if self.coordinator is not None:
+            st.coordinator = self.coordinator.address
+            st.last_registered = self.coordinator.last_registered
+            st.registration_error = self.coordinator.registration_error
         for run in self.runs.values():
             st.runs.add(run_id=run.run_id, state=run.state, detail=run.detail)
         return st

@@ -40,6 +40,8 @@ class CoordinatorLink:
     def __init__(self, address: str, transport: wire.Transport = wire.INSECURE):
         self.address = address
         self.transport = transport
+        self.last_registered = 0.0  # unix seconds the coordinator last took this site's registration
+        self.registration_error = ""  # why the latest registration failed ("" after a success)
         self._channel = transport.channel(address, expect=wire.COORDINATOR_IDENTITY)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 

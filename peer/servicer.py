@@ -3,8 +3,9 @@
 Every refusal is a gRPC status with a one-line reason; an exception in one call never stops the
 daemon from serving the next.
 
-Authorization under mutual TLS (identity = the caller's certificate name): Assign, Evaluate,
-GetStatus and FetchModel only from the ``coordinator`` identity; Handoff only from the run's
+Authorization under mutual TLS (identity = the caller's certificate name): Assign, Evaluate
+and FetchModel only from the ``coordinator`` identity; GetStatus from the coordinator or the
+site's own identity (its administrator, with the folder ``coordinator enroll NAME`` wrote); Handoff only from the run's
 assigned predecessor or last site (checked in ``PeerNode.handoff``), TransferOffset likewise. Refusals are
 PERMISSION_DENIED. A plaintext daemon has no identities (only the name checks apply).
 """
@@ -58,8 +59,15 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         except TransferError as exc:
             context.abort(exc.code, exc.message)
 
+    def _from_coordinator_or_self(self, context) -> None:
+        who = wire.caller_identity(context)
+        if who is not None and who not in (wire.COORDINATOR_IDENTITY, self.node.name):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"only the coordinator or this site's own identity ({self.node.name!r}) may ask for its "
+                          f"status; the caller's certificate names {who!r}")
+
     def GetStatus(self, request, context) -> peer_pb2.PeerStatus:
-        self._from_coordinator(context)
+        self._from_coordinator_or_self(context)
         return self.node.status()
 
     def Evaluate(self, request: peer_pb2.EvaluateRequest, context) -> peer_pb2.EvaluateReply:

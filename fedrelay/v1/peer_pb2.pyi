@@ -132,18 +132,26 @@ class RunStatus(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("name", "address", "device", "version", "runs")
+    __slots__ = ("name", "address", "device", "version", "runs", "coordinator", "last_registered", "registration_error", "started")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    LAST_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_ERROR_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     device: str
     version: str
     runs: _containers.RepeatedCompositeFieldContainer[RunStatus]
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ...) -> None: ...
+    coordinator: str
+    last_registered: float
+    registration_error: str
+    started: float
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., coordinator: _Optional[str] = ..., last_registered: _Optional[float] = ..., registration_error: _Optional[str] = ..., started: _Optional[float] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
     __slots__ = ("run_id", "sha256")

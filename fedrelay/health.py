@@ -1,0 +1,61 @@
+"""The standard gRPC health service (``grpc.health.v1.Health``) on both daemons, and its probe.
+
+Each daemon serves :class:`Health` on its gRPC port: ``SERVING`` for the overall health ("")
+and for its own service (``fedrelay.v1.Coordinator`` or ``fedrelay.v1.Peer``) while it is up,
+``NOT_SERVING`` from the moment it starts shutting down (watchers get the change). The health
+service sits behind the same mutual TLS as every other call: a probe presents a certificate of
+the federation (the site's own identity for its daemon, the coordinator's or operator's for the
+coordinator). :func:`probe` is what ``peer health`` and ``coordinator health`` call.
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from fedrelay import wire
+
+COORDINATOR_SERVICE = "fedrelay.v1.Coordinator"
+PEER_SERVICE = "fedrelay.v1.Peer"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+class Health:
+    """The health service of one gRPC ``server`` (added at construction, before the server
+    starts): ``NOT_SERVING`` for "" and ``service`` until :meth:`serving`, again from
+    :meth:`stopping` on (for good)."""
+
+    def __init__(self, server: grpc.Server, service: str):
+        # Blocking Watch: the daemons' guard (fedrelay.guard) wraps every handler and bounds
+        # the calls in flight, a Watch included.
+        self.servicer = health.HealthServicer(experimental_non_blocking=False)
+        self.services = ("", service)
+        for name in self.services:
+            self.servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+
+    def serving(self) -> None:
+        for name in self.services:
+            self.servicer.set(name, SERVING)
+
+    def stopping(self) -> None:
+        """Every service NOT_SERVING, for the rest of the server's life."""
+        self.servicer.enter_graceful_shutdown()
+
+
+def probe(transport: wire.Transport, address: str, *, service: str = "", expect: str | None = None,
+          timeout: float = 5.0) -> tuple[bool, str]:
+    """Ask the daemon at ``address`` (``HOST:PORT``) for the health of ``service`` ("" = the
+    daemon as a whole). Under TLS the daemon's certificate must name ``expect`` (an identity)
+    when given, else the host in ``address``.
+
+    Returns (True only when it answers SERVING, a one-line description: the status name, or
+    ``UNREACHABLE`` / the gRPC status of a failed call). Never raises for a failed call."""
+    with transport.channel(address, expect=expect) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                              timeout=timeout)
+        except grpc.RpcError as exc:
+            what = "UNREACHABLE" if exc.code() == grpc.StatusCode.UNAVAILABLE else "ERROR"
+            return False, f"{what} ({wire.status_message(exc)})"
+    return reply.status == SERVING, health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
