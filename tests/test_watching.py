@@ -164,6 +164,21 @@ def test_watching_an_ended_run_prints_its_summary_at_once(capsys):
     watch_view(Client("finished"), "r1", "x:1", as_json=True)  # exit code 0: returns
     assert json.loads(capsys.readouterr().out)["status"] == "finished"
 
+    class Unknown(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.NOT_FOUND
+
+        def details(self):
+            return "unknown run 'r9'"
+
+    class Nothing:
+        def run(self, run_id):
+            raise Unknown()
+
+    with pytest.raises(typer.Exit) as ended:
+        watch_view(Nothing(), "r9", "x:1", as_json=False)
+    assert ended.value.exit_code == 1 and "unknown run 'r9'" in capsys.readouterr().err
+
 
 # -- through real daemons ----------------------------------------------------------------------------
 
@@ -178,9 +193,9 @@ def trial(three_sites, tmp_path_factory):
         yield t
 
 
-def cli(trial, *argv: str, code: int = 0) -> str:
+def cli(trial, *argv: str) -> str:
     res = trial.cli(*argv, capture_output=True, text=True, timeout=120)
-    assert res.returncode == code, res.stderr[-3000:]
+    assert res.returncode == 0, res.stderr[-3000:]
     assert "Traceback" not in res.stderr
     return res.stdout
 
@@ -220,7 +235,6 @@ def test_watch_show_metrics_runs_and_peers_of_a_real_run(trial):
     summary = json.loads(res.stdout)
     assert summary["status"] == "finished" and summary["live"] == []
     assert "hop 2:" in res.stderr and "run finished" in res.stderr  # the live view went to stderr
-    assert json.loads(cli(trial, "show", run_id, "--json")) == summary
     # Watching the finished run prints its summary at once (no event lines).
     text = cli(trial, "watch", run_id)
     assert f"run {run_id}" in text and "finished" in text and "global" in text and "hop 1:" not in text
@@ -237,7 +251,6 @@ def test_watch_show_metrics_runs_and_peers_of_a_real_run(trial):
     assert list(table[0]) == list(METRIC_FIELDS) and len(table) == 4
     assert {(r["site"], r["model"], r["epoch"]) for r in table} == {(order[1], str(m), str(e)) for m in (1, 2)
                                                                       for e in (1, 2)}
-    assert "site-00" in cli(trial, "metrics", run_id)
     res = trial.cli("metrics", run_id, "--site", "nowhere", capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and "nowhere" in res.stderr and "Traceback" not in res.stderr
     # Only the operator may read them.
