@@ -180,6 +180,33 @@ def test_watching_an_ended_run_prints_its_summary_at_once(capsys):
     assert ended.value.exit_code == 1 and "unknown run 'r9'" in capsys.readouterr().err
 
 
+def test_follow_reconnects_from_the_last_event_seen():
+    class Lost(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+    class Client(OperatorClient):
+        """The coordinator goes away after event 2 of the first stream, then comes back."""
+
+        def __init__(self):
+            self.asked = []
+
+        def watch(self, run_id, after_seq=0):
+            self.asked.append(after_seq)
+            events = [cpb.RunEvent(seq=1, kind="epoch"), cpb.RunEvent(seq=2, kind="hop"),
+                      cpb.RunEvent(seq=3, kind="finished"), cpb.RunEvent(seq=4, kind="state")]
+            if after_seq == 0:
+                yield from events[:2]
+                raise Lost()
+            yield from (e for e in events if e.seq > after_seq)
+
+    client, lost = Client(), []
+    assert [e.seq for e in client.follow("r", retry_every=0, on_reconnect=lost.append)] == [1, 2, 3]  # ends there
+    assert client.asked == [0, 2] and len(lost) == 1
+    with pytest.raises(grpc.RpcError):  # gone for longer than reconnect_for
+        list(Client().follow("r", retry_every=0, reconnect_for=-1))
+
+
 # -- through real daemons ----------------------------------------------------------------------------
 
 CHAIN = ["--models-per-site", "2", "--local-epochs", "2", "--warmup-epochs", "2", "--batch-size", "32"]
