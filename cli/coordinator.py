@@ -264,7 +264,7 @@ def _render_live(s: dict) -> None:
     console.print("now:", highlight=False)
     for v in s["live"]:
         line = f"[bold]{v['line']}[/]" if v["busy"] else v["line"]
-        console.print(f"  {line} [dim]({max(0.0, time.time() - v['updated']):.0f} s ago)[/]", highlight=False)
+        console.print(f"  {line} [dim]({v['age_seconds']:.0f} s ago)[/]", highlight=False)
 
 
 def _render_chain(s: dict) -> None:

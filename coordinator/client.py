@@ -41,7 +41,7 @@ def summary_dict(s: cpb.RunSummary) -> dict:
     aggregating, waiting for uploads, sending, ...), stage (warmup|pool|fedseq|aggregate while
     training), model and models (pool model j of S; 0 outside the pool), epoch and epochs (the
     latest finished epoch, 1-based, of how many), updated (unix seconds of its latest report),
-    line (e.g. "site-03 training, model 2/5, epoch 3/10"), busy (receiving, training or
+    age_seconds (since then, by the coordinator's clock), line (e.g. "site-03 training, model 2/5, epoch 3/10"), busy (receiving, training or
     sending); ``[]`` once the run has ended).
 
     Star plans (the parallel one-shot methods) add: aggregator (the aggregating site), uploads
@@ -78,7 +78,7 @@ def summary_dict(s: cpb.RunSummary) -> dict:
         "skipped": list(s.skipped), "contributors": list(s.contributors),
         "live": [{"site": v.site, "state": v.state, "detail": v.detail, "activity": v.activity, "stage": v.stage,
                   "model": v.model, "models": v.models, "epoch": v.epoch, "epochs": v.epochs,
-                  "updated": v.updated, "line": v.line,
+                  "updated": v.updated, "age_seconds": round(v.age_seconds, 3), "line": v.line,
                   "busy": v.state in BUSY} for v in s.live],
     }
     if s.aggregator:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,7 +85,8 @@ class SiteNow:
     def to_pb(self) -> cpb.SiteLive:
         return cpb.SiteLive(site=self.site, state=self.state, detail=self.detail, activity=self.activity,
                             stage=self.stage, model=self.model, models=self.models, epoch=self.epoch,
-                            epochs=self.epochs, updated=self.updated, line=self.line)
+                            epochs=self.epochs, updated=self.updated, line=self.line,
+                            age_seconds=max(0.0, time.time() - self.updated))
 
 
 def apply(sites: dict[str, SiteNow], event: dict[str, Any], models_per_site: int = 0) -> None:

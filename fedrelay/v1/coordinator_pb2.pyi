@@ -342,7 +342,7 @@ class RunSummary(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., strategy: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., model_bytes: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., final: _Optional[_Union[FinalResult, _Mapping]] = ..., status: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., seed: _Optional[int] = ..., arch: _Optional[str] = ..., class_index: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., created: _Optional[float] = ..., ended: _Optional[float] = ..., final_transfers: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., insecure: _Optional[bool] = ..., skipped: _Optional[_Iterable[str]] = ..., contributors: _Optional[_Iterable[str]] = ..., rounds: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[_common_pb2.PlannedTransfer, _Mapping]]] = ..., final_site: _Optional[str] = ..., planned_hops: _Optional[int] = ..., uploads: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., planned_uploads: _Optional[int] = ..., aggregator: _Optional[str] = ..., upload_bytes: _Optional[int] = ..., live: _Optional[_Iterable[_Union[SiteLive, _Mapping]]] = ...) -> None: ...
 
 class SiteLive(_message.Message):
-    __slots__ = ("site", "state", "detail", "activity", "stage", "model", "models", "epoch", "epochs", "updated", "line")
+    __slots__ = ("site", "state", "detail", "activity", "stage", "model", "models", "epoch", "epochs", "updated", "line", "age_seconds")
     SITE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -354,6 +354,7 @@ class SiteLive(_message.Message):
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
     UPDATED_FIELD_NUMBER: _ClassVar[int]
     LINE_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     site: str
     state: str
     detail: str
@@ -365,7 +366,8 @@ class SiteLive(_message.Message):
     epochs: int
     updated: float
     line: str
-    def __init__(self, site: _Optional[str] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., activity: _Optional[str] = ..., stage: _Optional[str] = ..., model: _Optional[int] = ..., models: _Optional[int] = ..., epoch: _Optional[int] = ..., epochs: _Optional[int] = ..., updated: _Optional[float] = ..., line: _Optional[str] = ...) -> None: ...
+    age_seconds: float
+    def __init__(self, site: _Optional[str] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., activity: _Optional[str] = ..., stage: _Optional[str] = ..., model: _Optional[int] = ..., models: _Optional[int] = ..., epoch: _Optional[int] = ..., epochs: _Optional[int] = ..., updated: _Optional[float] = ..., line: _Optional[str] = ..., age_seconds: _Optional[float] = ...) -> None: ...
 
 class MetricRow(_message.Message):
     __slots__ = ("site", "time", "stage", "model", "epoch", "epochs", "train_loss", "val_accuracy", "seconds")
