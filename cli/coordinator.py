@@ -176,31 +176,38 @@ def start_chain(
                                    rounds=rounds, aggregator=aggregator)
     except grpc.RpcError as exc:
         _rpc_fail(exc, coordinator)
-    out = err_console if as_json else console
     if not wait:
         if as_json:
             print(json.dumps({"run_id": reply.run_id}))
         else:
             console.print(f"run [bold]{reply.run_id}[/] started: {' -> '.join(reply.order)}")
         return
-    cycles = f", {rounds} rounds" if rounds > 1 else ""
-    star = STRATEGIES[strategy].plan == "star"
-    shape = "sites in parallel" if star else "chain order"
-    out.print(f"run [bold]{reply.run_id}[/]: {strategy}{cycles}, {shape} {' -> '.join(reply.order)}",
-              highlight=False)
-    for w in reply.warnings:
-        out.print(f"[yellow]warning:[/] {w}", highlight=False)
-    per_site = models_per_site * local_epochs
-    total = warmup_epochs + per_site * len(reply.order) * rounds
-    if star:  # every site warms up; OFASD also learns its coefficients at the aggregator
-        total = (warmup_epochs + per_site) * len(reply.order) + (ofasd_epochs if strategy == "ofasd" else 0)
+    watch_view(client, reply.run_id, coordinator, as_json)
+
+
+WATCH_RECONNECT = 600.0  # seconds --wait keeps trying to reach a coordinator that went away
+
+
+def watch_view(client, run_id: str, address: str, as_json: bool) -> None:
+    """The live view of a run, the same for ``start-chain --wait`` and ``watch``: while the run
+    is running, a header (strategy, order, warnings), a progress bar over the epochs the run
+    trains in all (``planned_epochs``, from the run's summary at the coordinator), a line per
+    transfer; then the run's summary (``--json``: the summary as JSON on stdout, the progress on
+    stderr). A run that has already ended gets its summary at once. Exits 1 unless the run
+    finished, 130 on Ctrl-C (the run goes on)."""
+    from fedrelay.coordinator.client import planned_epochs
+
+    out = err_console if as_json else console
     try:
-        _follow(client, reply.run_id, total, out)
-        summary = client.run(reply.run_id)
+        summary = client.run(run_id)
+        if summary["status"] == "running":
+            _header(summary, out)
+            _follow(client, run_id, planned_epochs(summary), out)
+            summary = client.run(run_id)
     except grpc.RpcError as exc:
-        _rpc_fail(exc, coordinator)
+        _rpc_fail(exc, address)
     except KeyboardInterrupt:
-        out.print(f"stopped watching; the run goes on: coordinator show {reply.run_id}")
+        out.print(f"stopped watching; the run goes on: coordinator watch {run_id}", highlight=False)
         raise typer.Exit(130)
     if as_json:
         print(json.dumps(summary, indent=1))
@@ -210,40 +217,34 @@ def start_chain(
         raise typer.Exit(1)
 
 
-WATCH_RECONNECT = 600.0  # seconds --wait keeps trying to reach a coordinator that went away
+def _header(s: dict, out) -> None:
+    """The first lines of the live view: the run's strategy, rounds, order and warnings."""
+    cycles = f", {s['rounds']} rounds" if s.get("rounds", 1) > 1 else ""
+    shape = "sites in parallel" if STRATEGIES[s["strategy"]].plan == "star" else "chain order"
+    out.print(f"run [bold]{s['run_id']}[/]: {s['strategy']}{cycles}, {shape} {' -> '.join(s['order'])}",
+              highlight=False)
+    for w in s["warnings"]:
+        out.print(f"[yellow]warning:[/] {w}", highlight=False)
 
 
 def _follow(client, run_id: str, total_epochs: int, out) -> None:
-    """Show the run's events: a progress bar over all epochs of the chain, a line per hop."""
+    """Show the run's events: a progress bar over all epochs of the chain, a line per hop.
+    Follows the run across coordinator restarts for up to WATCH_RECONNECT seconds."""
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("epochs"),
                   TimeElapsedColumn(), console=out, transient=False) as progress:
         task = progress.add_task("chain", total=total_epochs)
-        seq, lost_since = 0, None
-        while True:
-            try:
-                for ev in client.watch(run_id, after_seq=seq):
-                    seq, lost_since = ev.seq, None
-                    if ev.kind == "epoch":
-                        progress.advance(task)
-                        progress.update(task, description=f"{ev.site}")
-                    elif ev.kind in ("hop", "upload", "final", "failed", "finished", "warning", "skip"):
-                        progress.console.print(f"{ev.message}", highlight=False)
-                    elif ev.kind == "state" and (ev.message.endswith(": training") or "restarted" in ev.message):
-                        progress.console.print(ev.message, highlight=False)
-                    if ev.kind in ("finished", "failed"):
-                        return
-                return  # the stream ended: the run is over
-            except grpc.RpcError as exc:
-                # The coordinator restarted or the link dropped: the run goes on; follow it again
-                # from the last event seen, for up to WATCH_RECONNECT seconds.
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                    raise
-                lost_since = lost_since or time.monotonic()
-                if time.monotonic() - lost_since > WATCH_RECONNECT:
-                    raise
-                progress.console.print(f"coordinator unreachable ({exc.code().name}); reconnecting ...",
-                                       highlight=False)
-                time.sleep(2.0)
+
+        def lost(exc: grpc.RpcError) -> None:
+            progress.console.print(f"coordinator unreachable ({exc.code().name}); reconnecting ...", highlight=False)
+
+        for ev in client.follow(run_id, reconnect_for=WATCH_RECONNECT, on_reconnect=lost):
+            if ev.kind == "epoch":
+                progress.advance(task)
+                progress.update(task, description=f"{ev.site}")
+            elif ev.kind in ("hop", "upload", "final", "failed", "finished", "warning", "skip"):
+                progress.console.print(f"{ev.message}", highlight=False)
+            elif ev.kind == "state" and (ev.message.endswith(": training") or "restarted" in ev.message):
+                progress.console.print(ev.message, highlight=False)
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -289,11 +290,23 @@ def render_summary(s: dict) -> None:
     cycles = f", {rounds} rounds" if rounds > 1 else ""
     console.print(f"\n[bold]run {s['run_id']}[/] ({s['strategy']}{cycles}, {s['arch']}, seed {s['seed']}): "
                   f"[bold]{s['status']}[/]", highlight=False)
+    _render_live(s)
     if s.get("aggregator"):
         _render_star(s)
     else:
         _render_chain(s)
     _render_outcome(s)
+
+
+def _render_live(s: dict) -> None:
+    """While the run is running: what each site is doing now (busy sites in bold), with the
+    seconds since its latest report."""
+    if not s.get("live"):
+        return
+    console.print("now:", highlight=False)
+    for v in s["live"]:
+        line = f"[bold]{v['line']}[/]" if v["busy"] else v["line"]
+        console.print(f"  {line} [dim]({v['age_seconds']:.0f} s ago)[/]", highlight=False)
 
 
 def _render_chain(s: dict) -> None:
@@ -339,10 +352,12 @@ def _render_outcome(s: dict) -> None:
 
 
 @app.command()
-def show(run_id: str = typer.Argument(..., help="The run's id (`coordinator runs` lists them)."),
-         coordinator: str = COORD, as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+def show(run_id: str = typer.Argument(..., help="The run's id (from start-chain or `coordinator runs`)."),
+         coordinator: str = COORD,
+         as_json: bool = typer.Option(False, "--json", help="Print the run's summary as one JSON object."),
          tls: Path = TLS, insecure: bool = INSECURE) -> None:
-    """Show one run: order, hops, bytes, final accuracy (works while it runs)."""
+    """Show one run: order, hops, bytes, final accuracy; while it runs, what each site is doing
+    now (state, pool model, epoch)."""
     with _client(coordinator, tls, insecure) as client:
         try:
             s = client.run(run_id)
@@ -356,9 +371,9 @@ def show(run_id: str = typer.Argument(..., help="The run's id (`coordinator runs
 
 @app.command()
 def runs(coordinator: str = COORD,
-         as_json: bool = typer.Option(False, "--json", help="Print JSON: a list of run summaries (as `show --json`)."),
-         tls: Path = TLS,
-         insecure: bool = INSECURE) -> None:
+         as_json: bool = typer.Option(False, "--json", help="Print every run's summary as a JSON list "
+                                      "(created, ended: unix seconds)."),
+         tls: Path = TLS, insecure: bool = INSECURE) -> None:
     """List the runs in the ledger."""
     with _client(coordinator, tls, insecure) as client:
         try:
@@ -369,33 +384,123 @@ def runs(coordinator: str = COORD,
         print(json.dumps(all_runs, indent=1))
         return
     t = Table(title="runs")
-    for col in ("run", "strategy", "sites", "status", "transfers", "accuracy"):
-        t.add_column(col)
+    for col in ("run", "strategy", "sites", "status", "transfers", "accuracy", "created", "ended"):
+        t.add_column(col, no_wrap=col != "run", overflow="fold")
     for s in all_runs:
         acc = f"{s['final']['accuracy']:.4f}" if s["final"] else "-"
         t.add_row(s["run_id"], s["strategy"], str(len(s["order"])), s["status"],
-                  str(len(s["hops"]) + len(s.get("uploads", []))), acc)
-    console.print(t)
+                  str(len(s["hops"]) + len(s.get("uploads", []))), acc, _local_time(s["created"]),
+                  _local_time(s["ended"]))
+    _print_wide(t)
+
+
+def _local_time(t: float | None) -> str:
+    """Unix seconds as local time, e.g. 2026-11-23 10:15:02; "-" for none."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def _print_wide(table: Table) -> None:
+    """Print a table whole: on a terminal long cells fold onto more lines; into a pipe or a file
+    the table keeps its natural width instead of being cut at 80 columns."""
+    if console.is_terminal:
+        console.print(table)
+    else:
+        from rich.console import Console
+
+        Console(width=max(console.width, 400), file=console.file, force_terminal=False).print(table)
 
 
 @app.command()
-def peers(coordinator: str = COORD, tls: Path = TLS, insecure: bool = INSECURE) -> None:
-    """List the registered peers."""
-    import time
+def peers(coordinator: str = COORD,
+          as_json: bool = typer.Option(False, "--json", help="Print the peers as a JSON list, each with last_seen "
+                                       "(unix seconds), age_seconds and live (heard from within the coordinator's "
+                                       "--peer-timeout)."),
+          tls: Path = TLS, insecure: bool = INSECURE) -> None:
+    """List the registered peers: address, data, device, last heartbeat, and whether each is live
+    (heard from within the coordinator's --peer-timeout) or stale."""
+    from fedrelay.coordinator.client import peer_dict
 
     with _client(coordinator, tls, insecure) as client:
         try:
             records = client.peers()
         except grpc.RpcError as exc:
             _rpc_fail(exc, coordinator)
+    if as_json:
+        print(json.dumps([peer_dict(p) for p in records], indent=1))
+        return
     t = Table(title="peers")
-    for col in ("site", "address", "images", "classes", "train", "test", "device", "last seen"):
-        t.add_column(col)
+    for col in ("site", "address", "images", "classes", "train", "test", "device", "last seen", "status"):
+        t.add_column(col, no_wrap=col not in ("site", "address"), overflow="fold")
     for p in records:
+        status = "[green]live[/]" if p.live else f"[red]stale[/] (> {p.peer_timeout:.0f} s)"
         t.add_row(p.name, p.address, f"{p.channels}x{p.height}x{p.width}", str(len(p.classes)),
                   str(sum(c.train for c in p.classes)), str(sum(c.test for c in p.classes)), p.device,
-                  f"{time.time() - p.last_seen:.0f} s ago")
-    console.print(t)
+                  f"{p.age_seconds:.0f} s ago", status)
+    _print_wide(t)
+
+
+@app.command()
+def watch(run_id: str = typer.Argument(..., help="The run's id (from start-chain or `coordinator runs`)."),
+          coordinator: str = COORD,
+          as_json: bool = typer.Option(False, "--json", help="At the end print the run's summary as JSON on stdout "
+                                       "(the progress goes to stderr), like start-chain --wait --json."),
+          tls: Path = TLS, insecure: bool = INSECURE) -> None:
+    """Follow a run live (the view of start-chain --wait: progress per epoch, a line per transfer),
+    then print its summary; a run that has ended gets its summary at once. Exit code 1 unless the
+    run finished. Ctrl-C stops watching, not the run."""
+    with _client(coordinator, tls, insecure) as client:
+        watch_view(client, run_id, coordinator, as_json)
+
+
+@app.command()
+def metrics(run_id: str = typer.Argument(..., help="The run's id (from start-chain or `coordinator runs`)."),
+            coordinator: str = COORD,
+            site: str = typer.Option("", "--site", help="Only this site's epochs."),
+            as_json: bool = typer.Option(False, "--json", help="Print the rows as a JSON list."),
+            as_csv: bool = typer.Option(False, "--csv", help="Print the rows as CSV with a header row."),
+            tls: Path = TLS, insecure: bool = INSECURE) -> None:
+    """Per-epoch training metrics of a run, per site and pool model: training loss, validation
+    accuracy, seconds (works while it runs)."""
+    from fedrelay.coordinator.client import METRIC_FIELDS
+
+    if as_json and as_csv:
+        fail("pass either --json or --csv, not both")
+    with _client(coordinator, tls, insecure) as client:
+        try:
+            rows = client.metrics(run_id)
+        except grpc.RpcError as exc:
+            _rpc_fail(exc, coordinator)
+    if site:
+        seen = {r["site"] for r in rows}
+        rows = [r for r in rows if r["site"] == site]
+        if not rows and seen:
+            fail(f"run {run_id} has no metrics of site {site!r}; sites with metrics: {', '.join(sorted(seen))}")
+    if as_json:
+        print(json.dumps(rows, indent=1))
+    elif as_csv:
+        import csv
+        import sys
+
+        writer = csv.DictWriter(sys.stdout, fieldnames=METRIC_FIELDS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    else:
+        _print_wide(_metrics_table(run_id, rows))
+
+
+STAGES = {"warmup": "warm-up", "pool": "pool", "fedseq": "fedseq", "aggregate": "aggregation"}
+
+
+def _metrics_table(run_id: str, rows: list[dict]) -> Table:
+    t = Table(title=f"run {run_id}: training per epoch", box=box.SIMPLE_HEAD)
+    for col in ("site", "stage", "model", "epoch", "train loss", "val acc", "s"):
+        t.add_column(col, justify="left" if col in ("site", "stage") else "right", no_wrap=col != "site",
+                     overflow="fold")
+    for r in rows:
+        t.add_row(r["site"], STAGES.get(r["stage"], r["stage"]), str(r["model"]) if r["stage"] == "pool" else "-",
+                  f"{r['epoch']}/{r['epochs']}", f"{r['train_loss']:.4f}",
+                  "-" if r["val_accuracy"] is None else f"{r['val_accuracy']:.4f}", f"{r['seconds']:.2f}")
+    return t
 
 
 @app.command("fetch-model")

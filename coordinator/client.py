@@ -1,15 +1,19 @@
-"""The operator's side of the Coordinator service: what ``coordinator start-chain``, ``show``,
-``runs``, ``peers`` and ``fetch-model`` call, and the run summary as a plain dict (the
-``--json`` shape)."""
+"""The operator's side of the Coordinator service: what ``coordinator start-chain``, ``watch``,
+``show``, ``metrics``, ``runs``, ``peers`` and ``fetch-model`` call, and the run summary, a
+peer's record and a metrics row as plain dicts (the ``--json`` shapes)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
+
+import grpc
 
 from fedrelay import params as run_params, wire
+from fedrelay.coordinator.live import BUSY
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2
 
 PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}
@@ -31,7 +35,14 @@ def summary_dict(s: cpb.RunSummary) -> dict:
     per_site: site -> {accuracy, test_samples}), final_transfers, params, seed, arch,
     class_index, warnings, error, insecure, created, ended (unix seconds), skipped (sites routed
     around because they stayed down) and contributors (the sites whose training is in the final
-    model, in chain order).
+    model, in chain order), live (while the run is running, each site that has reported, in
+    the run's order: site, state (its run state: assigned, receiving, training, sending,
+    distributing, done, ...), detail, activity (in words: waiting, receiving, training,
+    aggregating, waiting for uploads, sending, ...), stage (warmup|pool|fedseq|aggregate while
+    training), model and models (pool model j of S; 0 outside the pool), epoch and epochs (the
+    latest finished epoch, 1-based, of how many), updated (unix seconds of its latest report),
+    age_seconds (since then, by the coordinator's clock), line (e.g. "site-03 training, model 2/5, epoch 3/10"), busy (receiving, training or
+    sending); ``[]`` once the run has ended).
 
     Star plans (the parallel one-shot methods) add: aggregator (the aggregating site), uploads
     (the sites' payloads to it, records like ``hops``, ``hop`` = the upload's index),
@@ -65,6 +76,10 @@ def summary_dict(s: cpb.RunSummary) -> dict:
         "seed": s.seed, "arch": s.arch, "class_index": list(s.class_index), "warnings": list(s.warnings),
         "error": s.error or None, "insecure": s.insecure, "created": s.created, "ended": s.ended or None,
         "skipped": list(s.skipped), "contributors": list(s.contributors),
+        "live": [{"site": v.site, "state": v.state, "detail": v.detail, "activity": v.activity, "stage": v.stage,
+                  "model": v.model, "models": v.models, "epoch": v.epoch, "epochs": v.epochs,
+                  "updated": v.updated, "age_seconds": round(v.age_seconds, 3), "line": v.line,
+                  "busy": v.state in BUSY} for v in s.live],
     }
     if s.aggregator:
         out.update({
@@ -81,6 +96,48 @@ def summary_dict(s: cpb.RunSummary) -> dict:
                          for k, v in sorted(s.final.per_site.items())},
         }
     return out
+
+
+def planned_epochs(summary: dict) -> int:
+    """The epochs a run trains in all, from its summary (``summary_dict``: strategy, params,
+    order, rounds), for a progress bar: a chain warms up once (Ew) and trains S*E epochs per
+    visit, T*N visits; a star plan's every site warms up and trains S*E epochs, and OFASD's
+    aggregator learns its coefficients for ``ofasd_epochs`` more."""
+    from fedrelay import registry
+
+    p, n, rounds = summary["params"], len(summary["order"]), summary.get("rounds") or 1
+    per_site = (p.get("models_per_site") or 0) * (p.get("local_epochs") or 0)
+    warmup = p.get("warmup_epochs") or 0
+    if registry.strategy(summary["strategy"]).plan == registry.STAR:
+        return (warmup + per_site) * n + ((p.get("ofasd_epochs") or 0) if summary["strategy"] == "ofasd" else 0)
+    return warmup + per_site * n * rounds
+
+
+def peer_dict(p: cpb.PeerRecord) -> dict:
+    """A registered peer as the JSON object of ``peers --json``: name, address, device,
+    image_shape [channels, height, width], classes [{name, train, test}], train_images,
+    test_images, last_seen (unix seconds of its latest registration or heartbeat),
+    age_seconds (since then, by the coordinator's clock), live (heard from within the
+    coordinator's --peer-timeout) and peer_timeout (that timeout, seconds)."""
+    return {"name": p.name, "address": p.address, "device": p.device, "image_shape": [p.channels, p.height, p.width],
+            "classes": [{"name": c.name, "train": c.train, "test": c.test} for c in p.classes],
+            "train_images": sum(c.train for c in p.classes), "test_images": sum(c.test for c in p.classes),
+            "last_seen": p.last_seen, "age_seconds": round(p.age_seconds, 3), "live": p.live,
+            "peer_timeout": p.peer_timeout}
+
+
+METRIC_FIELDS = ("site", "stage", "model", "epoch", "epochs", "train_loss", "val_accuracy", "seconds", "time")
+
+
+def metric_dict(m: cpb.MetricRow) -> dict:
+    """One epoch of training as a row of ``metrics --json`` / ``--csv`` (keys ``METRIC_FIELDS``):
+    site, stage (warmup|pool|fedseq|aggregate), model (pool model, 1-based; 0 outside the pool),
+    epoch (1-based) of epochs, train_loss (the epoch's mean), val_accuracy (null without a
+    validation split), seconds (the epoch's wall time at the site), time (unix seconds the
+    coordinator recorded it)."""
+    return {"site": m.site, "stage": m.stage, "model": m.model, "epoch": m.epoch, "epochs": m.epochs,
+            "train_loss": m.train_loss, "val_accuracy": m.val_accuracy if m.HasField("val_accuracy") else None,
+            "seconds": m.seconds, "time": m.time}
 
 
 class OperatorClient:
@@ -155,6 +212,34 @@ class OperatorClient:
         ``message``. No timeout: break out of the loop to stop watching (the run goes on)."""
         return self.stub.WatchRun(cpb.WatchRunRequest(run_id=run_id, after_seq=after_seq))
 
+    def follow(self, run_id: str, after_seq: int = 0, *, reconnect_for: float = 600.0, retry_every: float = 2.0,
+               on_reconnect: Callable[[grpc.RpcError], None] | None = None) -> Iterator[cpb.RunEvent]:
+        """The run's events like ``watch``, until the run has ended (its ``finished`` or
+        ``failed`` event is the last one yielded), across coordinator restarts and dropped
+        links: while the coordinator is unreachable (UNAVAILABLE, CANCELLED) it tries again
+        every ``retry_every`` seconds from the last event seen, calling ``on_reconnect(error)``
+        before each try, for up to ``reconnect_for`` seconds, then raises that
+        ``grpc.RpcError`` (as it does any other error at once). This is what ``coordinator
+        watch`` and ``start-chain --wait`` show."""
+        seq, lost_since = after_seq, None
+        while True:
+            try:
+                for ev in self.watch(run_id, after_seq=seq):
+                    seq, lost_since = ev.seq, None
+                    yield ev
+                    if ev.kind in ("finished", "failed"):
+                        return
+                return  # the stream ended: the run is over
+            except grpc.RpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    raise
+                lost_since = lost_since or time.monotonic()
+                if time.monotonic() - lost_since > reconnect_for:
+                    raise
+                if on_reconnect is not None:
+                    on_reconnect(exc)
+                time.sleep(retry_every)
+
     def run(self, run_id: str) -> dict:
         """One run's summary as a dict (:func:`summary_dict`: the JSON of ``coordinator show
         --json``); works while the run is in progress. ``NOT_FOUND`` for an unknown run."""
@@ -165,10 +250,16 @@ class OperatorClient:
         return [summary_dict(s) for s in self.stub.ListRuns(cpb.ListRunsRequest(), timeout=wire.CONTROL_TIMEOUT).runs]
 
     def peers(self) -> list[cpb.PeerRecord]:
-        """The registered peers: ``PeerRecord`` messages with ``name``, ``address``, ``classes``
-        (name, train and test image counts), ``channels``, ``height``, ``width``, ``device`` and
-        ``last_seen`` (unix seconds of the last heartbeat)."""
+        """The registered peers (``PeerRecord``; ``peer_dict`` for a plain dict), by name, each
+        with ``live`` and ``age_seconds`` as the coordinator judges them (its --peer-timeout)."""
         return list(self.stub.ListPeers(cpb.ListPeersRequest(), timeout=wire.CONTROL_TIMEOUT).peers)
+
+    def metrics(self, run_id: str) -> list[dict]:
+        """The run's per-epoch training metrics (``metric_dict`` rows: site, stage, model, epoch,
+        epochs, train_loss, val_accuracy, seconds, time), in the order they were recorded.
+        Raises ``grpc.RpcError`` (NOT_FOUND: unknown run)."""
+        reply = self.stub.GetMetrics(cpb.GetRunRequest(run_id=run_id), timeout=wire.CONTROL_TIMEOUT)
+        return [metric_dict(m) for m in reply.rows]
 
     def fetch_model(self, run_id: str, out: Path) -> tuple[str, int]:
         """Download the run's final model to ``out`` (a file path; written atomically, mode

@@ -5,7 +5,7 @@ The coordinator assigns roles and records; it never sits on the chain's path.
 Authorization (mutual TLS; identity = the caller's certificate name, never a message field):
 peers' calls (Register, Report*) only from site identities, each only as itself (``name``,
 ``sender`` or ``site`` must equal the certificate name); operator calls (StartChain, WatchRun,
-GetRun, ListRuns, ListPeers, FetchModel) only from the ``operator`` or ``coordinator`` identity.
+GetRun, ListRuns, ListPeers, FetchModel, GetMetrics) only from the ``operator`` or ``coordinator`` identity.
 Refusals are PERMISSION_DENIED. On an insecure (plaintext) coordinator there are no identities
 and only the ledger's name checks apply. After the last
 site reports the final model (which it has already copied to every site), the coordinator asks
@@ -28,6 +28,7 @@ from fedrelay import __version__, names, params as run_params, registry, wire
 from fedrelay.coordinator.ledger import TERMINAL, Ledger, LedgerConflict
 from fedrelay.coordinator.monitoring import CoordinatorMonitor
 from fedrelay.health import COORDINATOR_SERVICE, Health
+from fedrelay.coordinator.live import LiveState
 from fedrelay.coordinator.plan import (FINAL, HOP, UPLOAD, Plan, PlanError, Transfer, chain_plan, pick_aggregator,
                                        replan, star_plan)
 from fedrelay.coordinator.planner import PeerInfo, plan_chain
@@ -66,6 +67,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._channels: dict[tuple[str, str], tuple[grpc.Channel, peer_pb2_grpc.PeerStub]] = {}
         self._channels_lock = threading.Lock()
         self.monitor = CoordinatorMonitor(self)  # metrics and the event log (coordinator/monitoring.py)
+        self.live = LiveState(ledger)  # each site's live state in running runs (show while running)
 
     # -- authorization ---------------------------------------------------------------------------
     def _as_site(self, context, claimed: str) -> None:
@@ -721,7 +723,29 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             out.peers.add(name=p["name"], address=p["address"], channels=p["channels"] or 0,
                           height=p["height"] or 0, width=p["width"] or 0, device=p["device"] or "",
                           last_seen=p["last_seen"] or 0,
-                          classes=[cpb.ClassCount(**c) for c in p["classes"]])
+                          classes=[cpb.ClassCount(**c) for c in p["classes"]], **self._liveness(p))
+        return out
+
+    def _liveness(self, peer: dict) -> dict:
+        """PeerRecord's liveness fields: live (heard from within --peer-timeout), age_seconds
+        (since its last registration or heartbeat, by this coordinator's clock), peer_timeout."""
+        age = max(0.0, time.time() - (peer["last_seen"] or 0))
+        return {"live": age <= self.peer_timeout, "age_seconds": age, "peer_timeout": self.peer_timeout}
+
+    def GetMetrics(self, request: cpb.GetRunRequest, context) -> cpb.MetricsReply:
+        """The run's per-epoch training metrics (the ledger's ``metrics`` table), in the order
+        the coordinator recorded them. NOT_FOUND for an unknown run."""
+        names.check_run_request(request)
+        self._as_operator(context)
+        if self.ledger.run(request.run_id) is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {request.run_id!r}")
+        out = cpb.MetricsReply(run_id=request.run_id)
+        for m in self.ledger.metrics(request.run_id):
+            row = out.rows.add(site=m["site"], time=m["time"], stage=m["stage"] or "", model=m["model"] or 0,
+                               epoch=m["epoch"] or 0, epochs=m["epochs"] or 0, train_loss=m["train_loss"] or 0.0,
+                               seconds=m["seconds"] or 0.0)
+            if m["val_accuracy"] is not None:
+                row.val_accuracy = m["val_accuracy"]
         return out
 
     def FetchModel(self, request: peer_pb2.FetchModelRequest, context):
@@ -769,6 +793,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             params=run_params.to_pb(run["params"]), rounds=run["rounds"], final_site=run["final_site"] or "",
             upload_bytes=run["upload_bytes"] or 0,
         )
+        s.live.extend(now.to_pb() for now in self.live.sites(run))
         plans = self.ledger.plans(run_id)
         plan = Plan.from_json(plans[-1]["plan"]) if plans else None
         skipped = self._skipped(run_id)

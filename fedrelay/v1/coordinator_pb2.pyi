@@ -282,7 +282,7 @@ class FinalResult(_message.Message):
     def __init__(self, sha256: _Optional[str] = ..., accuracy: _Optional[float] = ..., per_site: _Optional[_Mapping[str, SiteAccuracy]] = ...) -> None: ...
 
 class RunSummary(_message.Message):
-    __slots__ = ("run_id", "strategy", "order", "model_bytes", "hops", "final", "status", "params", "seed", "arch", "class_index", "warnings", "error", "created", "ended", "final_transfers", "insecure", "skipped", "contributors", "rounds", "plan", "final_site", "planned_hops", "uploads", "planned_uploads", "aggregator", "upload_bytes")
+    __slots__ = ("run_id", "strategy", "order", "model_bytes", "hops", "final", "status", "params", "seed", "arch", "class_index", "warnings", "error", "created", "ended", "final_transfers", "insecure", "skipped", "contributors", "rounds", "plan", "final_site", "planned_hops", "uploads", "planned_uploads", "aggregator", "upload_bytes", "live")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +310,7 @@ class RunSummary(_message.Message):
     PLANNED_UPLOADS_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     strategy: str
     order: _containers.RepeatedScalarFieldContainer[str]
@@ -337,7 +338,66 @@ class RunSummary(_message.Message):
     planned_uploads: int
     aggregator: str
     upload_bytes: int
-    def __init__(self, run_id: _Optional[str] = ..., strategy: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., model_bytes: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., final: _Optional[_Union[FinalResult, _Mapping]] = ..., status: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., seed: _Optional[int] = ..., arch: _Optional[str] = ..., class_index: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., created: _Optional[float] = ..., ended: _Optional[float] = ..., final_transfers: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., insecure: _Optional[bool] = ..., skipped: _Optional[_Iterable[str]] = ..., contributors: _Optional[_Iterable[str]] = ..., rounds: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[_common_pb2.PlannedTransfer, _Mapping]]] = ..., final_site: _Optional[str] = ..., planned_hops: _Optional[int] = ..., uploads: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., planned_uploads: _Optional[int] = ..., aggregator: _Optional[str] = ..., upload_bytes: _Optional[int] = ...) -> None: ...
+    live: _containers.RepeatedCompositeFieldContainer[SiteLive]
+    def __init__(self, run_id: _Optional[str] = ..., strategy: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., model_bytes: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., final: _Optional[_Union[FinalResult, _Mapping]] = ..., status: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., seed: _Optional[int] = ..., arch: _Optional[str] = ..., class_index: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., created: _Optional[float] = ..., ended: _Optional[float] = ..., final_transfers: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., insecure: _Optional[bool] = ..., skipped: _Optional[_Iterable[str]] = ..., contributors: _Optional[_Iterable[str]] = ..., rounds: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[_common_pb2.PlannedTransfer, _Mapping]]] = ..., final_site: _Optional[str] = ..., planned_hops: _Optional[int] = ..., uploads: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., planned_uploads: _Optional[int] = ..., aggregator: _Optional[str] = ..., upload_bytes: _Optional[int] = ..., live: _Optional[_Iterable[_Union[SiteLive, _Mapping]]] = ...) -> None: ...
+
+class SiteLive(_message.Message):
+    __slots__ = ("site", "state", "detail", "activity", "stage", "model", "models", "epoch", "epochs", "updated", "line", "age_seconds")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    ACTIVITY_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    state: str
+    detail: str
+    activity: str
+    stage: str
+    model: int
+    models: int
+    epoch: int
+    epochs: int
+    updated: float
+    line: str
+    age_seconds: float
+    def __init__(self, site: _Optional[str] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., activity: _Optional[str] = ..., stage: _Optional[str] = ..., model: _Optional[int] = ..., models: _Optional[int] = ..., epoch: _Optional[int] = ..., epochs: _Optional[int] = ..., updated: _Optional[float] = ..., line: _Optional[str] = ..., age_seconds: _Optional[float] = ...) -> None: ...
+
+class MetricRow(_message.Message):
+    __slots__ = ("site", "time", "stage", "model", "epoch", "epochs", "train_loss", "val_accuracy", "seconds")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    VAL_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    time: float
+    stage: str
+    model: int
+    epoch: int
+    epochs: int
+    train_loss: float
+    val_accuracy: float
+    seconds: float
+    def __init__(self, site: _Optional[str] = ..., time: _Optional[float] = ..., stage: _Optional[str] = ..., model: _Optional[int] = ..., epoch: _Optional[int] = ..., epochs: _Optional[int] = ..., train_loss: _Optional[float] = ..., val_accuracy: _Optional[float] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class MetricsReply(_message.Message):
+    __slots__ = ("run_id", "rows")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    rows: _containers.RepeatedCompositeFieldContainer[MetricRow]
+    def __init__(self, run_id: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[MetricRow, _Mapping]]] = ...) -> None: ...
 
 class ListRunsRequest(_message.Message):
     __slots__ = ()
@@ -354,7 +414,7 @@ class ListPeersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PeerRecord(_message.Message):
-    __slots__ = ("name", "address", "classes", "channels", "height", "width", "device", "last_seen")
+    __slots__ = ("name", "address", "classes", "channels", "height", "width", "device", "last_seen", "live", "age_seconds", "peer_timeout")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +423,9 @@ class PeerRecord(_message.Message):
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEER_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     classes: _containers.RepeatedCompositeFieldContainer[ClassCount]
@@ -371,7 +434,10 @@ class PeerRecord(_message.Message):
     width: int
     device: str
     last_seen: float
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., classes: _Optional[_Iterable[_Union[ClassCount, _Mapping]]] = ..., channels: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., device: _Optional[str] = ..., last_seen: _Optional[float] = ...) -> None: ...
+    live: bool
+    age_seconds: float
+    peer_timeout: float
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., classes: _Optional[_Iterable[_Union[ClassCount, _Mapping]]] = ..., channels: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., device: _Optional[str] = ..., last_seen: _Optional[float] = ..., live: _Optional[bool] = ..., age_seconds: _Optional[float] = ..., peer_timeout: _Optional[float] = ...) -> None: ...
 
 class ListPeersReply(_message.Message):
     __slots__ = ("peers",)

@@ -101,6 +101,11 @@ class CoordinatorStub:
                 request_serializer=fedrelay_dot_v1_dot_peer__pb2.FetchModelRequest.SerializeToString,
                 response_deserializer=fedrelay_dot_v1_dot_common__pb2.ModelChunk.FromString,
                 _registered_method=True)
+        self.GetMetrics = channel.unary_unary(
+                '/fedrelay.v1.Coordinator/GetMetrics',
+                request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.GetRunRequest.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.MetricsReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -196,6 +201,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetMetrics(self, request, context):
+        """The per-epoch training metrics the ledger holds for a run, in the order they were reported.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -263,6 +275,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.FetchModel,
                     request_deserializer=fedrelay_dot_v1_dot_peer__pb2.FetchModelRequest.FromString,
                     response_serializer=fedrelay_dot_v1_dot_common__pb2.ModelChunk.SerializeToString,
+            ),
+            'GetMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMetrics,
+                    request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.GetRunRequest.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_coordinator__pb2.MetricsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -616,6 +633,33 @@ class Coordinator:
             '/fedrelay.v1.Coordinator/FetchModel',
             fedrelay_dot_v1_dot_peer__pb2.FetchModelRequest.SerializeToString,
             fedrelay_dot_v1_dot_common__pb2.ModelChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Coordinator/GetMetrics',
+            fedrelay_dot_v1_dot_coordinator__pb2.GetRunRequest.SerializeToString,
+            fedrelay_dot_v1_dot_coordinator__pb2.MetricsReply.FromString,
             options,
             channel_credentials,
             insecure,
