@@ -1,5 +1,5 @@
 """The operator's side of the Coordinator service: what ``coordinator start-chain``, ``show``,
-``runs``, ``peers`` and ``fetch-model`` call, and the run summary as a plain dict (the
+``runs``, ``peers``, ``fetch-model``, ``stop`` and ``forget-peer`` call, and the run summary as a plain dict (the
 ``--json`` shape)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final", c
 def summary_dict(s: cpb.RunSummary) -> dict:
     """A run summary as the JSON object of ``show --json`` / ``start-chain --wait --json``.
 
-    Keys: run_id, strategy, status (running|finished|failed), order (site names), rounds (T),
+    Keys: run_id, strategy, status (running|finished|failed|cancelled), order (site names), rounds (T),
     model_bytes (M, bytes; null before the first transfer both ends agree on), hops (chain
     transfers: hop, round, sender, receiver, payload_bytes, wire_bytes (every attempt's), sha256,
     seconds, attempts, resumed_from (bytes the receiver already held when the last attempt
@@ -31,7 +31,9 @@ def summary_dict(s: cpb.RunSummary) -> dict:
     per_site: site -> {accuracy, test_samples}), final_transfers, params, seed, arch,
     class_index, warnings, error, insecure, created, ended (unix seconds), skipped (sites routed
     around because they stayed down) and contributors (the sites whose training is in the final
-    model, in chain order).
+    model, in chain order), cancelled_by and cancel_reason (status cancelled: who stopped the run
+    — the operator's certificate name, or "insecure operator" — and the reason given; null
+    otherwise; ``ended`` is when).
 
     Star plans (the parallel one-shot methods) add: aggregator (the aggregating site), uploads
     (the sites' payloads to it, records like ``hops``, ``hop`` = the upload's index),
@@ -65,6 +67,7 @@ def summary_dict(s: cpb.RunSummary) -> dict:
         "seed": s.seed, "arch": s.arch, "class_index": list(s.class_index), "warnings": list(s.warnings),
         "error": s.error or None, "insecure": s.insecure, "created": s.created, "ended": s.ended or None,
         "skipped": list(s.skipped), "contributors": list(s.contributors),
+        "cancelled_by": s.cancelled_by or None, "cancel_reason": s.cancel_reason or None,
     }
     if s.aggregator:
         out.update({
@@ -118,6 +121,23 @@ class OperatorClient:
 
     def peers(self) -> list[cpb.PeerRecord]:
         return list(self.stub.ListPeers(cpb.ListPeersRequest(), timeout=wire.CONTROL_TIMEOUT).peers)
+
+    def stop(self, run_id: str, reason: str = "") -> dict:
+        """Cancel the running run ``run_id``: it ends with status ``cancelled``, recording who
+        (this client's certificate name, or "insecure operator") and when; every site stops at its
+        next epoch or transfer boundary and removes its partial files (within seconds: the
+        coordinator delivers the end notices). ``reason``: free text (at most 1,000 characters)
+        recorded with it. Returns the run summary (:func:`summary_dict`). Raises
+        ``grpc.RpcError``: NOT_FOUND (unknown run), FAILED_PRECONDITION (the run already ended)."""
+        return summary_dict(self.stub.StopRun(cpb.StopRunRequest(run_id=run_id, reason=reason),
+                                              timeout=wire.CONTROL_TIMEOUT))
+
+    def forget_peer(self, name: str) -> cpb.ForgetPeerReply:
+        """Remove the registered peer ``name`` from the ledger; the reply holds its name and the
+        address it was registered with. A daemon still running under that name registers again
+        at its next heartbeat. Raises ``grpc.RpcError``: NOT_FOUND (no such peer),
+        FAILED_PRECONDITION (it is a site of a running run)."""
+        return self.stub.ForgetPeer(cpb.ForgetPeerRequest(name=name), timeout=wire.CONTROL_TIMEOUT)
 
     def fetch_model(self, run_id: str, out: Path) -> tuple[str, int]:
         """Download the run's final model to ``out`` (atomically), verifying size and SHA-256.

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EndRunRequest(_message.Message):
-    __slots__ = ("run_id", "status", "reason")
+    __slots__ = ("run_id", "status", "reason", "cancelled_by")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_BY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     status: str
     reason: str
-    def __init__(self, run_id: _Optional[str] = ..., status: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    cancelled_by: str
+    def __init__(self, run_id: _Optional[str] = ..., status: _Optional[str] = ..., reason: _Optional[str] = ..., cancelled_by: _Optional[str] = ...) -> None: ...
 
 class EndRunReply(_message.Message):
     __slots__ = ("run_id", "state", "removed_bytes")
@@ -132,18 +134,20 @@ class RunStatus(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("name", "address", "device", "version", "runs")
+    __slots__ = ("name", "address", "device", "version", "runs", "instance")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     device: str
     version: str
     runs: _containers.RepeatedCompositeFieldContainer[RunStatus]
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ...) -> None: ...
+    instance: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
     __slots__ = ("run_id", "sha256")
