@@ -11,6 +11,7 @@ import json
 import os
 import sqlite3
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -348,3 +349,45 @@ def test_stopping_a_finished_run_is_refused_and_a_cancel_is_recorded_with_who():
     reply = service.ReportProgress(cpb.ProgressReport(run_id="live", site="a", kind="state", state="training"),
                                    FakeContext())
     assert reply.duplicate and len(ledger.events_after("live", 0)) == before
+
+
+def test_a_send_stops_at_the_next_chunk_once_cancelled(tmp_path):
+    """``send_model(cancelled=...)``: the sender gives the stream up at a chunk boundary; the
+    receiver sees it break before the payload's end."""
+    import hashlib
+
+    from fedrelay import wire
+    from fedrelay.peer.transfer import SendCancelled, add_peer_servicer, send_model
+    from fedrelay.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+
+    got, broke = [], threading.Event()
+    asked = []
+
+    def cancelled() -> bool:  # asked before each data chunk: stop before the third
+        asked.append(1)
+        return len(asked) > 2
+
+    class Receiver(peer_pb2_grpc.PeerServicer):
+        def TransferOffset(self, request, context):
+            return peer_pb2.TransferOffsetReply(offset=0)
+
+        def Handoff(self, chunks, context):
+            for chunk in chunks:
+                got.append(chunk)
+            broke.set()  # the stream ended short of the payload: refused, as a real receiver does
+            context.abort(grpc.StatusCode.DATA_LOSS, "the stream ended early")
+
+    server, port = wire.make_server("127.0.0.1:0")
+    add_peer_servicer(Receiver(), server)
+    server.start()
+    try:
+        payload = tmp_path / "model.safetensors"
+        payload.write_bytes(os.urandom(8 << 20))  # 8 chunks of 1 MiB
+        header = common_pb2.TransferHeader(run_id="r", hop=1, sender="a", total_bytes=8 << 20,
+                                           sha256=hashlib.sha256(payload.read_bytes()).hexdigest())
+        with pytest.raises(SendCancelled):
+            send_model(f"127.0.0.1:{port}", header, payload, cancelled=cancelled)
+        assert broke.wait(10)
+        assert len(asked) >= 3 and len(got) <= 3  # the header and at most 2 of the 8 chunks
+    finally:
+        server.stop(None).wait()
