@@ -177,6 +177,8 @@ def start_chain(
     except grpc.RpcError as exc:
         _rpc_fail(exc, coordinator)
     if not wait:
+        for w in reply.warnings:
+            err_console.print(f"[yellow]warning:[/] {w}", highlight=False)
         if as_json:
             print(json.dumps({"run_id": reply.run_id}))
         else:
@@ -241,7 +243,7 @@ def _follow(client, run_id: str, total_epochs: int, out) -> None:
             if ev.kind == "epoch":
                 progress.advance(task)
                 progress.update(task, description=f"{ev.site}")
-            elif ev.kind in ("hop", "upload", "final", "failed", "finished", "warning", "skip"):
+            elif ev.kind in ("hop", "upload", "final", "failed", "finished", "cancelled", "warning", "skip"):
                 progress.console.print(f"{ev.message}", highlight=False)
             elif ev.kind == "state" and (ev.message.endswith(": training") or "restarted" in ev.message):
                 progress.console.print(ev.message, highlight=False)
@@ -345,10 +347,62 @@ def _render_outcome(s: dict) -> None:
     if s.get("skipped"):
         console.print(f"[yellow]routed around (down past --peer-timeout):[/] {', '.join(s['skipped'])}; "
                       f"the final model holds the training of {', '.join(s['contributors'])}", highlight=False)
+    if s["status"] == "cancelled":
+        _render_cancelled(s)
     if s["error"]:
         console.print(f"[red]error:[/] {s['error']}", highlight=False)
     for w in s["warnings"]:
         console.print(f"[yellow]warning:[/] {w}", highlight=False)
+
+
+def _render_cancelled(s: dict) -> None:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["ended"] or 0))
+    why = f": {s['cancel_reason']}" if s.get("cancel_reason") else ""
+    console.print(f"[yellow]cancelled[/] by {s.get('cancelled_by') or '?'} at {when}{why}", highlight=False)
+
+
+@app.command()
+def stop(
+    run_id: str = typer.Argument(..., help="The run to cancel (`coordinator runs` lists them)."),
+    reason: str = typer.Option("", "--reason", help="Why, recorded in the ledger with who stopped the run and when."),
+    coordinator: str = COORD,
+    as_json: bool = typer.Option(False, "--json", help="Print the run summary as JSON."),
+    tls: Path = TLS,
+    insecure: bool = INSECURE,
+) -> None:
+    """Cancel a running run: every site stops at its next epoch or transfer boundary and removes
+    its partial files; the run ends `cancelled`, with who and when. Models already made stay at
+    the sites (`peer prune` removes ended runs' files)."""
+    with _client(coordinator, tls, insecure) as client:
+        try:
+            s = client.stop(run_id, reason=reason)
+        except grpc.RpcError as exc:
+            _rpc_fail(exc, coordinator)
+    if as_json:
+        print(json.dumps(s, indent=1))
+        return
+    console.print(f"run [bold]{run_id}[/] cancelled; its sites stop at their next epoch or transfer boundary",
+                  highlight=False)
+    _render_cancelled(s)
+
+
+@app.command("forget-peer")
+def forget_peer(
+    name: str = typer.Argument(..., help="The registered site to remove (`coordinator peers` lists them)."),
+    coordinator: str = COORD,
+    tls: Path = TLS,
+    insecure: bool = INSECURE,
+) -> None:
+    """Remove a registered peer from the ledger (refused while it is a site of a running run).
+    A daemon still running under that name registers again at its next heartbeat: stop it first
+    to remove the site for good."""
+    with _client(coordinator, tls, insecure) as client:
+        try:
+            reply = client.forget_peer(name)
+        except grpc.RpcError as exc:
+            _rpc_fail(exc, coordinator)
+    console.print(f"forgot peer {reply.name} (registered at {reply.address}); if its daemon is still running it "
+                  "registers again at its next heartbeat", highlight=False)
 
 
 @app.command()

@@ -143,5 +143,31 @@ def health(
     raise typer.Exit(0 if ok else 1)
 
 
+@app.command()
+def prune(
+    state_dir: Path = typer.Option(..., "--state-dir", file_okay=False,
+                                   help="The peer's state dir (`peer serve --state-dir`)."),
+    older_than: float = typer.Option(..., "--older-than", help="Remove the runs that ended more than DAYS days "
+                                     "ago (0: every ended run).", metavar="DAYS"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would be removed."),
+) -> None:
+    """Delete the files of ended runs (finished, failed, cancelled) older than --older-than days
+    from a peer's state dir; never a running run's. Works while the daemon runs or not."""
+    from fedrelay.cli.common import console
+    from fedrelay.peer.retention import prune as do_prune
+
+    try:
+        found = do_prune(state_dir, older_than, dry_run=dry_run)
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
+    gone = [r for r in found if r.pruned]
+    verb = "would remove" if dry_run else "removed"
+    for r in gone:
+        console.print(f"{verb} run {r.run_id} ({r.status}, {r.bytes:,} bytes)", highlight=False)
+    kept = len(found) - len(gone)
+    console.print(f"{verb} {len(gone)} run(s), {sum(r.bytes for r in gone):,} bytes; kept {kept} "
+                  f"(running, or ended within {older_than:g} days)", highlight=False)
+
+
 if __name__ == "__main__":
     app()

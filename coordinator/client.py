@@ -1,6 +1,6 @@
 """The operator's side of the Coordinator service: what ``coordinator start-chain``, ``watch``,
-``show``, ``metrics``, ``runs``, ``peers`` and ``fetch-model`` call, and the run summary, a
-peer's record and a metrics row as plain dicts (the ``--json`` shapes)."""
+``show``, ``metrics``, ``runs``, ``peers``, ``fetch-model``, ``stop`` and ``forget-peer`` call, and the
+run summary, a peer's record and a metrics row as plain dicts (the ``--json`` shapes)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final", c
 def summary_dict(s: cpb.RunSummary) -> dict:
     """A run summary as the JSON object of ``show --json`` / ``start-chain --wait --json``.
 
-    Keys: run_id, strategy, status (running|finished|failed), order (site names), rounds (T),
+    Keys: run_id, strategy, status (running|finished|failed|cancelled), order (site names), rounds (T),
     model_bytes (M, bytes; null before the first transfer both ends agree on), hops (chain
     transfers: hop, round, sender, receiver, payload_bytes, wire_bytes (every attempt's), sha256,
     seconds, attempts, resumed_from (bytes the receiver already held when the last attempt
@@ -42,7 +42,9 @@ def summary_dict(s: cpb.RunSummary) -> dict:
     training), model and models (pool model j of S; 0 outside the pool), epoch and epochs (the
     latest finished epoch, 1-based, of how many), updated (unix seconds of its latest report),
     age_seconds (since then, by the coordinator's clock), line (e.g. "site-03 training, model 2/5, epoch 3/10"), busy (receiving, training or
-    sending); ``[]`` once the run has ended).
+    sending); ``[]`` once the run has ended), cancelled_by and cancel_reason (status cancelled: who stopped the run
+    — the operator's certificate name, or "insecure operator" — and the reason given; null
+    otherwise; ``ended`` is when).
 
     Star plans (the parallel one-shot methods) add: aggregator (the aggregating site), uploads
     (the sites' payloads to it, records like ``hops``, ``hop`` = the upload's index),
@@ -80,6 +82,7 @@ def summary_dict(s: cpb.RunSummary) -> dict:
                   "model": v.model, "models": v.models, "epoch": v.epoch, "epochs": v.epochs,
                   "updated": v.updated, "age_seconds": round(v.age_seconds, 3), "line": v.line,
                   "busy": v.state in BUSY} for v in s.live],
+        "cancelled_by": s.cancelled_by or None, "cancel_reason": s.cancel_reason or None,
     }
     if s.aggregator:
         out.update({
@@ -227,7 +230,7 @@ class OperatorClient:
                 for ev in self.watch(run_id, after_seq=seq):
                     seq, lost_since = ev.seq, None
                     yield ev
-                    if ev.kind in ("finished", "failed"):
+                    if ev.kind in ("finished", "failed", "cancelled"):
                         return
                 return  # the stream ended: the run is over
             except grpc.RpcError as exc:
@@ -260,6 +263,23 @@ class OperatorClient:
         Raises ``grpc.RpcError`` (NOT_FOUND: unknown run)."""
         reply = self.stub.GetMetrics(cpb.GetRunRequest(run_id=run_id), timeout=wire.CONTROL_TIMEOUT)
         return [metric_dict(m) for m in reply.rows]
+
+    def stop(self, run_id: str, reason: str = "") -> dict:
+        """Cancel the running run ``run_id``: it ends with status ``cancelled``, recording who
+        (this client's certificate name, or "insecure operator") and when; every site stops at its
+        next epoch or transfer boundary and removes its partial files (within seconds: the
+        coordinator delivers the end notices). ``reason``: free text (at most 1,000 characters)
+        recorded with it. Returns the run summary (:func:`summary_dict`). Raises
+        ``grpc.RpcError``: NOT_FOUND (unknown run), FAILED_PRECONDITION (the run already ended)."""
+        return summary_dict(self.stub.StopRun(cpb.StopRunRequest(run_id=run_id, reason=reason),
+                                              timeout=wire.CONTROL_TIMEOUT))
+
+    def forget_peer(self, name: str) -> cpb.ForgetPeerReply:
+        """Remove the registered peer ``name`` from the ledger; the reply holds its name and the
+        address it was registered with. A daemon still running under that name registers again
+        at its next heartbeat. Raises ``grpc.RpcError``: NOT_FOUND (no such peer),
+        FAILED_PRECONDITION (it is a site of a running run)."""
+        return self.stub.ForgetPeer(cpb.ForgetPeerRequest(name=name), timeout=wire.CONTROL_TIMEOUT)
 
     def fetch_model(self, run_id: str, out: Path) -> tuple[str, int]:
         """Download the run's final model to ``out`` (a file path; written atomically, mode

@@ -29,12 +29,13 @@ CREATE TABLE IF NOT EXISTS peers (
     classes TEXT NOT NULL,          -- JSON [{"name", "train", "test"}]
     channels INTEGER, height INTEGER, width INTEGER,
     device TEXT, version TEXT,
-    registered REAL, last_seen REAL
+    registered REAL, last_seen REAL,
+    instance TEXT                   -- the daemon process's random id (RegisterRequest.instance)
 );
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
     created REAL NOT NULL, ended REAL,
-    status TEXT NOT NULL,           -- running | finished | failed
+    status TEXT NOT NULL,           -- running | finished | failed | cancelled
     strategy TEXT NOT NULL, arch TEXT NOT NULL, seed INTEGER NOT NULL,
     params TEXT NOT NULL,           -- JSON of TrainingParams
     chain TEXT NOT NULL,            -- JSON [{"name", "address"}] in chain order
@@ -49,7 +50,9 @@ CREATE TABLE IF NOT EXISTS runs (
     rounds INTEGER NOT NULL DEFAULT 1,  -- T
     schema_sha256 TEXT,             -- the payload schema of the run's first done transfer
     upload_bytes INTEGER,           -- star plans: size of one upload payload (M + the aggregator's extras)
-    upload_schema_sha256 TEXT       -- star plans: the uploads' payload schema
+    upload_schema_sha256 TEXT,      -- star plans: the uploads' payload schema
+    cancelled_by TEXT,              -- status cancelled: the operator's identity (or "insecure operator")
+    cancel_reason TEXT              -- status cancelled: the reason given
 );
 CREATE TABLE IF NOT EXISTS plans (
     run_id TEXT NOT NULL, version INTEGER NOT NULL,
@@ -108,7 +111,7 @@ CREATE TABLE IF NOT EXISTS end_notices (  -- "the run is over", owed to every si
 );
 """
 
-TERMINAL = ("finished", "failed")
+TERMINAL = ("finished", "failed", "cancelled")
 SENDER_SIDE = ("sender", "payload_bytes", "sha256", "schema_sha256")
 
 
@@ -184,7 +187,8 @@ class Ledger:
         added = {"hops": ("attempts INTEGER NOT NULL DEFAULT 1", "resumed_from INTEGER NOT NULL DEFAULT 0",
                           "round INTEGER NOT NULL DEFAULT 1", "schema_sha256 TEXT NOT NULL DEFAULT ''"),
                  "runs": ("rounds INTEGER NOT NULL DEFAULT 1", "schema_sha256 TEXT", "upload_bytes INTEGER",
-                          "upload_schema_sha256 TEXT")}
+                          "upload_schema_sha256 TEXT", "cancelled_by TEXT", "cancel_reason TEXT"),
+                 "peers": ("instance TEXT",)}
         for table, columns in added.items():
             have = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
             for column in columns:
@@ -218,8 +222,16 @@ class Ledger:
         )
 
     def peer(self, name: str) -> dict[str, Any] | None:
-        rows = self._all("SELECT name, address, last_seen FROM peers WHERE name = ?", (name,))
+        rows = self._all("SELECT name, address, last_seen, instance FROM peers WHERE name = ?", (name,))
         return rows[0] if rows else None
+
+    def set_peer_instance(self, name: str, instance: str) -> None:
+        """Record the random id of the daemon process now serving ``name`` (after ``upsert_peer``)."""
+        self._exec("UPDATE peers SET instance = ? WHERE name = ?", (instance, name))
+
+    def forget_peer(self, name: str) -> bool:
+        """Remove ``name``'s registration. False when no such peer is registered."""
+        return self._exec("DELETE FROM peers WHERE name = ?", (name,)).rowcount == 1
 
     def peers(self) -> list[dict[str, Any]]:
         rows = self._all("SELECT * FROM peers ORDER BY name")
@@ -312,7 +324,7 @@ class Ledger:
 
     def finish_run(self, run_id: str, status: str, *, error: str | None = None,
                    accuracy: float | None = None, message: str = "", site: str = "", **data: Any) -> bool:
-        """Move a running run to ``status`` (finished|failed) and, when ``message`` is given, add
+        """Move a running run to ``status`` (finished|failed|cancelled) and, when ``message`` is given, add
         the event of kind ``status`` that says so, in one transaction: a watcher that sees the
         terminal status has also seen that event (its data holds ``error`` and ``accuracy`` when
         given, and ``data``). The same transaction owes every site of the chain an end notice
@@ -348,6 +360,19 @@ class Ledger:
             for listener in self.on_run_ended if ended else ():
                 listener(run_id, status, error)
             return ended
+
+    def cancel_run(self, run_id: str, cancelled_by: str, reason: str) -> bool:
+        """End a running run with status ``cancelled``, recording who (``cancelled_by``) and why
+        (``reason``; the time is ``ended``), the ``cancelled`` event and the end notices owed to
+        its sites (:meth:`finish_run`). False (nothing written) when it had already ended."""
+        with self._lock:  # no other write between the two statements (the lock is re-entrant)
+            cur = self._db.execute("UPDATE runs SET cancelled_by = ?, cancel_reason = ? "
+                                   "WHERE run_id = ? AND status = 'running'", (cancelled_by, reason, run_id))
+            if cur.rowcount != 1:
+                return False
+            why = f": {reason}" if reason else ""
+            return self.finish_run(run_id, "cancelled", message=f"run cancelled by {cancelled_by}{why}",
+                                   cancelled_by=cancelled_by, reason=reason)
 
     # -- hops ----------------------------------------------------------------------------------
     def record_hop(self, run_id: str, purpose: str, hop: int, sender: str, receiver: str,
@@ -432,9 +457,10 @@ class Ledger:
             return cur.rowcount == 1
 
     def pending_end_notices(self) -> list[dict[str, Any]]:
-        """End notices not yet delivered: ``[{"run_id", "site", "status", "error"}]``, oldest
-        run first."""
-        return self._all("""SELECT n.run_id, n.site, r.status, r.error FROM end_notices n
+        """End notices not yet delivered: ``[{"run_id", "site", "status", "error", "cancelled_by",
+        "cancel_reason"}]``, oldest run first."""
+        return self._all("""SELECT n.run_id, n.site, r.status, r.error, r.cancelled_by, r.cancel_reason
+                            FROM end_notices n
                             JOIN runs r ON r.run_id = n.run_id
                             WHERE n.delivered IS NULL ORDER BY r.ended, n.site""")
 

@@ -45,7 +45,7 @@ from fedrelay.metrics import MetricsServer, code_label
 
 log = logging.getLogger("fedrelay.coordinator")
 
-RUN_STATES = ("running", "finished", "failed")  # always exported, 0 when no run has them
+RUN_STATES = ("running", "finished", "failed", "cancelled")  # always exported, 0 when no run has them
 TRANSFER_PURPOSES = ("chain", "upload", "final")
 
 

@@ -5,7 +5,8 @@ The coordinator assigns roles and records; it never sits on the chain's path.
 Authorization (mutual TLS; identity = the caller's certificate name, never a message field):
 peers' calls (Register, Report*) only from site identities, each only as itself (``name``,
 ``sender`` or ``site`` must equal the certificate name); operator calls (StartChain, WatchRun,
-GetRun, ListRuns, ListPeers, FetchModel, GetMetrics) only from the ``operator`` or ``coordinator`` identity.
+GetRun, ListRuns, ListPeers, FetchModel, GetMetrics, StopRun, ForgetPeer) only from the ``operator`` or
+``coordinator`` identity.
 Refusals are PERMISSION_DENIED. On an insecure (plaintext) coordinator there are no identities
 and only the ledger's name checks apply. After the last
 site reports the final model (which it has already copied to every site), the coordinator asks
@@ -40,6 +41,8 @@ log = logging.getLogger("fedrelay.coordinator")
 HEARTBEAT_SECONDS = 10
 END_NOTICE_RETRY = 10.0  # seconds before an end notice a live site did not take is sent again
 DEFAULT_PEER_TIMEOUT = 120.0  # seconds a site may go without a heartbeat before it is routed around
+CLAIM_PROBE_TIMEOUT = 3.0  # seconds the coordinator waits for the registered daemon of a name claimed anew
+INSECURE_OPERATOR = "insecure operator"  # who cancelled a run, on a plaintext coordinator
 PURPOSES = {common_pb2.CHAIN_HOP: "chain", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}  # wire -> ledger
 PLAN_PURPOSE = {"chain": HOP, "final": FINAL, "upload": UPLOAD}  # ledger -> plan
 PURPOSE_ERROR = "purpose must be CHAIN_HOP, UPLOAD or FINAL_MODEL"
@@ -123,13 +126,44 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             wire.split_hostport(request.address)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._check_claim(request, context)
         classes = [{"name": c.name, "train": c.train, "test": c.test} for c in request.classes]
         before = self.ledger.peer(request.name)
         self.ledger.upsert_peer(request.name, request.address, classes,
                                 (request.channels, request.height, request.width),
                                 request.device, request.version)
         self.monitor.registered(request.name, request.address, before)
+        if request.instance:
+            self.ledger.set_peer_instance(request.name, request.instance)
         return cpb.RegisterReply(version=__version__, heartbeat_seconds=self.heartbeat_seconds)
+
+    def _check_claim(self, request: cpb.RegisterRequest, context) -> None:
+        """A second daemon claiming a live site's name is refused (ALREADY_EXISTS, logged).
+
+        Each daemon process registers with a random ``instance`` id. A registration of a
+        registered name from another instance is refused only when the registered daemon is
+        proven alive: it answers ``GetStatus`` at the registered address within
+        ``CLAIM_PROBE_TIMEOUT`` seconds with the same name and instance id. Otherwise (a
+        daemon restarted after a crash, maybe on another port) the new one takes the name
+        over, and that is logged. Heartbeats of the same instance are re-registrations."""
+        old = self.ledger.peer(request.name)
+        if old is None or not old["instance"] or not request.instance or old["instance"] == request.instance:
+            return
+        alive = False
+        if old["address"] != request.address:
+            try:
+                st = self._peer(old).GetStatus(peer_pb2.StatusRequest(), timeout=CLAIM_PROBE_TIMEOUT)
+                alive = st.name == request.name and st.instance == old["instance"]
+            except grpc.RpcError:
+                pass
+        if alive:
+            log.warning("refused the registration of %s from %s: a live daemon serves that name at %s",
+                        request.name, request.address, old["address"])
+            context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                          f"site {request.name!r} is already served by a live daemon at {old['address']}; stop "
+                          "that daemon first, or start this one with another --name")
+        log.info("site %s: a new daemon at %s takes over the name from the one registered at %s "
+                 "(it does not answer as that site any more)", request.name, request.address, old["address"])
 
     def ResolveSite(self, request: cpb.ResolveSiteRequest, context) -> common_pb2.SiteRef:
         """The address a site last registered with. Any authenticated caller (under TLS every
@@ -219,6 +253,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._as_site(context, request.sender)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.sender, context)
+        if run["status"] == "cancelled":
+            return cpb.ReportReply(duplicate=True)  # the run was stopped: nothing more is recorded
         if request.sender in self._skipped(request.run_id):  # a site routed around, back too late
             self.ledger.add_event(request.run_id, "state", f"ignored a hop report from {request.sender} "
                                   "(routed around)", site=request.sender)
@@ -260,6 +296,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._as_site(context, request.receiver)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.receiver, context)
+        if run["status"] == "cancelled":
+            return cpb.ReportReply(duplicate=True)  # the run was stopped: nothing more is recorded
         purpose = PURPOSES.get(request.purpose)
         if purpose is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, PURPOSE_ERROR)
@@ -279,6 +317,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.site, context)
+        if run["status"] == "cancelled":
+            return cpb.ReportReply(duplicate=True)  # the run was stopped: nothing more is recorded
         if request.kind == "epoch":
             val = request.val_accuracy if request.val_accuracy >= 0 else None
             self.ledger.record_metric(request.run_id, request.site, request.stage, request.model,
@@ -305,6 +345,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         names.check_final(request)
         self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
+        if run["status"] == "cancelled":
+            return cpb.ReportReply(duplicate=True)  # the run was stopped: nothing more is recorded
         last = self._plan(request.run_id)[1].final_site
         if request.site != last:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"only the final site ({last}) reports the final model")
@@ -351,6 +393,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.site, context)
+        if run["status"] == "cancelled":
+            return cpb.ReportReply(duplicate=True)  # the run was stopped: nothing more is recorded
         if request.site in self._skipped(request.run_id):
             self.ledger.add_event(request.run_id, "state", f"ignored a failure of {request.site} (routed around): "
                                   f"{request.error}", site=request.site)
@@ -509,10 +553,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if n["site"] in dead or self._end_retry.get(key, 0) > now:
                 continue
             skipped = n["site"] in self._skipped(n["run_id"])
-            reason = "this site was routed around" if skipped else (n["error"] or "")
+            reason = "this site was routed around" if skipped else (n["error"] or n["cancel_reason"] or "")
             try:  # a live site has registered: _peer dials its registered address
                 reply = self._peer({"name": n["site"], "address": ""}).EndRun(
-                    peer_pb2.EndRunRequest(run_id=n["run_id"], status=n["status"], reason=reason), timeout=5.0)
+                    peer_pb2.EndRunRequest(run_id=n["run_id"], status=n["status"], reason=reason,
+                                           cancelled_by=n["cancelled_by"] or ""), timeout=5.0)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: the site never had the run
                     log.info("end of run %s not delivered to %s yet: %s", n["run_id"], n["site"],
@@ -522,7 +567,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 reply = None
             self.ledger.end_notice_delivered(*key)
             self._end_retry.pop(key, None)
-            if reply is not None and (reply.state == "ended" or reply.removed_bytes):
+            if reply is not None and (reply.state == "ended" or reply.removed_bytes) and n["status"] != "cancelled":
                 self.ledger.add_event(n["run_id"], "state", f"{n['site']}: told the run is over; its state "
                                       f"{reply.state}, {reply.removed_bytes} bytes of partial transfers removed",
                                       site=n["site"])
@@ -611,11 +656,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def StartChain(self, request: cpb.StartChainRequest, context) -> cpb.StartChainReply:
         names.check_start_chain(request)
         self._as_operator(context)
+        stale_warnings: list[str] = []
         peers = [
             PeerInfo(name=p["name"], address=p["address"],
                      classes={c["name"]: (c["train"], c["test"]) for c in p["classes"]},
                      shape=(p["channels"], p["height"], p["width"]), device=p["device"])
-            for p in self.ledger.peers()
+            for p in self._fresh_peers(list(request.peers), stale_warnings, context)
         ]
         rounds = request.rounds or 1
         params = run_params.to_dict(request.params)
@@ -626,7 +672,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                 seed=request.seed, arch=request.arch or "cnn")
             plan = self._new_plan(params["strategy"], chosen.names, rounds, request.aggregator, request.seed)
         except ValueError as exc:  # PlanError too
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join([str(exc), *stale_warnings]))
+        chosen.warnings[:0] = stale_warnings
         unreachable = []
         for p in chosen.order:
             try:
@@ -672,6 +719,29 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
         self.ledger.add_event(run_id, "assigned", "every site has its assignment")
         return cpb.StartChainReply(run_id=run_id, order=chosen.names, warnings=chosen.warnings)
+
+    def _fresh_peers(self, named: list[str], warnings: list[str], context) -> list[dict]:
+        """The registered peers a run may use. A peer is stale when it has sent no heartbeat for
+        more than ``peer_timeout`` seconds: without ``named`` (the default peer set) stale peers
+        are left out, with a warning naming them appended to ``warnings``; a stale peer named
+        explicitly aborts with FAILED_PRECONDITION."""
+        peers = self.ledger.peers()
+        now = time.time()
+        stale = {p["name"]: now - (p["last_seen"] or 0) for p in peers if now - (p["last_seen"] or 0) > self.peer_timeout}
+        if named:
+            bad = [n for n in named if n in stale]
+            if bad:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stale peers (no heartbeat for longer than "
+                              f"--peer-timeout {self.peer_timeout:g} s): " + ", ".join(
+                                  f"{n} (last seen {stale[n]:.0f} s ago)" for n in bad)
+                              + "; start their daemons again, leave them out of --peers, or `coordinator "
+                              "forget-peer NAME`")
+            return peers
+        if stale:
+            warnings.append(f"left out {len(stale)} stale peer(s), no heartbeat for longer than --peer-timeout "
+                            f"{self.peer_timeout:g} s: " + ", ".join(f"{n} (last seen {s:.0f} s ago)"
+                                                                     for n, s in sorted(stale.items())))
+        return [p for p in peers if p["name"] not in stale]
 
     @staticmethod
     def _new_plan(strategy: str, order: list[str], rounds: int, aggregator: str, seed: int) -> Plan:
@@ -780,6 +850,43 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return
         context.abort(grpc.StatusCode.UNAVAILABLE, "cannot fetch the final model: " + "; ".join(errors))
 
+    # -- run control ------------------------------------------------------------------------------
+    def StopRun(self, request: cpb.StopRunRequest, context) -> cpb.RunSummary:
+        """Cancel a running run (see ``Ledger.cancel_run``): the monitor then delivers its end
+        notices, and every site stops at its next epoch or transfer boundary and removes its
+        partial files. Aborts NOT_FOUND (unknown run) or FAILED_PRECONDITION (already ended)."""
+        names.check_run_id(request.run_id)
+        names.check_text(request.reason, "reason", max_chars=1000)
+        self._as_operator(context)
+        who = wire.caller_identity(context) or INSECURE_OPERATOR
+        run = self._running_run(request.run_id, context)
+        if not self.ledger.cancel_run(request.run_id, who, request.reason):
+            run = self.ledger.run(request.run_id)
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run["ended"] or 0))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"run {request.run_id} has already ended ({run['status']} at {when}); there is nothing to stop")
+        log.info("run %s cancelled by %s%s", run["run_id"], who, f": {request.reason}" if request.reason else "")
+        return self.summary(request.run_id)
+
+    def ForgetPeer(self, request: cpb.ForgetPeerRequest, context) -> cpb.ForgetPeerReply:
+        """Remove a peer's registration. Aborts NOT_FOUND (unknown name) or FAILED_PRECONDITION
+        (a site of a running run, not routed around). A daemon still running under that name
+        registers again at its next heartbeat."""
+        names.check_site_name(request.name, "name")
+        self._as_operator(context)
+        peer = self.ledger.peer(request.name)
+        if peer is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no peer named {request.name!r} is registered")
+        busy = [r for r in self.ledger.running_run_ids()
+                if request.name in [c["name"] for c in self.ledger.run(r)["chain"]] and request.name not in self._skipped(r)]
+        if busy:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{request.name} is a site of running run(s) {', '.join(busy)}; wait for them to end or "
+                          "`coordinator stop RUN` first")
+        self.ledger.forget_peer(request.name)
+        log.info("forgot peer %s (was registered at %s)", request.name, peer["address"])
+        return cpb.ForgetPeerReply(name=request.name, address=peer["address"])
+
     # -- summaries --------------------------------------------------------------------------------
     def summary(self, run_id: str) -> cpb.RunSummary | None:
         run = self.ledger.run(run_id)
@@ -792,6 +899,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             created=run["created"], ended=run["ended"] or 0, insecure=bool(run["insecure"]),
             params=run_params.to_pb(run["params"]), rounds=run["rounds"], final_site=run["final_site"] or "",
             upload_bytes=run["upload_bytes"] or 0,
+            cancelled_by=run["cancelled_by"] or "", cancel_reason=run["cancel_reason"] or "",
         )
         s.live.extend(now.to_pb() for now in self.live.sites(run))
         plans = self.ledger.plans(run_id)

@@ -263,6 +263,7 @@ def check_end_run(r) -> None:
     check_run_id(r.run_id)
     check_label(r.status, "status")
     check_text(r.reason, "reason")
+    check_label(r.cancelled_by, "cancelled_by")
 
 
 def check_registration(r) -> None:
@@ -272,6 +273,7 @@ def check_registration(r) -> None:
     check_class_names([c.name for c in r.classes], "classes")
     check_label(r.device, "device")
     check_label(r.version, "version")
+    check_label(r.instance, "instance")
 
 
 def check_hop_report(r) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -71,18 +72,22 @@ def _warm_up_imports() -> None:
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])
 
 
-def registration(name: str, address: str, data: SiteData, device: str) -> cpb.RegisterRequest:
+def registration(name: str, address: str, data: SiteData, device: str, instance: str = "") -> cpb.RegisterRequest:
     c, h, w = data.image_shape
     return cpb.RegisterRequest(
         name=name, address=address, channels=c, height=h, width=w, device=device, version=__version__,
+        instance=instance,
         classes=[cpb.ClassCount(name=k, train=data.train_counts.get(k, 0), test=data.test_counts.get(k, 0))
                  for k in data.class_names])
 
 
-def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: threading.Event) -> None:
+def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: threading.Event,
+               refused: list[str] | None = None) -> None:
     """Register until the coordinator answers, then re-register every heartbeat (this also
     re-registers after a coordinator restart). An unexpected error is logged with its traceback
-    and the heartbeat goes on (a silent end would get the site routed around)."""
+    and the heartbeat goes on (a silent end would get the site routed around). ALREADY_EXISTS
+    (another live daemon serves this site's name) appends the coordinator's message to
+    ``refused`` and sets ``stop``: this daemon must not serve."""
     period = None
     delays = backoff_delays(cap=10.0)
     while not stop.is_set():
@@ -96,6 +101,12 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
             stop.wait(period)
         except grpc.RpcError as exc:
             link.registration_error = wire.status_message(exc)
+            if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                log.error("the coordinator refused the registration: %s", exc.details())
+                if refused is not None:
+                    refused.append(exc.details() or "another daemon serves this site's name")
+                stop.set()
+                return
             if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
                 log.error("the coordinator refused the registration: %s", exc.details())
             else:
@@ -108,6 +119,19 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
             log.exception("heartbeat failed; retrying")
             period = None
             stop.wait(next(delays))
+
+
+def _claim_name(link: CoordinatorLink, request: cpb.RegisterRequest) -> str | None:
+    """One registration before the daemon resumes any run: the coordinator's message when it
+    refuses the name because another live daemon serves it (ALREADY_EXISTS), else None (also
+    when the coordinator cannot be reached now: the heartbeat keeps trying)."""
+    try:
+        link.stub.Register(request, timeout=10.0)
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+            log.error("the coordinator refused the registration: %s", exc.details())
+            return exc.details() or "another daemon serves this site's name"
+    return None
 
 
 def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir: Path, device: str,
@@ -125,7 +149,8 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
 
     Raises ``DataError`` (bad data folder), ``ValueError`` (bad device or address, a name or class
     folder name that breaks its ``fedrelay.names`` rule, or a TLS identity that is not ``name``)
-    or ``RuntimeError`` (cannot listen) before serving anything.
+    or ``RuntimeError`` (cannot listen) before serving anything; ``RuntimeError`` also when the
+    coordinator refuses the site's name because another live daemon serves it (ALREADY_EXISTS).
     """
     names.check_site_name(name, "--name")
     if transport.secure and transport.identity != name:
@@ -159,6 +184,8 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     link = CoordinatorLink(coordinator, transport)
     node = PeerNode(name, address, data, Path(state_dir), device, link, transport=transport,
                     stall_timeout=stall_timeout, weights_dir=weights_dir)
+    node.instance = secrets.token_hex(8)  # this process's id: a second daemon under the same name is refused
+    refused: list[str] = []
     add_peer_servicer(PeerServicer(node), server)
     node.metrics.watch(guard)
     health = Health(server, PEER_SERVICE)
@@ -169,8 +196,14 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
              "mutual TLS" if transport.secure else "INSECURE plaintext", state_dir, device)
     stop = stop or threading.Event()
     node.stop = stop
+    request = registration(name, address, data, device, node.instance)
+    claim = _claim_name(link, request)
+    if claim is not None:  # another live daemon serves this name: resume nothing of its state
+        server.stop(grace=None).wait()
+        link.close()
+        raise RuntimeError(f"not serving: {claim}")
     node.resume()
-    hb = threading.Thread(target=_heartbeat, args=(link, registration(name, address, data, device), stop),
+    hb = threading.Thread(target=_heartbeat, args=(link, request, stop, refused),
                           name="heartbeat", daemon=True)
     hb.start()
     health.serving()
@@ -184,3 +217,5 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
         server.stop(grace=2).wait()
         node.metrics.close()
         link.close()
+    if refused:
+        raise RuntimeError(f"not serving: {refused[0]}")

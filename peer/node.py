@@ -28,7 +28,7 @@ from fedrelay.peer.monitoring import PeerMetrics
 from fedrelay.peer.reporting import RETRYABLE, CoordinatorLink, Reporter
 from fedrelay.wire import backoff_delays
 from fedrelay.peer.runs import ACTIVE, Run, sent_key
-from fedrelay.peer.transfer import (TransferError, check_header_fields, held_bytes, receive_model,
+from fedrelay.peer.transfer import (SendCancelled, TransferError, check_header_fields, held_bytes, receive_model,
                                     remove_partials, send_model)
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2
 
@@ -72,6 +72,7 @@ class PeerNode:
         self.stop = threading.Event()
         self.metrics = PeerMetrics(self)  # Prometheus metrics (peer/monitoring.py)
         self.started = time.time()
+        self.instance = ""  # the daemon process's random id (RegisterRequest.instance), set by serve()
         self._load_runs()
 
     # -- persistence -----------------------------------------------------------------------------
@@ -248,6 +249,8 @@ class PeerNode:
             run = holder.get("run")
             if run is not None and run.state == "receiving" and "was" in holder:
                 self._set_state(run, *holder["was"], persist=False)
+            if run is not None and run.ended.is_set() and "dest" in holder:
+                remove_partials(holder["dest"].parent)  # the run is over: this transfer never completes
             raise
         finally:
             watched.close()
@@ -630,6 +633,8 @@ class PeerNode:
         a = run.assignment
         folder = run.visit_dir(r)
         with self._train_lock:
+            if run.ended.is_set():  # ended while waiting for the site's hardware
+                raise RunEnded(run.run_id)
             self._set_state(run, "training", f"round {r}" if (a.rounds or 1) > 1 else "")
             spec, cfg = self._spec(a), self._train_config(a)
             images, labels = self._site_tensors("train", a.class_index)
@@ -703,8 +708,10 @@ class PeerNode:
                 # Under TLS the receiver's certificate must name the site we mean to reach.
                 attempts += 1
                 sent = send_model(to.address, header, path, transport=self.transport, expect=to.name,
-                                  counter=counter)
+                                  counter=counter, cancelled=run.ended.is_set)
                 break
+            except SendCancelled:  # the coordinator ended the run mid-stream
+                raise RunEnded(run.run_id) from None
             except grpc.RpcError as exc:
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     to = self._resolve(to)
@@ -721,6 +728,8 @@ class PeerNode:
                 if self.stop.is_set():
                     raise RuntimeError("daemon stopping") from exc
                 run.rerouted.clear()
+        if run.run_status == "cancelled":  # stopped while the last chunks went out: report nothing more
+            raise RunEnded(run.run_id)
         if sent.receipt.duplicate:  # a retry of a transfer that had arrived: acknowledged, no effect
             log.info("run %s: %s already held this model (sha256 %s)", run.run_id, to.name, sha[:12])
         if sent.resumed_from:
@@ -803,15 +812,18 @@ class PeerNode:
             self._start_worker(run)
         return run.state
 
-    def end_run(self, run_id: str, status: str, reason: str = "") -> tuple[str, int]:
-        """The coordinator says the run is over (``status`` "finished" or "failed"; idempotent).
+    def end_run(self, run_id: str, status: str, reason: str = "", cancelled_by: str = "") -> tuple[str, int]:
+        """The coordinator says the run is over (``status`` "finished", "failed" or "cancelled"
+        (stopped by ``cancelled_by``); idempotent).
 
         A run still active here (this site was routed around, or the run failed elsewhere)
         moves to the terminal state "ended": a worker waiting for a model stops waiting, a
         training stops at the end of its epoch, a delivery stops retrying, and a Handoff for the
         run is refused. A run that is done or failed here keeps its state. Either way the
         partial files of transfers that will never complete (``transfer.partial_path``) are
-        removed; the models held (received, outgoing, final) stay.
+        removed; the models held (received, outgoing, final) stay. The first notice is persisted
+        (``Run.run_status``, ``run_ended``: what ``peer prune`` goes by). After a cancellation the
+        site reports nothing more for the run (not even its state "ended").
 
         Returns ``(state, removed_bytes)``. Raises ``LookupError`` for an unknown run.
         """
@@ -823,9 +835,15 @@ class PeerNode:
             if newly:
                 run.ended.set()
                 run.wake.set()
+            first_notice = not run.run_status
+            if first_notice:
+                run.run_status, run.run_ended = status, time.time()
+        why = f"cancelled by {cancelled_by or 'the operator'}" if status == "cancelled" else f"run {status} at the coordinator"
         if newly:
-            self._set_state(run, "ended", f"run {status} at the coordinator" + (f": {reason}" if reason else ""),
-                            force=True)
+            self._set_state(run, "ended", why + (f": {reason}" if reason else ""), force=True,
+                            report=status != "cancelled")
+        elif first_notice and run.folder.is_dir():
+            run.save()
         removed = sum(remove_partials(folder) for folder in
                       {run.folder, run.path("uploads"), *(run.visit_dir(v) for v in range(1, (run.assignment.rounds or 1) + 1))}
                       if folder.is_dir())
@@ -863,7 +881,8 @@ class PeerNode:
                                       accuracy=correct / total if total else 0.0, seconds=time.time() - started)
 
     def status(self) -> peer_pb2.PeerStatus:
-        st = peer_pb2.PeerStatus(name=self.name, address=self.address, device=self.device, version=__version__)
+        st = peer_pb2.PeerStatus(name=self.name, address=self.address, device=self.device, version=__version__,
+                                 instance=self.instance)
         st.started = self.started
         if self.coordinator is not None:
             st.coordinator = self.coordinator.address
@@ -880,14 +899,16 @@ class PeerNode:
             self._tensors[key] = self.data.tensors(split, list(class_index))
         return self._tensors[key]
 
-    def _set_state(self, run: Run, state: str, detail: str, persist: bool = True, force: bool = False) -> None:
+    def _set_state(self, run: Run, state: str, detail: str, persist: bool = True, force: bool = False,
+                   report: bool = True) -> None:
         if run.ended.is_set() and not force:
             return  # the coordinator ended the run: its state stays "ended"
         run.state, run.detail = state, detail
         if persist:
             run.save()
         log.info("run %s: %s%s", run.run_id, state, f" ({detail})" if detail else "")
-        self._report_state(run)
+        if report:
+            self._report_state(run)
 
     def _report_state(self, run: Run) -> None:
         self.reporter.progress(cpb.ProgressReport(run_id=run.run_id, site=self.name, kind="state",

@@ -3,7 +3,8 @@
 One :class:`Run` per run the site takes part in, persisted in its folder of the state dir::
 
     runs/<run_id>/assignment.pb        the coordinator's Assignment (protobuf; replaced by a Reroute)
-    runs/<run_id>/state.json           state, detail, transfers sent, receipts, final digest
+    runs/<run_id>/state.json           state, detail, transfers sent, receipts, final digest, and the
+                                       run's status at the coordinator once it ended (``peer prune``)
     runs/<run_id>/final.safetensors    the final model, copied here for evaluation (not at a chain's
                                        final site); a star plan's aggregator writes it here
     runs/<run_id>/uploads/<site>.safetensors   a star plan's aggregator: each site's upload
@@ -48,6 +49,10 @@ class Run:
     final_sha256: str = ""
     receipts: dict = field(default_factory=dict)     # key -> {"report": ReceiptReport fields, "reported": bool}
     missing: list[str] = field(default_factory=list)  # star aggregator: sites whose upload never came
+    # The run's status at the coordinator once its end notice arrived (Peer.EndRun): finished,
+    # failed or cancelled, and when (unix seconds); "" / 0 while the run may still be running.
+    run_status: str = ""
+    run_ended: float = 0.0
     wake: threading.Event = field(default_factory=threading.Event)  # a model arrived, or the route changed
     rerouted: threading.Event = field(default_factory=threading.Event)
     ended: threading.Event = field(default_factory=threading.Event)  # the coordinator ended the run (EndRun)
@@ -60,14 +65,16 @@ class Run:
         a = peer_pb2.Assignment.FromString((folder / "assignment.pb").read_bytes())
         doc = json.loads((folder / "state.json").read_text())
         run = cls(a, folder, doc.get("state", "assigned"), doc.get("detail", ""), doc.get("sent", []),
-                  doc.get("final_sha256", ""), doc.get("receipts", {}), doc.get("missing", []))
+                  doc.get("final_sha256", ""), doc.get("receipts", {}), doc.get("missing", []),
+                  doc.get("run_status", ""), doc.get("run_ended", 0.0))
         if run.state == "ended":
             run.ended.set()
         return run
 
     def save(self) -> None:
         doc = {"state": self.state, "detail": self.detail, "sent": self.sent, "final_sha256": self.final_sha256,
-               "receipts": self.receipts, "missing": self.missing}
+               "receipts": self.receipts, "missing": self.missing, "run_status": self.run_status,
+               "run_ended": self.run_ended}
         wire.atomic_write(self.path("state.json"), json.dumps(doc, indent=1).encode())
 
     def save_assignment(self, a: peer_pb2.Assignment) -> None:

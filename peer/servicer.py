@@ -93,7 +93,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         names.check_end_run(request)
         self._from_coordinator(context)
         try:
-            state, removed = self.node.end_run(request.run_id, request.status, request.reason)
+            state, removed = self.node.end_run(request.run_id, request.status, request.reason, request.cancelled_by)
         except LookupError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         return peer_pb2.EndRunReply(run_id=request.run_id, state=state, removed_bytes=removed)

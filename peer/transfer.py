@@ -333,21 +333,30 @@ def model_stream(header: common_pb2.TransferHeader, path: Path, counter: list[in
         yield msg
 
 
-def encoded_model_stream(header: common_pb2.TransferHeader, path: Path, counter: list[int]) -> Iterator[bytes]:
+def encoded_model_stream(header: common_pb2.TransferHeader, path: Path, counter: list[int],
+                         cancelled: Callable[[], bool] | None = None) -> Iterator[bytes]:
     """:func:`model_stream` already serialized (for an identity request serializer): the same
     bytes on the wire without building a protobuf message per chunk, from ``header.offset`` on.
     ``counter[0]`` accumulates the bytes put on the wire (messages plus gRPC's 5-byte frame
-    prefix each)."""
+    prefix each). ``cancelled``, when given, is asked before each chunk: True ends the stream
+    there, short of the payload's size (the receiver refuses it and keeps the bytes as a
+    partial transfer, which its end notice removes)."""
     raw = common_pb2.ModelChunk(header=header).SerializeToString()
     counter[0] += len(raw) + GRPC_FRAME_BYTES
     yield raw
     for block in wire.iter_file_chunks(path, start=header.offset):
+        if cancelled is not None and cancelled():
+            return
         raw = encode_data_chunk(block)
         counter[0] += len(raw) + GRPC_FRAME_BYTES
         yield raw
 
 
 OFFSET_METHOD = "/fedrelay.v1.Peer/TransferOffset"
+
+
+class SendCancelled(Exception):
+    """``send_model``'s ``cancelled`` said stop: the stream was cut short at a chunk boundary."""
 
 
 @dataclass
@@ -362,7 +371,7 @@ class Sent:
 
 def send_model(address: str, header: common_pb2.TransferHeader, path: Path, timeout: float | None = None,
                *, transport=None, expect: str | None = None, resume: bool = True,
-               counter: list[int] | None = None) -> Sent:
+               counter: list[int] | None = None, cancelled: Callable[[], bool] | None = None) -> Sent:
     """Stream the model file at ``path`` to the peer at ``address`` (Peer.Handoff).
 
     ``header.total_bytes`` and ``header.sha256`` must describe the file. ``transport`` (a
@@ -371,8 +380,10 @@ def send_model(address: str, header: common_pb2.TransferHeader, path: Path, time
     ``wire.transfer_timeout(total_bytes)`` seconds. ``resume``: first ask the receiver how
     many bytes of this payload it holds from a broken earlier stream (``Peer.TransferOffset``;
     a receiver without that method counts as 0) and send only the rest. ``counter[0]``, when
-    given, accumulates the bytes put on the wire, also by a call that fails. Raises
-    ``grpc.RpcError`` when the receiver refuses or cannot be reached.
+    given, accumulates the bytes put on the wire, also by a call that fails. ``cancelled``,
+    when given, is asked before each chunk; when it says True the stream ends there, short of the
+    payload (the receiver refuses it as truncated), and :class:`SendCancelled` is raised. Raises ``grpc.RpcError``
+    when the receiver refuses or cannot be reached.
     """
     counter = counter if counter is not None else [0]
     before = counter[0]
@@ -402,5 +413,10 @@ def send_model(address: str, header: common_pb2.TransferHeader, path: Path, time
             header = resumed
         handoff = channel.stream_unary(HANDOFF_METHOD, request_serializer=None,
                                        response_deserializer=peer_pb2.HandoffReceipt.FromString)
-        receipt = handoff(encoded_model_stream(header, path, counter), timeout=timeout)
+        try:
+            receipt = handoff(encoded_model_stream(header, path, counter, cancelled), timeout=timeout)
+        except grpc.RpcError:
+            if cancelled is not None and cancelled():  # the receiver refused the stream we cut short
+                raise SendCancelled("the transfer was cancelled") from None
+            raise
     return Sent(receipt, header.total_bytes, counter[0] - before, started, time.time(), offset)

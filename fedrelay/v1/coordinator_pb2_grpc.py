@@ -106,6 +106,16 @@ class CoordinatorStub:
                 request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.GetRunRequest.SerializeToString,
                 response_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.MetricsReply.FromString,
                 _registered_method=True)
+        self.StopRun = channel.unary_unary(
+                '/fedrelay.v1.Coordinator/StopRun',
+                request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.StopRunRequest.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.RunSummary.FromString,
+                _registered_method=True)
+        self.ForgetPeer = channel.unary_unary(
+                '/fedrelay.v1.Coordinator/ForgetPeer',
+                request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerRequest.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -208,6 +218,24 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StopRun(self, request, context):
+        """Cancel a running run: it ends "cancelled" (who and when recorded); every site stops at its
+        next epoch or transfer boundary (Peer.EndRun) and removes its partial files. FAILED_PRECONDITION
+        for a run that has already ended, NOT_FOUND for an unknown one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForgetPeer(self, request, context):
+        """Remove a registered peer from the ledger. FAILED_PRECONDITION while it is a site of a running
+        run, NOT_FOUND for an unknown name. A daemon still running under that name registers again at
+        its next heartbeat.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -280,6 +308,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetMetrics,
                     request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.GetRunRequest.FromString,
                     response_serializer=fedrelay_dot_v1_dot_coordinator__pb2.MetricsReply.SerializeToString,
+            ),
+            'StopRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopRun,
+                    request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.StopRunRequest.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_coordinator__pb2.RunSummary.SerializeToString,
+            ),
+            'ForgetPeer': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetPeer,
+                    request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerRequest.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -660,6 +698,60 @@ class Coordinator:
             '/fedrelay.v1.Coordinator/GetMetrics',
             fedrelay_dot_v1_dot_coordinator__pb2.GetRunRequest.SerializeToString,
             fedrelay_dot_v1_dot_coordinator__pb2.MetricsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Coordinator/StopRun',
+            fedrelay_dot_v1_dot_coordinator__pb2.StopRunRequest.SerializeToString,
+            fedrelay_dot_v1_dot_coordinator__pb2.RunSummary.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetPeer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Coordinator/ForgetPeer',
+            fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerRequest.SerializeToString,
+            fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerReply.FromString,
             options,
             channel_credentials,
             insecure,

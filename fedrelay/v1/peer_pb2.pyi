@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EndRunRequest(_message.Message):
-    __slots__ = ("run_id", "status", "reason")
+    __slots__ = ("run_id", "status", "reason", "cancelled_by")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_BY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     status: str
     reason: str
-    def __init__(self, run_id: _Optional[str] = ..., status: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    cancelled_by: str
+    def __init__(self, run_id: _Optional[str] = ..., status: _Optional[str] = ..., reason: _Optional[str] = ..., cancelled_by: _Optional[str] = ...) -> None: ...
 
 class EndRunReply(_message.Message):
     __slots__ = ("run_id", "state", "removed_bytes")
@@ -132,12 +134,13 @@ class RunStatus(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("name", "address", "device", "version", "runs", "coordinator", "last_registered", "registration_error", "started")
+    __slots__ = ("name", "address", "device", "version", "runs", "instance", "coordinator", "last_registered", "registration_error", "started")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     LAST_REGISTERED_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -147,11 +150,12 @@ class PeerStatus(_message.Message):
     device: str
     version: str
     runs: _containers.RepeatedCompositeFieldContainer[RunStatus]
+    instance: str
     coordinator: str
     last_registered: float
     registration_error: str
     started: float
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., coordinator: _Optional[str] = ..., last_registered: _Optional[float] = ..., registration_error: _Optional[str] = ..., started: _Optional[float] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., instance: _Optional[str] = ..., coordinator: _Optional[str] = ..., last_registered: _Optional[float] = ..., registration_error: _Optional[str] = ..., started: _Optional[float] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
     __slots__ = ("run_id", "sha256")
