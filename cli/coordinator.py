@@ -620,21 +620,50 @@ def enroll(
     days: int = typer.Option(825, "--days", help="Validity of the certificate in days."),
     force: bool = typer.Option(False, "--force", help="Replace the key and certificate of an --out folder that "
                                "already holds them (the old key stops working with a new certificate)."),
+    kit: bool = typer.Option(False, "--kit", help="Also write a site kit into --out: peer.env, the systemd unit, "
+                             "start-peer.sh and a README.md with ports, install steps and checks."),
+    kit_coordinator: str = typer.Option(None, "--coordinator", help="--kit: the coordinator's HOST:PORT, written "
+                                        "into peer.env \\[default: a placeholder to edit]."),
+    kit_port: int = typer.Option(50071, "--port", help="--kit: the port the site's daemon listens on; it is "
+                                 "advertised at the first --host."),
 ) -> None:
-    """Issue a key and certificate for one site (give the folder to the site; --tls DIR for `peer serve`)."""
-    from fedrelay.coordinator.pki import DEFAULT_HOSTS, PKIError, enroll as do_enroll
+    """Issue a key and certificate for one site (give the folder to the site; --tls DIR for `peer serve`);
+    with --kit, the folder is a whole site kit."""
+    from fedrelay.coordinator.pki import DEFAULT_HOSTS, PKIError, check_name, enroll as do_enroll
 
     if days < 1:
         fail("--days must be >= 1")
+    if not kit and (kit_coordinator is not None or kit_port != 50071):
+        fail("--coordinator and --port only go with --kit")
+    if kit:
+        from fedrelay.coordinator.kit import write_kit
+        from fedrelay.names import InvalidName, check_address
+
+        try:
+            check_name(name)
+            if kit_coordinator is not None:
+                check_address(kit_coordinator, "--coordinator")
+            if not 1 <= kit_port <= 65535:
+                raise ValueError(f"--port must be 1-65535, not {kit_port}")
+        except (PKIError, InvalidName, ValueError) as exc:
+            fail(str(exc))
     held = [f for f in ("key.pem", "cert.pem") if (out / f).exists()]
     if held and not force:
         fail(f"{out} already holds {' and '.join(held)}: an identity is never overwritten silently; pass --force "
              "to replace it, or choose another --out folder")
     try:
         do_enroll(name, ca, out, hosts=host or DEFAULT_HOSTS, days=days)
-    except (PKIError, OSError) as exc:
+        if kit:
+            write_kit(out, name, hosts=host or DEFAULT_HOSTS, coordinator=kit_coordinator, port=kit_port)
+    except (PKIError, OSError, ValueError) as exc:
         fail(str(exc))
     console.print(f"enrolled {name}: {out} (key.pem, cert.pem, ca.pem)", highlight=False)
+    if kit:
+        console.print(f"site kit in {out}: peer.env, fedrelay-peer.service, start-peer.sh, README.md (hand the "
+                      "whole folder to the site over a channel you trust: it holds key.pem)", highlight=False)
+        if kit_coordinator is None:
+            err_console.print("[bold yellow]warning:[/] no --coordinator: peer.env holds a placeholder "
+                              "coordinator address to edit", highlight=False)
 
 
 @app.command("split-dataset")

@@ -45,9 +45,15 @@ def serve(
                                        "(plain HTTP, /metrics; unauthenticated: bind it where only your "
                                        "monitoring reaches) \\[default: off]."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
+    check: bool = typer.Option(False, "--check", help="Only validate the options (name, TLS identity, addresses, "
+                               "device, state dir, data folder), print one line and exit 0; listens on nothing."),
 ) -> None:
     """Serve a site: receive models from the predecessor, train the model pool, send to the successor."""
     transport = transport_from(tls, insecure)
+    if check:
+        _check_serve(data, name, listen, coordinator, state_dir or Path(".fedrelay") / name, device, advertise,
+                     transport, stall_timeout, weights_dir)
+        return
     setup_logging(verbose, prefix=f"[{name}] ")
     stop_on_sigterm()
     from fedrelay.peer.daemon import serve as run_daemon
@@ -62,6 +68,22 @@ def serve(
         fail(str(exc))
     except KeyboardInterrupt:
         pass
+
+
+def _check_serve(data, name, listen, coordinator, state_dir, device, advertise, transport, stall_timeout,
+                 weights_dir) -> None:
+    """``peer serve --check``: ``fedrelay.peer.preflight.check_serve_options``, one line, exit 0 or fail."""
+    from fedrelay.cli.common import console
+    from fedrelay.peer.preflight import check_serve_options
+
+    try:
+        r = check_serve_options(data_dir=data, name=name, listen=listen, coordinator=coordinator, state_dir=state_dir,
+                                device=device, transport=transport, advertise=advertise, stall_timeout=stall_timeout,
+                                weights_dir=weights_dir)
+    except ValueError as exc:
+        fail(str(exc))
+    console.print(f"ok: site {name}, {r.images} images in {len(r.classes)} classes, device {r.device}, dialled at "
+                  f"{r.address}, coordinator {coordinator}, state dir {state_dir}", highlight=False, soft_wrap=True)
 
 
 @app.command()
