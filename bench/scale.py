@@ -156,7 +156,7 @@ class FakePeer(_peer_servicer_base()):
     """The Peer service of one synthetic site: answers what the coordinator calls (the rest:
     UNIMPLEMENTED)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, listen: str = "127.0.0.1:0"):
         from fedrelay.v1 import peer_pb2_grpc
 
         self.name = name
@@ -164,7 +164,7 @@ class FakePeer(_peer_servicer_base()):
         self.assigned = threading.Event()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         peer_pb2_grpc.add_PeerServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_insecure_port(listen)
         self.address = f"127.0.0.1:{self.port}"
         self.server.start()
 
@@ -377,10 +377,84 @@ def coordinator_only(ns: list[int], visit_seconds: float, work: Path, publish: b
     return figures
 
 
+# -- the launcher and real chains -----------------------------------------------------------------
+def fake_peer(name: str, listen: str, coordinator: str) -> None:
+    """A fake daemon process for launcher dry runs: serves the fake Peer at ``listen``,
+    registers with ``coordinator`` and heartbeats until SIGTERM."""
+    from fedrelay.v1 import coordinator_pb2_grpc
+
+    peer = FakePeer(name, listen)
+    stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(coordinator))
+    sites = Sites.__new__(Sites)
+    sites.peers, sites.stubs, sites.heartbeat_seconds = {name: peer}, {name: stub}, 10
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    while not stop.is_set():
+        try:
+            sites.register(name)
+        except grpc.RpcError:
+            stop.wait(0.5)
+            continue
+        stop.wait(sites.heartbeat_seconds)
+    peer.server.stop(0)
+
+
+def process_tree_rss(pids: list[int]) -> int:
+    """Sum of the resident set sizes (bytes) of ``pids`` and their children."""
+    total, seen = 0, set()
+    todo = list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            pass
+    return total
+
+
+def launcher_dry_run(n: int, work: Path, start_concurrency: int) -> dict:
+    """``deploy/local_trial.py``'s LocalTrial at ``n`` sites with fake daemons (this module's
+    ``--fake-peer``): ports, staggered start-up, the readiness wait, logs and teardown."""
+    from bench.common import deploy_script
+
+    lt = deploy_script("local_trial")
+    lt.raise_open_files_limit()
+
+    class DryTrial(lt.LocalTrial):
+        def peer_argv(self, site_dir, security):
+            return [sys.executable, "-m", "bench.scale", "--fake-peer", site_dir.name, self.addresses[site_dir.name],
+                    self.coordinator]
+
+    dirs = [work / "sites" / f"site-{i:03d}" for i in range(n)]
+    t0 = time.monotonic()
+    trial = DryTrial(work / "trial", dirs, insecure=True, start_concurrency=start_concurrency,
+                     env={"PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    with trial:
+        started = time.monotonic() - t0
+        assert len(set(trial.addresses.values())) == n + 1, "two daemons were given one port"
+        pids = [p.pid for p in trial.procs.values()]
+        rss = process_tree_rss(pids)
+    stopped = time.monotonic() - t0 - started
+    left = [name for name, p in trial.procs.items() if p.poll() is None]
+    return {"sites": n, "start_s": round(started, 1), "stop_s": round(stopped, 1), "rss_bytes": rss,
+            "logs": len(list((work / "trial" / "logs").glob("*.log"))), "still_running": left}
+
+
 def main(argv=None) -> dict | None:
     ap = argparse.ArgumentParser(description="Issue 13's scale study (the coordinator's part)")
     ap.add_argument("--serve-coordinator", nargs=3, metavar=("LISTEN", "DB", "STATS"), help=argparse.SUPPRESS)
+    ap.add_argument("--fake-peer", nargs=3, metavar=("NAME", "LISTEN", "COORDINATOR"), help=argparse.SUPPRESS)
     ap.add_argument("--coordinator-only", action="store_true", help="synthetic sites against a real coordinator")
+    ap.add_argument("--launcher-dry-run", type=int, default=0, metavar="N",
+                    help="start and stop N fake daemons with deploy/local_trial.py's launcher (no training)")
+    ap.add_argument("--start-concurrency", type=int, default=8)
     ap.add_argument("--sites", default="3,10,30,100", help="N values, comma-separated")
     ap.add_argument("--visit-seconds", type=float, default=1.0, help="each synthetic visit's pretend training time")
     ap.add_argument("--workdir", type=Path, default=None)
@@ -389,9 +463,17 @@ def main(argv=None) -> dict | None:
     if args.serve_coordinator:
         serve_coordinator(*args.serve_coordinator)
         return None
-    if not args.coordinator_only:
-        ap.error("say --coordinator-only (the real-chain modes are not part of this module yet)")
+    if args.fake_peer:
+        fake_peer(*args.fake_peer)
+        return None
     work = args.workdir or Path(tempfile.mkdtemp(prefix="fedrelay-bench-scale-"))
+    if args.launcher_dry_run:
+        row = launcher_dry_run(args.launcher_dry_run, work, args.start_concurrency)
+        print(json.dumps(row))
+        return row
+    if not args.coordinator_only:
+        ap.error("say --coordinator-only or --launcher-dry-run N (the real-chain modes are not part of this "
+                 "module yet)")
     ns = [int(x) for x in args.sites.split(",")]
     return coordinator_only(ns, args.visit_seconds, work, publish=not args.no_record)
 

@@ -131,9 +131,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             wire.split_hostport(request.address)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self._check_claim(request, context)
+        before = self._check_claim(request, context)
         classes = [{"name": c.name, "train": c.train, "test": c.test} for c in request.classes]
-        before = self.ledger.peer(request.name)
         self.ledger.upsert_peer(request.name, request.address, classes,
                                 (request.channels, request.height, request.width),
                                 request.device, request.version)
@@ -142,18 +141,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.ledger.set_peer_instance(request.name, request.instance)
         return cpb.RegisterReply(version=__version__, heartbeat_seconds=self.heartbeat_seconds)
 
-    def _check_claim(self, request: cpb.RegisterRequest, context) -> None:
+    def _check_claim(self, request: cpb.RegisterRequest, context) -> dict | None:
         """A second daemon claiming a live site's name is refused (ALREADY_EXISTS, logged).
 
         Each daemon process registers with a random ``instance`` id. A registration of a
         registered name from another instance is refused only when the registered daemon is
         proven alive: it answers ``GetStatus`` at the registered address within
-        ``CLAIM_PROBE_TIMEOUT`` seconds with the same name and instance id. Otherwise (a
+        ``CLAIM_PROBE_TIMEOUT`` seconds with the same name and instance id. Returns the name's
+        registration before this one (None: the first). Otherwise (a
         daemon restarted after a crash, maybe on another port) the new one takes the name
         over, and that is logged. Heartbeats of the same instance are re-registrations."""
         old = self.ledger.peer(request.name)
         if old is None or not old["instance"] or not request.instance or old["instance"] == request.instance:
-            return
+            return old
         alive = False
         if old["address"] != request.address:
             try:
@@ -169,6 +169,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                           "that daemon first, or start this one with another --name")
         log.info("site %s: a new daemon at %s takes over the name from the one registered at %s "
                  "(it does not answer as that site any more)", request.name, request.address, old["address"])
+        return old
 
     def ResolveSite(self, request: cpb.ResolveSiteRequest, context) -> common_pb2.SiteRef:
         """The address a site last registered with. Any authenticated caller (under TLS every
