@@ -19,6 +19,7 @@ import os
 import sqlite3
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,7 @@ CREATE TABLE IF NOT EXISTS events (
     message TEXT NOT NULL, data TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS events_run ON events (run_id, seq);
+CREATE INDEX IF NOT EXISTS hops_run ON hops (run_id, purpose);
 CREATE TABLE IF NOT EXISTS skips (
     run_id TEXT NOT NULL, site TEXT NOT NULL,
     time REAL NOT NULL, reason TEXT NOT NULL,
@@ -109,10 +111,12 @@ CREATE TABLE IF NOT EXISTS end_notices (  -- "the run is over", owed to every si
     delivered REAL,                 -- unix seconds the site's EndRun answered; NULL: still owed
     PRIMARY KEY (run_id, site)
 );
+CREATE INDEX IF NOT EXISTS end_notices_owed ON end_notices (run_id) WHERE delivered IS NULL;
 """
 
 TERMINAL = ("finished", "failed", "cancelled")
 SENDER_SIDE = ("sender", "payload_bytes", "sha256", "schema_sha256")
+LAST_SEEN_FLUSH = 30.0  # seconds a heartbeat's last_seen may stay in memory only (Ledger.upsert_peer)
 
 
 class LedgerConflict(ValueError):
@@ -172,6 +176,17 @@ class Ledger:
             self._lock = threading.RLock()
             self._events = threading.Condition(self._lock)
             self.on_run_ended: list = []  # callables (run_id, status, error), after a run ended (finish_run)
+            self.on_event: list = []  # callables (event row), under the lock, once the event is committed
+            # Heartbeats: a registration that changes nothing but last_seen is kept in memory
+            # (``_seen``) and written for all sites at once every ``last_seen_flush`` seconds.
+            self.last_seen_flush = LAST_SEEN_FLUSH
+            self._peer_rows: dict[str, tuple] = {}  # name -> what the ledger holds besides last_seen
+            self._instances: dict[str, str] = {}  # name -> the daemon instance id the ledger holds
+            self._seen: dict[str, float] = {}  # name -> last_seen newer than the ledger's
+            self._flushed = time.monotonic()
+            self._plans: dict[str, list[dict]] = {}  # run id -> every version of its plan (immutable)
+            self._in_batch = False
+            self._deferred: list[dict] = []  # events of the open batch, published at its commit
             with self._lock:
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
@@ -197,7 +212,44 @@ class Ledger:
 
     def close(self) -> None:
         with self._lock:
+            self.flush_last_seen()
             self._db.close()
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The ledger's (re-entrant) lock: held, nothing is written or published meanwhile."""
+        return self._lock
+
+    @contextmanager
+    def batch(self):
+        """Group the writes made inside (``add_event``, ``record_hop``, ``record_receipt``,
+        ``record_metric``, ``update_run``; not the methods that open their own transaction) into
+        one transaction: one commit (one fsync) instead of one per write. Events are published
+        (``on_event``) after the commit; nothing is when the block raises (rolled back)."""
+        with self._lock:
+            if self._in_batch:
+                yield
+                return
+            self._db.execute("BEGIN IMMEDIATE")
+            self._in_batch = True
+            try:
+                yield
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                self._deferred.clear()
+                raise
+            finally:
+                self._in_batch = False
+            published, self._deferred = self._deferred, []
+            for event in published:
+                self._publish(event)
+
+    def _publish(self, event: dict) -> None:
+        """Hand a committed event to the listeners and wake ``wait_for_events`` (lock held)."""
+        for listener in self.on_event:
+            listener(event)
+        self._events.notify_all()
 
     def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         with self._lock:
@@ -209,8 +261,44 @@ class Ledger:
 
     # -- peers ---------------------------------------------------------------------------------
     def upsert_peer(self, name: str, address: str, classes: list[dict], shape: tuple[int, int, int],
-                    device: str, version: str) -> None:
+                    device: str, version: str) -> bool:
+        """Record a registration (or a heartbeat: the same registration again) at the current
+        time. A heartbeat that changes nothing but ``last_seen`` writes nothing: its time is kept
+        in memory (``peer`` and ``peers`` show it) and written, for every site at once, when
+        ``last_seen_flush`` seconds have passed since the last such write, and at ``close``.
+        Returns True when the registration was written."""
         now = time.time()
+        row = (address, json.dumps(classes), *shape, device, version)
+        with self._lock:
+            if self._peer_rows.get(name) == row:
+                self._seen[name] = now
+                if time.monotonic() - self._flushed >= self.last_seen_flush:
+                    self.flush_last_seen()
+                return False
+            self._write_peer(name, row, now)
+            return True
+
+    def flush_last_seen(self) -> int:
+        """Write the heartbeats' times kept in memory, in one transaction; returns how many."""
+        with self._lock:
+            self._flushed = time.monotonic()
+            if not self._seen:
+                return 0
+            seen, self._seen = self._seen, {}
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany("UPDATE peers SET last_seen = MAX(COALESCE(last_seen, 0), ?) WHERE name = ?",
+                                     [(t, n) for n, t in seen.items()])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            return len(seen)
+
+    def _write_peer(self, name: str, row: tuple, now: float) -> None:
+        address, classes = row[0], row[1]
+        self._seen.pop(name, None)
+        self._peer_rows.pop(name, None)
         self._exec(
             """INSERT INTO peers (name, address, classes, channels, height, width, device, version,
                                   registered, last_seen)
@@ -218,26 +306,51 @@ class Ledger:
                ON CONFLICT(name) DO UPDATE SET address=excluded.address, classes=excluded.classes,
                    channels=excluded.channels, height=excluded.height, width=excluded.width,
                    device=excluded.device, version=excluded.version, last_seen=excluded.last_seen""",
-            (name, address, json.dumps(classes), *shape, device, version, now, now),
+            (name, address, classes, *row[2:5], row[5], row[6], now, now),
         )
+        self._peer_rows[name] = row
+
+    def _overlay(self, row: dict[str, Any]) -> dict[str, Any]:
+        """``row`` with the latest heartbeat's time kept in memory, when newer (lock held)."""
+        seen = self._seen.get(row["name"])
+        if seen is not None and seen > (row["last_seen"] or 0):
+            row["last_seen"] = seen
+        return row
 
     def peer(self, name: str) -> dict[str, Any] | None:
-        rows = self._all("SELECT name, address, last_seen, instance FROM peers WHERE name = ?", (name,))
-        return rows[0] if rows else None
+        with self._lock:
+            rows = self._all("SELECT name, address, last_seen, instance FROM peers WHERE name = ?", (name,))
+            return self._overlay(rows[0]) if rows else None
 
     def set_peer_instance(self, name: str, instance: str) -> None:
-        """Record the random id of the daemon process now serving ``name`` (after ``upsert_peer``)."""
-        self._exec("UPDATE peers SET instance = ? WHERE name = ?", (instance, name))
+        """Record the random id of the daemon process now serving ``name`` (after ``upsert_peer``);
+        nothing is written when it is the one recorded."""
+        with self._lock:
+            if self._instances.get(name) == instance:
+                return
+            self._exec("UPDATE peers SET instance = ? WHERE name = ?", (instance, name))
+            self._instances[name] = instance
 
     def forget_peer(self, name: str) -> bool:
         """Remove ``name``'s registration. False when no such peer is registered."""
-        return self._exec("DELETE FROM peers WHERE name = ?", (name,)).rowcount == 1
+        with self._lock:
+            self._peer_rows.pop(name, None)
+            self._instances.pop(name, None)
+            self._seen.pop(name, None)
+            return self._exec("DELETE FROM peers WHERE name = ?", (name,)).rowcount == 1
 
     def peers(self) -> list[dict[str, Any]]:
-        rows = self._all("SELECT * FROM peers ORDER BY name")
+        with self._lock:
+            rows = [self._overlay(r) for r in self._all("SELECT * FROM peers ORDER BY name")]
         for r in rows:
             r["classes"] = json.loads(r["classes"])
         return rows
+
+    def last_seen(self) -> dict[str, float]:
+        """Every registered site's latest registration or heartbeat (unix seconds)."""
+        with self._lock:
+            return {r["name"]: self._overlay(r)["last_seen"] or 0.0
+                    for r in self._all("SELECT name, last_seen FROM peers")}
 
     # -- runs ----------------------------------------------------------------------------------
     def create_run(self, run_id: str, *, strategy: str, arch: str, seed: int, params: dict,
@@ -265,11 +378,19 @@ class Ledger:
 
     # -- plans ---------------------------------------------------------------------------------
     def plans(self, run_id: str) -> list[dict]:
-        """Every version of the run's plan, oldest first: ``[{"version", "plan", "time"}]``."""
-        rows = self._all("SELECT version, plan, time FROM plans WHERE run_id = ? ORDER BY version", (run_id,))
-        for r in rows:
-            r["plan"] = json.loads(r["plan"])
-        return rows
+        """Every version of the run's plan, oldest first: ``[{"version", "plan", "time"}]``.
+        Versions never change once written: they are read from the file once per run and kept
+        (callers must not modify them)."""
+        with self._lock:
+            cached = self._plans.get(run_id)
+            if cached:
+                return list(cached)
+            rows = self._all("SELECT version, plan, time FROM plans WHERE run_id = ? ORDER BY version", (run_id,))
+            for r in rows:
+                r["plan"] = json.loads(r["plan"])
+            if rows:
+                self._plans[run_id] = rows
+            return list(rows)
 
     def reroute(self, run_id: str, plan: dict, skips: list[tuple[str, str]]) -> int | None:
         """Record, in one transaction, the sites newly routed around (``[(site, reason)]``) and
@@ -292,6 +413,7 @@ class Ledger:
                 self._db.execute("INSERT INTO plans (run_id, version, plan, time) VALUES (?, ?, ?, ?)",
                                  (run_id, version, json.dumps(plan), now))
                 self._db.execute("COMMIT")
+                self._plans.pop(run_id, None)  # read again, with the new version, on the next question
                 return version
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -346,17 +468,20 @@ class Ledger:
                                                         (run_id,)).fetchone()["chain"])
                     self._db.executemany("INSERT OR IGNORE INTO end_notices (run_id, site) VALUES (?, ?)",
                                          [(run_id, c["name"]) for c in chain])
+                event = None
                 if ended and message:
-                    self._db.execute(
+                    event = {"run_id": run_id, "time": now, "kind": status, "site": site, "message": message,
+                             "data": json.dumps(data)}
+                    event["seq"] = int(self._db.execute(
                         "INSERT INTO events (run_id, time, kind, site, message, data) VALUES (?, ?, ?, ?, ?, ?)",
-                        (run_id, now, status, site, message, json.dumps(data)),
-                    )
+                        tuple(event[k] for k in ("run_id", "time", "kind", "site", "message", "data")),
+                    ).lastrowid)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-            if ended and message:
-                self._events.notify_all()
+            if event is not None:
+                self._publish(event)
             for listener in self.on_run_ended if ended else ():
                 listener(run_id, status, error)
             return ended
@@ -439,6 +564,24 @@ class Ledger:
             out.append(row)
         return out
 
+    def transfer(self, run_id: str, purpose: str, hop: int, receiver: str) -> dict[str, Any] | None:
+        """One transfer's row as in :meth:`hops` (None when neither end has reported it): two
+        primary-key lookups, whatever the run's size."""
+        key = (run_id, purpose, hop, receiver)
+        where = "WHERE run_id = ? AND purpose = ? AND hop = ? AND receiver = ?"
+        with self._lock:
+            sent = self._all(f"SELECT * FROM hops {where}", key)
+            got = self._all(f"SELECT * FROM receipts {where}", key)
+        if not sent and not got:
+            return None
+        row = dict(sent[0] if sent else {"run_id": run_id, "purpose": purpose, "hop": hop, "receiver": receiver,
+                                         "sender": got[0]["sender"], "payload_bytes": None, "wire_bytes": None,
+                                         "sha256": None, "started": None, "ended": None, "attempts": 0,
+                                         "resumed_from": 0, "round": None, "schema_sha256": ""})
+        row["receipt"] = got[0] if got else None
+        row["status"] = transfer_status(sent[0] if sent else None, row["receipt"])
+        return row
+
     def transfer_totals(self) -> dict[str, dict[str, int]]:
         """Every run's transfers as their senders reported them, by purpose (chain|upload|final):
         ``{purpose: {"transfers", "payload_bytes", "wire_bytes", "retries" (streams beyond the
@@ -495,13 +638,25 @@ class Ledger:
 
     # -- events --------------------------------------------------------------------------------
     def add_event(self, run_id: str, kind: str, message: str, site: str = "", **data: Any) -> int:
+        """Append an event to the run's log; returns its seq. Listeners (``on_event``) get it
+        once committed (at the end of a ``batch``)."""
+        event = {"run_id": run_id, "time": time.time(), "kind": kind, "site": site, "message": message,
+                 "data": json.dumps(data)}
         with self._events:
             cur = self._db.execute(
                 "INSERT INTO events (run_id, time, kind, site, message, data) VALUES (?, ?, ?, ?, ?, ?)",
-                (run_id, time.time(), kind, site, message, json.dumps(data)),
+                tuple(event[k] for k in ("run_id", "time", "kind", "site", "message", "data")),
             )
-            self._events.notify_all()
-            return int(cur.lastrowid)
+            event["seq"] = int(cur.lastrowid)
+            if self._in_batch:
+                self._deferred.append(event)
+            else:
+                self._publish(event)
+            return event["seq"]
+
+    def last_event_seq(self) -> int:
+        """The seq of the newest event of any run (0 when none)."""
+        return int(self._exec("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0])
 
     def events_after(self, run_id: str, seq: int) -> list[dict[str, Any]]:
         return self._all("SELECT * FROM events WHERE run_id = ? AND seq > ? ORDER BY seq", (run_id, seq))

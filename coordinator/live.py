@@ -3,8 +3,8 @@
 The coordinator keeps, in memory, one :class:`SiteNow` per site of each running run that
 somebody has asked about, folded (:func:`apply`) from the run's events in the ledger: the
 sites' state changes and epochs (``ReportProgress``), skips (routed around) and evaluations.
-:class:`LiveState` reads only the events added since it last looked, so asking is cheap while
-a run goes on, and after a coordinator restart the first question rebuilds the state from the
+:class:`LiveState` reads only the events added since it last looked (from the coordinator's
+in-memory event hub, ``coordinator/events.py``), so asking is cheap while a run goes on, and after a coordinator restart the first question rebuilds the state from the
 ledger's events: nothing is lost with the process. A run that has ended is forgotten.
 """
 
@@ -131,10 +131,12 @@ def apply(sites: dict[str, SiteNow], event: dict[str, Any], models_per_site: int
 
 class LiveState:
     """The live state of the sites of running runs, kept in memory and caught up from the
-    ledger's events on each question (thread-safe)."""
+    run's events on each question (thread-safe). ``events``: where they are read, anything
+    with ``events_after(run_id, seq)`` (the coordinator's ``EventHub``: memory, not SQLite;
+    or a ``Ledger``)."""
 
-    def __init__(self, ledger):
-        self.ledger = ledger
+    def __init__(self, events):
+        self.ledger = events
         self._runs: dict[str, tuple[int, dict[str, SiteNow]]] = {}  # run id -> (last event seq, sites)
         self._lock = threading.Lock()
 

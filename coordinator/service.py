@@ -27,6 +27,7 @@ import grpc
 
 from fedrelay import __version__, names, params as run_params, registry, wire
 from fedrelay.coordinator.ledger import TERMINAL, Ledger, LedgerConflict
+from fedrelay.coordinator.events import EventHub
 from fedrelay.coordinator.monitoring import CoordinatorMonitor
 from fedrelay.health import COORDINATOR_SERVICE, Health
 from fedrelay.coordinator.live import LiveState
@@ -70,7 +71,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._channels: dict[tuple[str, str], tuple[grpc.Channel, peer_pb2_grpc.PeerStub]] = {}
         self._channels_lock = threading.Lock()
         self.monitor = CoordinatorMonitor(self)  # metrics and the event log (coordinator/monitoring.py)
-        self.live = LiveState(ledger)  # each site's live state in running runs (show while running)
+        self.events = EventHub(ledger)  # recent events in memory, pushed to watchers (coordinator/events.py)
+        self.live = LiveState(self.events)  # each site's live state in running runs (show while running)
+        # A heartbeat's time stays in memory for at most a quarter of --peer-timeout (at most 30 s).
+        ledger.last_seen_flush = min(ledger.last_seen_flush, peer_timeout / 4)
+        self._plan_cache: dict[tuple[str, int], tuple[Plan, dict]] = {}  # (run, version) -> plan, transfer index
 
     # -- authorization ---------------------------------------------------------------------------
     def _as_site(self, context, claimed: str) -> None:
@@ -126,9 +131,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             wire.split_hostport(request.address)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self._check_claim(request, context)
+        before = self._check_claim(request, context)
         classes = [{"name": c.name, "train": c.train, "test": c.test} for c in request.classes]
-        before = self.ledger.peer(request.name)
         self.ledger.upsert_peer(request.name, request.address, classes,
                                 (request.channels, request.height, request.width),
                                 request.device, request.version)
@@ -137,18 +141,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.ledger.set_peer_instance(request.name, request.instance)
         return cpb.RegisterReply(version=__version__, heartbeat_seconds=self.heartbeat_seconds)
 
-    def _check_claim(self, request: cpb.RegisterRequest, context) -> None:
+    def _check_claim(self, request: cpb.RegisterRequest, context) -> dict | None:
         """A second daemon claiming a live site's name is refused (ALREADY_EXISTS, logged).
 
         Each daemon process registers with a random ``instance`` id. A registration of a
         registered name from another instance is refused only when the registered daemon is
         proven alive: it answers ``GetStatus`` at the registered address within
-        ``CLAIM_PROBE_TIMEOUT`` seconds with the same name and instance id. Otherwise (a
+        ``CLAIM_PROBE_TIMEOUT`` seconds with the same name and instance id. Returns the name's
+        registration before this one (None: the first). Otherwise (a
         daemon restarted after a crash, maybe on another port) the new one takes the name
         over, and that is logged. Heartbeats of the same instance are re-registrations."""
         old = self.ledger.peer(request.name)
         if old is None or not old["instance"] or not request.instance or old["instance"] == request.instance:
-            return
+            return old
         alive = False
         if old["address"] != request.address:
             try:
@@ -164,6 +169,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                           "that daemon first, or start this one with another --name")
         log.info("site %s: a new daemon at %s takes over the name from the one registered at %s "
                  "(it does not answer as that site any more)", request.name, request.address, old["address"])
+        return old
 
     def ResolveSite(self, request: cpb.ResolveSiteRequest, context) -> common_pb2.SiteRef:
         """The address a site last registered with. Any authenticated caller (under TLS every
@@ -193,19 +199,30 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         skipped = self._skipped(run["run_id"])
         return [c for c in run["chain"] if c["name"] not in skipped]
 
+    def _parsed(self, run_id: str, version: dict) -> tuple[Plan, dict]:
+        """A plan version (a row of ``Ledger.plans``) parsed once per (run, version), with its
+        transfers indexed by (purpose, index, sender, receiver)."""
+        key = (run_id, version["version"])
+        hit = self._plan_cache.get(key)
+        if hit is None:
+            plan = Plan.from_json(version["plan"])
+            hit = self._plan_cache[key] = (plan, {(t.purpose, t.index, t.sender, t.receiver): t
+                                                  for t in plan.transfers})
+        return hit
+
     def _plan(self, run_id: str) -> tuple[int, Plan]:
         """(version, plan) of the run's current plan."""
         latest = self.ledger.plans(run_id)[-1]
-        return latest["version"], Plan.from_json(latest["plan"])
+        return latest["version"], self._parsed(run_id, latest)[0]
 
     def _planned(self, run_id: str, purpose: str, index: int, sender: str, receiver: str) -> Transfer | None:
         """The transfer of any version of the run's plan with these fields, else None. A
         transfer made before a reroute dropped it is still a planned one (its report may come
-        after the reroute)."""
+        after the reroute). A dict lookup per version, whatever the number of sites."""
         for version in reversed(self.ledger.plans(run_id)):
-            for t in Plan.from_json(version["plan"]).transfers:
-                if (t.purpose, t.index, t.sender, t.receiver) == (PLAN_PURPOSE[purpose], index, sender, receiver):
-                    return t
+            t = self._parsed(run_id, version)[1].get((PLAN_PURPOSE[purpose], index, sender, receiver))
+            if t is not None:
+                return t
         return None
 
     def _check_report(self, run: dict, purpose: str, index: int, sender: str, receiver: str,
@@ -225,8 +242,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def _settle(self, run: dict, purpose: str, index: int, receiver: str) -> None:
         """After either end reported: a transfer both ends agree on fixes the run's model size and
         schema (the first one) or must match them; a disagreement becomes a warning event."""
-        row = next((h for h in self.ledger.hops(run["run_id"], purpose)
-                    if (h["hop"], h["receiver"]) == (index, receiver)), None)
+        row = self.ledger.transfer(run["run_id"], purpose, index, receiver)
         if row is None:
             return
         what = {"chain": f"hop {index}", "upload": f"upload {index}"}.get(purpose, f"final copy to {receiver}")
@@ -265,12 +281,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         t = self._check_report(run, purpose, request.hop, request.sender, request.receiver,
                                request.payload_bytes, context)
         try:
-            new = self.ledger.record_hop(request.run_id, purpose, request.hop, request.sender, request.receiver,
-                                         request.payload_bytes, request.wire_bytes, request.sha256,
-                                         request.started, request.ended, request.attempts, request.resumed_from,
-                                         round=t.round, schema_sha256=request.schema_sha256)
+            with self.ledger.batch():  # the report, its event and what it settles: one commit
+                new = self._record_hop(request, run, purpose, t)
         except LedgerConflict as exc:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        if new:
+            self.monitor.transfer_reported(request, purpose)
+        return cpb.ReportReply(duplicate=not new)
+
+    def _record_hop(self, request: cpb.HopReport, run: dict, purpose: str, t: Transfer) -> bool:
+        """ReportHop's writes (inside a ledger batch); False for a repeated report."""
+        new = self.ledger.record_hop(request.run_id, purpose, request.hop, request.sender, request.receiver,
+                                     request.payload_bytes, request.wire_bytes, request.sha256,
+                                     request.started, request.ended, request.attempts, request.resumed_from,
+                                     round=t.round, schema_sha256=request.schema_sha256)
         if new:
             seconds = request.ended - request.started
             what = {"chain": f"hop {request.hop}" + (f" (round {t.round})" if run["rounds"] > 1 else ""),
@@ -286,9 +310,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 sha256=request.sha256, seconds=seconds, attempts=max(1, request.attempts),
                 resumed_from=request.resumed_from,
             )
-            self.monitor.transfer_reported(request, purpose)
             self._settle(run, purpose, request.hop, request.receiver)
-        return cpb.ReportReply(duplicate=not new)
+        return new
 
     def ReportReceipt(self, request: cpb.ReceiptReport, context) -> cpb.ReportReply:
         """The receiver's side of a transfer: what it verified and kept (see ``_settle``)."""
@@ -303,13 +326,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, PURPOSE_ERROR)
         self._check_report(run, purpose, request.hop, request.sender, request.receiver, request.payload_bytes, context)
         try:
-            new = self.ledger.record_receipt(request.run_id, purpose, request.hop, request.sender, request.receiver,
-                                             request.payload_bytes, request.sha256, request.schema_sha256,
-                                             request.received)
+            with self.ledger.batch():  # the receipt and what it settles: one commit
+                new = self.ledger.record_receipt(request.run_id, purpose, request.hop, request.sender,
+                                                 request.receiver, request.payload_bytes, request.sha256,
+                                                 request.schema_sha256, request.received)
+                if new:
+                    self._settle(run, purpose, request.hop, request.receiver)
         except LedgerConflict as exc:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        if new:
-            self._settle(run, purpose, request.hop, request.receiver)
         return cpb.ReportReply(duplicate=not new)
 
     def ReportProgress(self, request: cpb.ProgressReport, context) -> cpb.ReportReply:
@@ -321,18 +345,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return cpb.ReportReply(duplicate=True)  # the run was stopped: nothing more is recorded
         if request.kind == "epoch":
             val = request.val_accuracy if request.val_accuracy >= 0 else None
-            self.ledger.record_metric(request.run_id, request.site, request.stage, request.model,
-                                      request.epoch, request.epochs, request.train_loss, val, request.seconds)
-            what = request.stage if request.stage != "pool" else f"pool model {request.model}"
-            val_s = f", val acc {val:.4f}" if val is not None else ""
-            self.ledger.add_event(
-                request.run_id, "epoch",
-                f"{request.site}: {what}, epoch {request.epoch}/{request.epochs}, "
-                f"loss {request.train_loss:.4f}{val_s}, {request.seconds:.1f} s",
-                site=request.site, stage=request.stage, model=request.model, epoch=request.epoch,
-                epochs=request.epochs, train_loss=request.train_loss, val_accuracy=val,
-                seconds=request.seconds,
-            )
+            with self.ledger.batch():  # the metric and its event: one commit
+                self._record_epoch(request, val)
             self.monitor.progress(request)
         else:
             self.ledger.add_event(request.run_id, "state",
@@ -340,6 +354,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                   + (f" ({request.detail})" if request.detail else ""),
                                   site=request.site, state=request.state, detail=request.detail)
         return cpb.ReportReply()
+
+    def _record_epoch(self, request: cpb.ProgressReport, val: float | None) -> None:
+        """ReportProgress's writes for a finished epoch (inside a ledger batch)."""
+        self.ledger.record_metric(request.run_id, request.site, request.stage, request.model,
+                                  request.epoch, request.epochs, request.train_loss, val, request.seconds)
+        what = request.stage if request.stage != "pool" else f"pool model {request.model}"
+        val_s = f", val acc {val:.4f}" if val is not None else ""
+        self.ledger.add_event(
+            request.run_id, "epoch",
+            f"{request.site}: {what}, epoch {request.epoch}/{request.epochs}, "
+            f"loss {request.train_loss:.4f}{val_s}, {request.seconds:.1f} s",
+            site=request.site, stage=request.stage, model=request.model, epoch=request.epoch,
+            epochs=request.epochs, train_loss=request.train_loss, val_accuracy=val,
+            seconds=request.seconds,
+        )
 
     def ReportFinal(self, request: cpb.FinalReport, context) -> cpb.ReportReply:
         names.check_final(request)
@@ -434,7 +463,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _dead(self, names: list[str]) -> set[str]:
         now = time.time()
-        seen = {p["name"]: p["last_seen"] or 0 for p in self.ledger.peers()}
+        seen = self.ledger.last_seen()
         return {n for n in names if now - seen.get(n, 0) > self.peer_timeout}
 
     def check_route(self, run_id: str) -> list[str]:
@@ -760,19 +789,29 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def WatchRun(self, request: cpb.WatchRunRequest, context):
         names.check_run_request(request)
         self._as_operator(context)
-        if self.ledger.run(request.run_id) is None:
+        run = self.ledger.run(request.run_id)
+        if run is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {request.run_id!r}")
-        seq = request.after_seq
-        while context.is_active():
-            events = self.ledger.events_after(request.run_id, seq)
-            for e in events:
-                seq = e["seq"]
-                yield cpb.RunEvent(run_id=e["run_id"], seq=e["seq"], time=e["time"], kind=e["kind"],
-                                   site=e["site"], message=e["message"], data_json=e["data"])
-            if not events:
-                if self.ledger.run(request.run_id)["status"] in TERMINAL:
-                    return
-                self.ledger.wait_for_events(1.0)
+        # Events come from the hub's memory once caught up (one ledger read at most, for what is
+        # older than its tail); the hub wakes this watcher when its run has news.
+        news = threading.Event()
+        token = self.events.subscribe(request.run_id, news.set)
+        ended = run["status"] in TERMINAL  # read after subscribing: an end after it wakes us
+        try:
+            seq = request.after_seq
+            while context.is_active():
+                news.clear()
+                events = self.events.events_after(request.run_id, seq)
+                for e in events:
+                    seq = e["seq"]
+                    yield cpb.RunEvent(run_id=e["run_id"], seq=e["seq"], time=e["time"], kind=e["kind"],
+                                       site=e["site"], message=e["message"], data_json=e["data"])
+                if not events:
+                    if ended or self.events.ended(request.run_id):
+                        return
+                    news.wait(1.0)  # at most 1 s, to notice a watcher that went away
+        finally:
+            self.events.unsubscribe(request.run_id, token)
 
     def GetRun(self, request: cpb.GetRunRequest, context) -> cpb.RunSummary:
         names.check_run_request(request)

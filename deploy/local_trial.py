@@ -45,6 +45,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports on 127.0.0.1 (all held open while they are picked, so the
+    kernel cannot hand one out twice)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def raise_open_files_limit() -> None:
+    """Raise this process's soft limit of open files to its hard limit (the daemons inherit it):
+    a coordinator of 100 sites holds a connection to and from every site."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
 def _die_with_parent() -> list[str]:
     """A command prefix that gives the child SIGTERM if the launcher dies, even by SIGKILL
     (Linux ``setpriv --pdeathsig``; nothing where setpriv is missing). Not a ``preexec_fn``:
@@ -82,10 +110,13 @@ class LocalTrial:
 
     def __init__(self, workdir: Path, site_dirs: list[Path], *, device: str = "cpu", env: dict | None = None,
                  insecure: bool = False, peer_args: list[str] | None = None,
-                 coordinator_args: list[str] | None = None):
+                 coordinator_args: list[str] | None = None, start_concurrency: int = 8):
         self.insecure = insecure
         self.peer_args = list(peer_args or [])
         self.coordinator_args = list(coordinator_args or [])
+        # Peer daemons starting at once (each decodes its data and registers): at most this
+        # many are started and not yet registered, so that 100 do not compete for 2 cores.
+        self.start_concurrency = max(1, start_concurrency)
         self.pki = Path(workdir) / "pki"
         self.workdir = Path(workdir)
         self.site_dirs = site_dirs
@@ -100,7 +131,8 @@ class LocalTrial:
 
     def plan_addresses(self) -> dict[str, str]:
         """HOST:PORT of every daemon (``coordinator`` and each site): free ports on 127.0.0.1."""
-        return {name: f"127.0.0.1:{free_port()}" for name in ["coordinator", *self.names]}
+        names = ["coordinator", *self.names]
+        return {name: f"127.0.0.1:{port}" for name, port in zip(names, free_ports(len(names)))}
 
     def host_prefix(self, name: str) -> list[str]:
         """What a daemon's command runs under (a network namespace in subclasses; nothing here)."""
@@ -137,12 +169,17 @@ class LocalTrial:
             names = dict.fromkeys(("localhost", "127.0.0.1", self.addresses[name].rsplit(":", 1)[0]))
             return [arg for h in names for arg in ("--host", h)]
 
-        steps = [["init-ca", "--out", str(self.pki), *hosts("coordinator")]]
-        steps += [["enroll", n, "--ca", str(self.pki), "--out", str(self.site_tls(n)), *hosts(n)] for n in self.names]
-        for step in steps:
+        def run(step: list[str]) -> None:
             res = subprocess.run([_tool("coordinator"), *step], env=self.env, capture_output=True, text=True)
             if res.returncode != 0:
                 raise RuntimeError(f"coordinator {' '.join(step)} failed: {res.stderr.strip()}")
+
+        run(["init-ca", "--out", str(self.pki), *hosts("coordinator")])
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:  # 100 sites: in parallel
+            list(pool.map(run, [["enroll", n, "--ca", str(self.pki), "--out", str(self.site_tls(n)), *hosts(n)]
+                                for n in self.names]))
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -200,19 +237,32 @@ class LocalTrial:
         self._spawn("coordinator", [_tool("coordinator"), "serve", "--listen", self.coordinator,
                                     "--db", str(self.workdir / "ledger.sqlite"), *self.security_args("coordinator"),
                                     *self.coordinator_args])
+        # A budget per site: 100 daemons start a few at a time (start_concurrency).
+        timeout = max(timeout, 180.0 * len(self.site_dirs) / (10 * self.start_concurrency) * 2)
+        started: list[str] = []
         for d in self.site_dirs:
+            if len(started) >= self.start_concurrency:
+                self.wait_registered(timeout, started, pending=self.start_concurrency - 1)
             sec = ["--insecure"] if self.insecure else ["--tls", str(self.site_tls(d.name))]
-            self._spawn(d.name, [_tool("peer"), "serve", "--data", str(d), "--name", d.name,
-                                 "--listen", self.addresses[d.name], "--coordinator", self.coordinator,
-                                 "--state-dir", str(self.workdir / "state" / d.name),
-                                 "--device", self.device, *sec, *self.peer_args])
+            self._spawn(d.name, self.peer_argv(d, sec))
+            started.append(d.name)
         self.wait_registered(timeout)
 
-    def wait_registered(self, timeout: float) -> None:
+    def peer_argv(self, site_dir: Path, security: list[str]) -> list[str]:
+        """The command of one site's peer daemon (``security``: ``--tls DIR`` or ``--insecure``)."""
+        return [_tool("peer"), "serve", "--data", str(site_dir), "--name", site_dir.name,
+                "--listen", self.addresses[site_dir.name], "--coordinator", self.coordinator,
+                "--state-dir", str(self.workdir / "state" / site_dir.name),
+                "--device", self.device, *security, *self.peer_args]
+
+    def wait_registered(self, timeout: float, names: list[str] | None = None, pending: int = 0) -> None:
+        """Wait until at most ``pending`` of ``names`` (default: every site) are not registered
+        yet; raise ``RuntimeError`` when a daemon died or after ``timeout`` seconds."""
         from fedrelay.coordinator.client import OperatorClient
 
         import grpc
 
+        names = list(self.names if names is None else names)
         deadline = time.monotonic() + timeout
         with OperatorClient(self.coordinator, self.transport()) as client:
             while True:
@@ -223,11 +273,11 @@ class LocalTrial:
                     registered = {p.name for p in client.peers()}
                 except grpc.RpcError:
                     registered = set()
-                if set(self.names) <= registered:
+                if len(set(names) - registered) <= pending:
                     return
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"peers not registered after {timeout:.0f} s: "
-                                       f"{sorted(set(self.names) - registered)} (see {self.logs})")
+                                       f"{sorted(set(names) - registered)} (see {self.logs})")
                 time.sleep(0.5)
 
     def dead(self) -> list[str]:
@@ -305,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-train-per-site", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="peers' --device (default cpu)")
     ap.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    ap.add_argument("--start-concurrency", type=int, default=8,
+                    help="peer daemons started at once, each waited for until it registers (default 8)")
     ap.add_argument("--insecure", action="store_true",
                     help="plaintext gRPC everywhere instead of mutual TLS with a PKI made in <workdir>/pki")
     args = ap.parse_args(argv)
@@ -330,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         how = "plaintext (--insecure)" if args.insecure else f"mutual TLS, PKI in {args.workdir / 'pki'}"
         print(f"starting a coordinator and {len(site_dirs)} peer daemons on loopback, {how} "
               f"(logs: {args.workdir / 'logs'}) ...", flush=True)
-        with LocalTrial(args.workdir, site_dirs, device=args.device, insecure=args.insecure) as trial:
+        raise_open_files_limit()
+        with LocalTrial(args.workdir, site_dirs, device=args.device, insecure=args.insecure,
+                        start_concurrency=args.start_concurrency) as trial:
             print(f"all {len(site_dirs)} peers registered with the coordinator at {trial.coordinator}", flush=True)
             cmd = ["start-chain", "--seed", str(args.seed), "--wait", *chain_args]
             if args.json:

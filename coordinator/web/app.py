@@ -38,7 +38,7 @@ log = logging.getLogger("fedrelay.coordinator.web")
 STATIC = Path(__file__).resolve().parent / "static"
 DEFAULT_HOST = "127.0.0.1"
 KEEPALIVE_S = 15.0   # a comment line on an idle event stream, so that a gone browser is noticed
-WAIT_S = 1.0         # the bell's wait on the ledger's event condition, at most this long
+WAIT_S = 1.0         # an idle stream looks at ``stopping`` at least this often (seconds)
 HEADERS = {"Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:",
            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
 
@@ -51,45 +51,28 @@ def _not_found(what: str) -> HTMLResponse:
     return HTMLResponse(body, status_code=404, headers=HEADERS)
 
 
-class Bell:
-    """Wakes every open event stream when the ledger may hold new events: one thread waits on
-    the ledger's event condition (``Ledger.wait_for_events``) for all of them, at most ``WAIT_S``
-    seconds at a time, and rings the streams on the server's event loop. Started by the first
-    stream; ends when ``stopping`` is set."""
+class _Wakeup:
+    """An ``asyncio.Event`` of the server's loop that the coordinator's event hub
+    (``coordinator/events.py``) sets, from whichever thread committed an event of the run: an
+    open stream sleeps until its run has news, with no thread per stream and no polling."""
 
-    def __init__(self, ledger, stopping: threading.Event):
-        self._ledger, self._stopping = ledger, stopping
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._event: asyncio.Event | None = None
-        self._thread: threading.Thread | None = None
+    def __init__(self):
+        self._loop = asyncio.get_running_loop()
+        self.event = asyncio.Event()
 
-    async def wait(self) -> None:
-        """Return at the next ring (an event was added, or ``WAIT_S`` passed), or after
-        2 × ``WAIT_S`` at most."""
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:
-            self._loop, self._event = loop, asyncio.Event()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="web-page-bell", daemon=True)
-            self._thread.start()
+    def __call__(self) -> None:
         try:
-            await asyncio.wait_for(self._event.wait(), 2 * WAIT_S)
-        except TimeoutError:
-            pass
-
-    def _ring(self) -> None:
-        event, self._event = self._event, asyncio.Event()
-        event.set()
-
-    def _run(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                self._ledger.wait_for_events(WAIT_S)
-                self._loop.call_soon_threadsafe(self._ring)
+            self._loop.call_soon_threadsafe(self.event.set)
         except RuntimeError:  # the server's loop has closed: nothing left to wake
             pass
-        except Exception as exc:  # a background thread that fails says so
-            log.error("the live run page's event thread stopped: %s: %s", type(exc).__name__, exc)
+
+    async def wait(self, timeout: float) -> None:
+        """Return when woken (the flag is cleared) or after ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(self.event.wait(), timeout)
+        except TimeoutError:
+            pass
+        self.event.clear()
 
 
 def create_app(service, stopping: threading.Event | None = None) -> Starlette:
@@ -97,7 +80,6 @@ def create_app(service, stopping: threading.Event | None = None) -> Starlette:
     ``stopping``, once set, ends every open event stream."""
     ledger = service.ledger
     stopping = stopping or threading.Event()
-    bell = Bell(ledger, stopping)
 
     def page(name: str) -> Response:
         return FileResponse(STATIC / name, media_type="text/html", headers=HEADERS)
@@ -131,7 +113,7 @@ def create_app(service, stopping: threading.Event | None = None) -> Starlette:
         except ValueError:
             return JSONResponse({"error": f"Last-Event-ID / after must be a ledger seq (an integer), got {raw!r}"},
                                 status_code=400, headers=HEADERS)
-        return StreamingResponse(_stream(ledger, bell, run_id, after, stopping), media_type="text/event-stream",
+        return StreamingResponse(_stream(service, run_id, after, stopping), media_type="text/event-stream",
                                  headers={**HEADERS, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     routes = [
@@ -151,28 +133,38 @@ def create_app(service, stopping: threading.Event | None = None) -> Starlette:
     return Starlette(routes=routes, exception_handlers={404: not_found})
 
 
-async def _stream(ledger, bell: Bell, run_id: str, seq: int, stopping: threading.Event):
+async def _stream(service, run_id: str, seq: int, stopping: threading.Event):
     """Server-sent events of ``run_id`` after ledger seq ``seq``, until the run has ended and
-    every event was sent, the client goes, or ``stopping`` is set."""
-    yield "retry: 2000\n\n"
-    idle_since = time.monotonic()
-    while not stopping.is_set():
-        events = await asyncio.to_thread(ledger.events_after, run_id, seq)
-        for e in events:
-            seq = e["seq"]
-            data = {k: e[k] for k in ("seq", "time", "kind", "site", "message")}
-            yield f"id: {seq}\ndata: {json.dumps(data)}\n\n"
-        if events:
-            idle_since = time.monotonic()
-            continue
-        run = await asyncio.to_thread(ledger.run, run_id)
-        if run is None or run["status"] in TERMINAL:
-            yield f"event: end\ndata: {json.dumps({'status': run['status'] if run else 'unknown'})}\n\n"
-            return
-        await bell.wait()
-        if time.monotonic() - idle_since > KEEPALIVE_S:
-            idle_since = time.monotonic()
-            yield ": keepalive\n\n"
+    every event was sent, the client goes, or ``stopping`` is set. Events come from the
+    coordinator's event hub (memory, after at most one ledger read to catch up)."""
+    hub = service.events
+    wake = _Wakeup()
+    token = hub.subscribe(run_id, wake)
+    try:
+        run = await asyncio.to_thread(service.ledger.run, run_id)  # after subscribing: an end after it wakes us
+        ended = run is None or run["status"] in TERMINAL
+        yield "retry: 2000\n\n"
+        idle_since = time.monotonic()
+        while not stopping.is_set():
+            events = await asyncio.to_thread(hub.events_after, run_id, seq)
+            for e in events:
+                seq = e["seq"]
+                data = {k: e[k] for k in ("seq", "time", "kind", "site", "message")}
+                yield f"id: {seq}\ndata: {json.dumps(data)}\n\n"
+            if events:
+                idle_since = time.monotonic()
+                continue
+            if ended or hub.ended(run_id):
+                if not ended:
+                    run = await asyncio.to_thread(service.ledger.run, run_id)
+                yield f"event: end\ndata: {json.dumps({'status': run['status'] if run else 'unknown'})}\n\n"
+                return
+            await wake.wait(WAIT_S)
+            if time.monotonic() - idle_since > KEEPALIVE_S:
+                idle_since = time.monotonic()
+                yield ": keepalive\n\n"
+    finally:
+        hub.unsubscribe(run_id, token)
 
 
 def parse_web_address(address: str) -> tuple[str, int]:

@@ -161,7 +161,7 @@ def run_view(service, run_id: str) -> dict[str, Any] | None:
         return None
     run = summary_dict(summary)
     ledger = service.ledger
-    events = ledger.events_after(run_id, 0)
+    events = service.events.events_after(run_id, 0)  # the hub's memory when it holds the whole run
     run["sites"] = site_states(run, events)
     run["transfers"] = transfers(run)
     run["timeline"] = timeline(run, events, run["transfers"])

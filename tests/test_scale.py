@@ -1,0 +1,74 @@
+"""The coordinator at many sites: ledger writes per hop do not grow with N, watchers read memory."""
+
+from __future__ import annotations
+
+from bench.scale import WriteCounter, measure
+from fedrelay.coordinator.ledger import Ledger
+from fedrelay.coordinator.plan import chain_plan
+from fedrelay.coordinator.service import CoordinatorService
+from fedrelay.v1 import coordinator_pb2 as cpb
+
+
+class Context:
+    def is_active(self) -> bool:
+        return True
+
+    def auth_context(self) -> dict:
+        return {}
+
+    def abort(self, code, message):
+        raise AssertionError(f"{code}: {message}")
+
+
+def test_sqlite_writes_per_hop_do_not_grow_with_the_number_of_sites(tmp_path):
+    small, large = (measure(n, 0.0, tmp_path / f"n{n}") for n in (3, 30))
+    assert small["evaluated"] == 3 and large["evaluated"] == 30
+    assert large["writes_per_hop"] <= small["writes_per_hop"]
+    assert large["reads_per_hop"] <= small["reads_per_hop"]
+
+
+def test_watch_run_reads_the_ledger_once_to_catch_up_then_memory_only():
+    counter = WriteCounter()
+    ledger = Ledger(":memory:")
+    service = CoordinatorService(ledger)
+    try:
+        order = ["a", "b"]
+        ledger.create_run("r", strategy="fedelmy", arch="cnn", seed=1, params={},
+                          chain=[{"name": n, "address": "127.0.0.1:9"} for n in order], class_index=["x"], model={},
+                          warnings=[], insecure=True, plan=chain_plan(order).to_json())
+        for k in range(3):
+            ledger.add_event("r", "state", f"early {k}", site="a", state="training")
+        ledger._db.set_trace_callback(counter)
+        stream = service.WatchRun(cpb.WatchRunRequest(run_id="r"), Context())
+        assert [next(stream).message for _ in range(3)] == ["early 0", "early 1", "early 2"]
+        caught_up = counter.reads
+        assert caught_up <= 2  # the run's row, and at most one catch-up read
+        assert service.events.watchers("r") == 1
+        for k in range(20):
+            ledger.add_event("r", "epoch", f"live {k}", site="b")
+            assert next(stream).message == f"live {k}"
+        assert counter.reads == caught_up  # no SQLite read per event
+        ledger.finish_run("r", "failed", error="x", message="run failed: x")
+        assert next(stream).kind == "failed"
+        assert list(stream) == [] and service.events.watchers("r") == 0
+    finally:
+        service.close()
+        ledger.close()
+
+
+def test_heartbeats_that_change_nothing_write_nothing_and_still_show_last_seen():
+    counter = WriteCounter()
+    ledger = Ledger(":memory:")
+    ledger._db.set_trace_callback(counter)
+    classes = [{"name": "c", "train": 5, "test": 1}]
+    assert ledger.upsert_peer("a", "127.0.0.1:1", classes, (1, 28, 28), "cpu", "1")
+    first, writes = ledger.peer("a")["last_seen"], counter.writes
+    for _ in range(5):
+        assert not ledger.upsert_peer("a", "127.0.0.1:1", classes, (1, 28, 28), "cpu", "1")
+    assert counter.writes == writes
+    assert ledger.peers()[0]["last_seen"] >= first and ledger.last_seen()["a"] >= first
+    assert ledger.upsert_peer("a", "127.0.0.1:2", classes, (1, 28, 28), "cpu", "1")  # moved: written
+    assert ledger.flush_last_seen() == 0
+    ledger.upsert_peer("a", "127.0.0.1:2", classes, (1, 28, 28), "cpu", "1")
+    assert ledger.flush_last_seen() == 1  # one transaction for every site's heartbeat
+    ledger.close()
