@@ -1,0 +1,113 @@
+"""Issue 13's building blocks of a light site daemon: payload validation without torch
+(fedrelay/payload.py) and host-wide worker slots (peer/slots.py)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from fedrelay import payload, wire
+from fedrelay.peer.slots import HostSlots
+
+
+def test_payload_checks_without_torch(tmp_path):
+    """A fresh interpreter checks good, NaN, wrong-shape, renamed and garbage payloads with
+    fedrelay.payload and never imports torch."""
+    script = textwrap.dedent("""
+        import json, sys
+        import numpy as np
+        from safetensors.numpy import save
+        from fedrelay import payload
+        schema = {"w": ((2, 3), "F32"), "n": ((), "I64")}
+        good = {"w": np.ones((2, 3), np.float32), "n": np.array(5, np.int64)}
+        out = {}
+        def verdict(data):
+            try:
+                payload.check_payload(data, schema)
+                return "ok"
+            except ValueError as exc:
+                return str(exc)
+        out["good"] = verdict(save(good))
+        out["nan"] = verdict(save({**good, "w": np.array([[1, 2, float("nan")], [0, 0, 0]], np.float32)}))
+        out["inf"] = verdict(save({**good, "w": np.full((2, 3), np.inf, np.float32)}))
+        out["shape"] = verdict(save({**good, "w": np.ones((3, 2), np.float32)}))
+        out["dtype"] = verdict(save({**good, "w": np.ones((2, 3), np.float64)}))
+        out["names"] = verdict(save({"v": good["w"], "n": good["n"]}))
+        out["garbage"] = verdict(b"\\xff" * 64)
+        out["torch"] = "torch" in sys.modules
+        print(json.dumps(out))
+    """)
+    got = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                                    timeout=60).stdout)
+    assert got["torch"] is False
+    assert got["good"] == "ok"
+    assert "holds NaN or Inf" in got["nan"] and "holds NaN or Inf" in got["inf"]
+    assert "tensor 'w' is ((3, 2), 'F32')" in got["shape"]
+    assert "'F64'" in got["dtype"]
+    assert "tensor names differ" in got["names"] and "'v'" in got["names"]
+    assert got["garbage"].startswith("not a valid safetensors payload")
+
+
+def test_schema_from_torch_matches_the_run_model(tmp_path):
+    """The torch-free schema of the small CNN accepts a real model state (as wire encodes it)
+    and refuses the same state with one NaN; it survives a JSON round trip."""
+    import torch
+
+    from fedrelay.peer.models import ModelSpec, _build_seeded, expected_signature, state_bytes
+
+    spec = ModelSpec(arch="cnn", in_channels=1, image_size=(8, 8), num_classes=3)
+    schema = payload.schema_from_torch(expected_signature(spec))
+    payload.dump_schema(schema, tmp_path / "schema.json")
+    assert payload.load_schema(tmp_path / "schema.json") == schema
+    assert payload.payload_bytes(schema) == state_bytes(spec)
+    state = _build_seeded(spec, 1).state_dict()
+    payload.check_payload(wire.encode_state(state), schema)
+    state["classifier.3.bias"] = state["classifier.3.bias"].clone()
+    state["classifier.3.bias"][0] = torch.nan
+    with pytest.raises(ValueError, match="holds NaN or Inf"):
+        payload.check_payload(wire.encode_state(state), schema)
+
+
+def test_slots_are_bounded_host_wide_and_freed_by_a_killed_holder(tmp_path):
+    """Two slots: two holders (one of them another process) leave none; SIGKILL of that
+    process frees its slot at once."""
+    slots = HostSlots(2, tmp_path / "slots")
+    script = textwrap.dedent(f"""
+        import sys
+        from fedrelay.peer.slots import HostSlots
+        slot = HostSlots(2, {str(tmp_path / 'slots')!r}).try_acquire()
+        print(slot.index, flush=True)
+        sys.stdin.read()
+    """)
+    holder = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "0"
+        mine = slots.try_acquire()
+        assert mine is not None and mine.index == 1
+        assert slots.try_acquire() is None and slots.held() == 2
+        assert slots.acquire(timeout=0.3) is None
+        holder.send_signal(signal.SIGKILL)
+        assert holder.wait(timeout=10) == -signal.SIGKILL
+        again = slots.acquire(timeout=5)
+        assert again is not None and again.index == 0
+        again.release()
+        mine.release()
+        mine.release()  # idempotent
+        assert slots.held() == 0
+    finally:
+        holder.kill()
+        holder.wait()
+    with pytest.raises(ValueError, match=">= 1"):
+        HostSlots(0, tmp_path / "slots")
+
+
+def test_numpy_dtypes_named_like_safetensors():
+    assert payload.payload_bytes({"a": ((2, 2), "F32"), "b": ((), "I64")}) == 24
+    assert np.dtype(np.float32) in payload._NUMPY_TO_ST
