@@ -111,3 +111,34 @@ def test_slots_are_bounded_host_wide_and_freed_by_a_killed_holder(tmp_path):
 def test_numpy_dtypes_named_like_safetensors():
     assert payload.payload_bytes({"a": ((2, 2), "F32"), "b": ((), "I64")}) == 24
     assert np.dtype(np.float32) in payload._NUMPY_TO_ST
+
+
+def test_scan_site_registers_like_load_site_without_torch(three_sites, tmp_path):
+    """scan_site (headers only, in a fresh interpreter without torch) gives the class names,
+    counts and shape that load_site gives; an RGB image among grey ones is refused by name."""
+    from PIL import Image
+
+    from fedrelay.peer.data import load_site
+
+    site = three_sites[0]
+    script = textwrap.dedent(f"""
+        import json, sys
+        from fedrelay.peer.scan import scan_site
+        s = scan_site({str(site)!r})
+        print(json.dumps([s.class_names, list(s.image_shape), s.train_counts, s.test_counts,
+                          "torch" in sys.modules]))
+    """)
+    names, shape, train, test, torch_loaded = json.loads(subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60).stdout)
+    full = load_site(site)
+    assert not torch_loaded
+    assert (names, tuple(shape), train, test) == (full.class_names, full.image_shape, full.train_counts,
+                                                  full.test_counts)
+    from fedrelay.peer.scan import DataError, scan_site
+
+    bad = tmp_path / "bad"
+    (bad / "train" / "a").mkdir(parents=True)
+    Image.new("L", (8, 8)).save(bad / "train" / "a" / "1.png")
+    Image.new("RGB", (8, 8)).save(bad / "train" / "a" / "2.png")
+    with pytest.raises(DataError, match="2.png has shape"):
+        scan_site(bad)
