@@ -17,13 +17,14 @@ from fedrelay.peer.slots import HostSlots
 
 
 def test_payload_checks_without_torch(tmp_path):
-    """A fresh interpreter checks good, NaN, wrong-shape, renamed and garbage payloads with
+    """A fresh interpreter (with the daemon-side modules scan, slots, workers imported) checks good, NaN, wrong-shape, renamed and garbage payloads with
     fedrelay.payload and never imports torch."""
     script = textwrap.dedent("""
         import json, sys
         import numpy as np
         from safetensors.numpy import save
         from fedrelay import payload
+        import fedrelay.peer.scan, fedrelay.peer.slots, fedrelay.peer.workers  # the daemon's side
         schema = {"w": ((2, 3), "F32"), "n": ((), "I64")}
         good = {"w": np.ones((2, 3), np.float32), "n": np.array(5, np.int64)}
         out = {}
@@ -142,3 +143,41 @@ def test_scan_site_registers_like_load_site_without_torch(three_sites, tmp_path)
     Image.new("RGB", (8, 8)).save(bad / "train" / "a" / "2.png")
     with pytest.raises(DataError, match="2.png has shape"):
         scan_site(bad)
+
+
+def test_worker_process_evaluates_and_a_killed_one_says_why(three_sites, tmp_path):
+    """A worker process prepares a site, gives the payload schema and evaluates a model; killed
+    with SIGKILL it is reported with its reason; its slot is freed when it is closed."""
+    import os
+
+    from fedrelay.peer.data import load_site
+    from fedrelay.peer.models import ModelSpec, _build_seeded
+    from fedrelay.peer.workers import WorkerDied, WorkerError, WorkerProcess
+
+    site = load_site(three_sites[0])
+    c, h, w = site.image_shape
+    classes = site.class_names
+    k = max(2, len(classes))
+    spec = {"arch": "cnn", "in_channels": c, "height": h, "width": w, "num_classes": k}
+    model = tmp_path / "m.safetensors"
+    wire.atomic_write(model, wire.encode_state(_build_seeded(ModelSpec("cnn", c, (h, w), k), 3).state_dict()))
+    slots = HostSlots(1, tmp_path / "slots")
+    worker = WorkerProcess(slot=slots.try_acquire())
+    try:
+        ready = worker.request({"op": "prepare", "data": str(three_sites[0]), "device": "cpu"}, timeout=120)
+        assert ready["train"] == sum(site.train_counts.values())
+        schema = worker.request({"op": "schema", "spec": spec, "strategy": "fedelmy"}, timeout=60)
+        assert schema["bytes"] > 0 and "classifier.3.bias" in schema["schema"]
+        got = worker.request({"op": "evaluate", "model": str(model), "spec": spec, "class_index": classes},
+                             timeout=60)
+        assert got["total"] == site.num_samples("test") and 0 <= got["correct"] <= got["total"]
+        with pytest.raises(WorkerError, match="FileNotFoundError"):
+            worker.request({"op": "evaluate", "model": str(tmp_path / "none"), "spec": spec,
+                            "class_index": classes}, timeout=60)
+        assert slots.try_acquire() is None  # the worker's slot is held
+        os.kill(worker.pid, signal.SIGKILL)
+        with pytest.raises(WorkerDied, match="killed by SIGKILL"):
+            worker.request({"op": "schema", "spec": spec}, timeout=60)
+    finally:
+        worker.close()
+    assert slots.held() == 0
