@@ -47,14 +47,13 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+# Listing folders and reading image headers needs no torch: peer/scan.py (the light daemon's part).
+from fedrelay.peer.scan import (IMAGE_EXTENSIONS, DataError, _is_image_file, _palette_is_grey,  # noqa: F401
+                                _scan_folders, _scan_split)
+
 __all__ = ["DataError", "SiteData", "IMAGE_EXTENSIONS", "load_site", "train_val_split"]
 
-IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg"})
 SPLITS = ("train", "test")
-
-
-class DataError(ValueError):
-    """A site's data folder is unusable; the message names the path, the problem and the fix."""
 
 
 @dataclass
@@ -141,53 +140,6 @@ def _check_split(split: str) -> None:
         raise ValueError(f"split must be 'train' or 'test', not {split!r}")
 
 
-def _is_image_file(path: Path) -> bool:
-    return path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
-
-
-def _scan_split(split_dir: Path, skipped: list[Path] | None = None) -> dict[str, list[Path]]:
-    """class name -> sorted image paths, for the class folders directly under split_dir; other
-    visible files of the class folders are appended to ``skipped``."""
-    try:
-        entries = sorted(split_dir.iterdir(), key=lambda p: p.name)
-    except OSError as e:
-        raise DataError(f"cannot list {split_dir}: {e}; check that it is a readable folder") from e
-    classes: dict[str, list[Path]] = {}
-    for entry in entries:
-        if entry.name.startswith("."):
-            continue
-        if entry.is_dir():
-            try:
-                listed = sorted(entry.iterdir(), key=lambda p: p.name)
-                files = [p for p in listed if _is_image_file(p) and p.is_file()]
-                if skipped is not None:
-                    skipped.extend(p for p in listed if not p.name.startswith(".") and not _is_image_file(p)
-                                   and p.is_file())
-            except OSError as e:
-                raise DataError(f"cannot list {entry}: {e}; check that it is a readable folder") from e
-            classes[entry.name] = files
-        elif _is_image_file(entry):
-            raise DataError(
-                f"image {entry} lies directly in {split_dir}; images must be inside one folder "
-                f"per class ({split_dir}/<class name>/{entry.name}) so that their label is known"
-            )
-    return classes
-
-
-def _palette_is_grey(im: Image.Image) -> bool:
-    """True if every palette entry the image actually uses is grey (r == g == b)."""
-    pal = im.getpalette()  # flat RGB triples
-    if not pal:
-        return False
-    pal_arr = np.asarray(pal, dtype=np.int64)
-    pal_arr = pal_arr[: (len(pal_arr) // 3) * 3].reshape(-1, 3)
-    idx = np.asarray(im)
-    used = np.unique(idx[..., 0] if idx.ndim == 3 else idx)  # PA: (H, W, 2), index first
-    used = used[used < len(pal_arr)]
-    sub = pal_arr[used]
-    return bool(np.all(sub[:, 0] == sub[:, 1]) and np.all(sub[:, 1] == sub[:, 2]))
-
-
 def _decode(path: Path) -> np.ndarray:
     """Decode one image file to uint8 (C, H, W) with C in {1, 3}; DataError on failure."""
     try:
@@ -250,32 +202,7 @@ def load_site(root: str | Path, *, expect_shape: tuple[int, int, int] | None = N
         expect_shape = tuple(int(v) for v in expect_shape)  # type: ignore[assignment]
         if len(expect_shape) != 3 or min(expect_shape) < 1:
             raise ValueError(f"expect_shape must be (C, H, W) with positive entries, not {expect_shape}")
-    if not root.exists():
-        raise DataError(
-            f"site data folder {root} does not exist; pass the folder that holds train/<class>/ "
-            f"(and optionally test/<class>/) image folders"
-        )
-    if not root.is_dir():
-        raise DataError(f"site data path {root} is not a folder; pass the folder that holds train/ and test/")
-    train_dir = root / "train"
-    if not train_dir.is_dir():
-        what = "is not a folder" if train_dir.exists() else "is missing"
-        raise DataError(
-            f"{train_dir} {what}; a site folder must contain train/<class name>/ with the "
-            f"training images (and optionally test/<class name>/)"
-        )
-    test_dir = root / "test"
-    has_test = test_dir.exists()
-    if has_test and not test_dir.is_dir():
-        raise DataError(f"{test_dir} is not a folder; remove it or make it test/<class name>/ image folders")
-
-    skipped: list[Path] = []
-    scans = {"train": _scan_split(train_dir, skipped), "test": _scan_split(test_dir, skipped) if has_test else {}}
-    if not any(scans["train"].values()):
-        raise DataError(
-            f"no training images found under {train_dir}; put the site's training images in "
-            f"{train_dir}/<class name>/ as .png/.jpg/.jpeg files"
-        )
+    scans, skipped, has_test = _scan_folders(root)
     class_names = sorted({c for scan in scans.values() for c, files in scan.items() if files})
     class_pos = {c: i for i, c in enumerate(class_names)}
 
