@@ -44,6 +44,9 @@ def serve(
     metrics_listen: str = typer.Option(None, "--metrics-listen", help="HOST:PORT to serve Prometheus metrics on "
                                        "(plain HTTP, /metrics; unauthenticated: bind it where only your "
                                        "monitoring reaches) \\[default: off]."),
+    worker_slots: int = typer.Option(3, "--worker-slots", min=1, max=64,
+                                     help="At most this many worker processes (training, evaluation) at once on "
+                                          "this host, shared by every site daemon of this user here."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
     check: bool = typer.Option(False, "--check", help="Only validate the options (name, TLS identity, addresses, "
                                "device, state dir, data folder), print one line and exit 0; listens on nothing."),
@@ -57,13 +60,13 @@ def serve(
     setup_logging(verbose, prefix=f"[{name}] ")
     stop_on_sigterm()
     from fedrelay.peer.daemon import serve as run_daemon
-    from fedrelay.peer.data import DataError
+    from fedrelay.peer.scan import DataError
 
     try:
         run_daemon(data_dir=data, name=name, listen=listen, coordinator=coordinator,
                    state_dir=state_dir or Path(".fedrelay") / name, device=device, advertise=advertise,
                    transport=transport, stall_timeout=stall_timeout, deterministic=deterministic,
-                   weights_dir=weights_dir, metrics_listen=metrics_listen)
+                   weights_dir=weights_dir, metrics_listen=metrics_listen, worker_slots=worker_slots)
     except (DataError, ValueError, RuntimeError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:

@@ -1,4 +1,11 @@
-"""``peer serve``: load the site's data once, listen, register with the coordinator, heartbeat."""
+"""``peer serve``: check the site's data once, listen, register with the coordinator, heartbeat.
+
+The daemon never imports torch (issue 13: a light daemon; an idle one holds about 60 MB): it
+registers what ``peer.scan`` reads from the folder's listings and image headers, and its
+training, evaluation and payload schemas run in worker processes (``peer/workers.py``) that
+decode the pixels and exit after their job. At start, one such worker decodes every image once
+(a corrupt file is named now, not at the first run) and resolves ``--device auto``.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +20,10 @@ import grpc
 from fedrelay import __version__, names, wire
 from fedrelay.guard import Guard
 from fedrelay.health import PEER_SERVICE, Health
-from fedrelay.peer.data import SiteData, load_site
 from fedrelay.peer.node import DEFAULT_STALL_TIMEOUT, PeerNode
+from fedrelay.peer.scan import DataError, SiteSummary, scan_site
+from fedrelay.peer.slots import DEFAULT_SLOTS, HostSlots
+from fedrelay.peer.workers import WorkerDied, WorkerError, WorkerPool
 from fedrelay.peer.reporting import CoordinatorLink
 from fedrelay.wire import backoff_delays
 from fedrelay.peer.servicer import PeerServicer
@@ -22,25 +31,6 @@ from fedrelay.peer.transfer import add_peer_servicer
 from fedrelay.v1 import coordinator_pb2 as cpb
 
 log = logging.getLogger("fedrelay.peer")
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda:0`` when a GPU is usable, else ``cpu``. Raises ``ValueError`` for a
-    device that does not exist here."""
-    import torch
-
-    if device == "auto":
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        return device
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: no CUDA GPU is usable on this machine (use --device cpu)")
-        index = int(device.split(":", 1)[1]) if ":" in device else 0
-        if index >= torch.cuda.device_count():
-            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s)")
-        return f"cuda:{index}"
-    raise ValueError(f"--device must be auto, cpu or cuda:N, not {device!r}")
 
 
 def check_state_dir(state_dir: Path) -> None:
@@ -61,18 +51,24 @@ def check_state_dir(state_dir: Path) -> None:
                          "every run's models there: pass a folder this user can write") from None
 
 
-def _warm_up_imports() -> None:
-    """Pay PyTorch's one-time costs at start-up, not inside the first run's training: building
-    the first optimiser imports torch._dynamo (~2.5 s here), and the training module imports
-    torchvision's model zoo lazily."""
-    import torch
+def check_site(pool: WorkerPool) -> dict:
+    """Decode the site's every image and resolve the device once, in a short-lived worker of
+    ``pool`` (its ``prepare``): the worker's answer (``device``, ``train``, ``test`` images).
+    Raises ``DataError`` (an image that does not decode, named) or ``ValueError`` (the device)."""
+    try:
+        return pool.check()
+    except WorkerDied as exc:
+        raise RuntimeError(f"the worker that checks the site's data died: {exc}") from None
+    except WorkerError as exc:
+        kind, _, message = str(exc).partition(": ")
+        if kind == "DataError":
+            raise DataError(message) from None
+        if kind == "ValueError":
+            raise ValueError(message) from None
+        raise RuntimeError(f"the worker that checks the site's data failed: {exc}") from None
 
-    import fedrelay.peer.training  # noqa: F401
 
-    torch.optim.Adam([torch.zeros(1, requires_grad=True)])
-
-
-def registration(name: str, address: str, data: SiteData, device: str, instance: str = "") -> cpb.RegisterRequest:
+def registration(name: str, address: str, data: SiteSummary, device: str, instance: str = "") -> cpb.RegisterRequest:
     c, h, w = data.image_shape
     return cpb.RegisterRequest(
         name=name, address=address, channels=c, height=h, width=w, device=device, version=__version__,
@@ -137,14 +133,17 @@ def _claim_name(link: CoordinatorLink, request: cpb.RegisterRequest) -> str | No
 def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir: Path, device: str,
           transport: wire.Transport, advertise: str | None = None, stop: threading.Event | None = None,
           ready: threading.Event | None = None, stall_timeout: float = DEFAULT_STALL_TIMEOUT,
-          deterministic: bool = True, weights_dir: Path | None = None, metrics_listen: str | None = None) -> None:
+          deterministic: bool = True, weights_dir: Path | None = None, metrics_listen: str | None = None,
+          worker_slots: int = DEFAULT_SLOTS, slots_dir: Path | None = None) -> None:
     """Run a peer daemon until ``stop`` is set (or forever), with mutual TLS on every channel
     unless ``transport`` is insecure. ``stall_timeout``: seconds a handoff may send nothing
     before it is dropped. ``deterministic``: on a CUDA device, use deterministic kernels
     (:func:`fedrelay.peer.training.use_deterministic_kernels`) so that a run's model digests
     repeat; False trains faster on a GPU but the same seed then gives different models.
     ``weights_dir``: where the site keeps initial-weights files (``start-chain --init file``)
-    [default: ``state_dir/weights``]. Serves the gRPC health service (``fedrelay.health``) and,
+    [default: ``state_dir/weights``]. ``worker_slots``: at most this many worker processes at
+    once on this host, shared by every daemon that uses the same ``slots_dir`` (default
+    ``peer.slots.default_folder()``). Serves the gRPC health service (``fedrelay.health``) and,
     with ``metrics_listen`` (``HOST:PORT``), Prometheus metrics over HTTP (``peer/monitoring.py``).
 
     Raises ``DataError`` (bad data folder), ``ValueError`` (bad device or address, a name or class
@@ -158,22 +157,23 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     if stall_timeout <= 0:
         raise ValueError("--stall-timeout must be > 0 seconds")
     check_state_dir(Path(state_dir))
-    device = resolve_device(device)
-    from fedrelay.peer.training import use_deterministic_kernels
-
-    if deterministic:
-        use_deterministic_kernels(device)  # changes nothing on the CPU
-    elif device.startswith("cuda"):
+    if device not in ("auto", "cpu") and not device.startswith("cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda:N, not {device!r}")
+    log.info("reading site data from %s", data_dir)
+    data = scan_site(data_dir)
+    stop = stop or threading.Event()
+    pool = WorkerPool(data_dir, device, HostSlots(worker_slots, slots_dir), deterministic=deterministic, stop=stop)
+    checked = check_site(pool)
+    device = pool.device = checked["device"]
+    if not deterministic and device.startswith("cuda"):
         log.warning("--no-deterministic: CUDA kernels may differ from run to run; the same seed will "
                     "not give the same model digests")
-    log.info("loading site data from %s", data_dir)
-    data = load_site(data_dir)
     if data.skipped:
         log.warning("%s: %s", data_dir, data.skipped_message())
     names.check_class_names(data.class_names, f"the class folders of {data_dir}")
     log.info("site %s: %d classes, %s images, train %d, test %d", name, len(data.class_names),
              "x".join(map(str, data.image_shape)), sum(data.train_counts.values()), sum(data.test_counts.values()))
-    _warm_up_imports()
+    log.info("site data checked by a worker in %.1f s (every image decoded); device %s", checked["seconds"], device)
     guard = Guard()
     server, port = wire.make_server(listen, transport=transport, guard=guard)
     address = advertise or wire.with_port(listen, port)
@@ -183,7 +183,7 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
         raise ValueError(f"listening on {listen}: pass --advertise HOST:PORT, the address other sites can reach")
     link = CoordinatorLink(coordinator, transport)
     node = PeerNode(name, address, data, Path(state_dir), device, link, transport=transport,
-                    stall_timeout=stall_timeout, weights_dir=weights_dir)
+                    stall_timeout=stall_timeout, weights_dir=weights_dir, jobs=pool)
     node.instance = secrets.token_hex(8)  # this process's id: a second daemon under the same name is refused
     refused: list[str] = []
     add_peer_servicer(PeerServicer(node), server)
@@ -194,7 +194,6 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     server.start()
     log.info("peer %s (%s) listening on %s (%s), state dir %s, device %s", name, __version__, address,
              "mutual TLS" if transport.secure else "INSECURE plaintext", state_dir, device)
-    stop = stop or threading.Event()
     node.stop = stop
     request = registration(name, address, data, device, node.instance)
     claim = _claim_name(link, request)
@@ -215,6 +214,7 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     finally:
         health.stopping()
         server.stop(grace=2).wait()
+        pool.close()
         node.metrics.close()
         link.close()
     if refused:

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, params as run_params, registry, wire
-from fedrelay.peer.data import SiteData
+from fedrelay import __version__, params as run_params, payload, registry, wire
 from fedrelay.peer.inbound import InboundStreams, Stream
 from fedrelay.peer.monitoring import PeerMetrics
 from fedrelay.peer.reporting import RETRYABLE, CoordinatorLink, Reporter
@@ -30,6 +29,7 @@ from fedrelay.wire import backoff_delays
 from fedrelay.peer.runs import ACTIVE, Run, sent_key
 from fedrelay.peer.transfer import (SendCancelled, TransferError, check_header_fields, held_bytes, receive_model,
                                     remove_partials, send_model)
+from fedrelay.peer.workers import InlineRunner, JobCancelled
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2
 
 log = logging.getLogger("fedrelay.peer")
@@ -42,14 +42,17 @@ PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final mod
 class PeerNode:
     """A site's daemon logic, independent of gRPC plumbing (the servicer is a thin shell).
 
-    ``training`` is ``fedrelay.peer.training``; it is imported lazily so that the daemon can
-    answer status calls while torch loads.
+    The node never imports torch: its training, aggregation, evaluation and payload schemas are
+    jobs (``peer/jobs.py``) run by ``jobs``, a ``peer.workers.WorkerPool`` in the daemon (worker
+    processes) or, by default, an ``InlineRunner`` on ``data`` in this process (tests). ``data``
+    needs ``class_names`` and ``image_shape`` (a ``peer.scan.SiteSummary``, or a decoded
+    ``peer.data.SiteData`` for the inline runner).
     """
 
-    def __init__(self, name: str, address: str, data: SiteData, state_dir: Path, device: str,
+    def __init__(self, name: str, address: str, data, state_dir: Path, device: str,
                  coordinator: CoordinatorLink | None, *, send_deadline: float = 1800.0,
                  start_workers: bool = True, transport: wire.Transport = wire.INSECURE,
-                 stall_timeout: float = DEFAULT_STALL_TIMEOUT, weights_dir: Path | None = None):
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT, weights_dir: Path | None = None, jobs=None):
         self.transport = transport
         # Initial-weights files this site holds (``--init file``), found by their SHA-256.
         self.weights_dir = Path(weights_dir) if weights_dir is not None else Path(state_dir) / "weights"
@@ -66,7 +69,8 @@ class PeerNode:
         self._train_lock = threading.Lock()  # one training at a time on this site's hardware
         self._route_lock = threading.Lock()
         self.streams = InboundStreams(stall_timeout)  # the Handoff streams open here
-        self._tensors: dict[tuple, tuple] = {}
+        self.jobs = jobs if jobs is not None else InlineRunner(data, device)
+        self._schemas: dict[str, dict] = {}  # run's schema key -> payload schemas (see _schemas_of)
         self._digests: dict[tuple, str] = {}
         self.reporter = Reporter(coordinator, lambda: self.stop)
         self.stop = threading.Event()
@@ -118,7 +122,6 @@ class PeerNode:
         shape = (a.model.in_channels, a.model.height, a.model.width)
         if shape != tuple(self.data.image_shape):
             raise ValueError(f"the run's images are {shape}, this site's are {tuple(self.data.image_shape)}")
-        self._train_config(a).validate()
         params = run_params.to_dict(a.params)
         run_params.check(params)
         opts = run_params.options(params)
@@ -175,18 +178,19 @@ class PeerNode:
                          "(any name ending in .safetensors; `sha256sum FILE` shows its digest)")
 
     @staticmethod
-    def _train_config(a: peer_pb2.Assignment):
-        from fedrelay.peer.training import TrainConfig
-
-        return TrainConfig(**run_params.train_config(run_params.to_dict(a.params)))
-
-    @staticmethod
-    def _spec(a: peer_pb2.Assignment):
-        from fedrelay.peer.models import ModelSpec
-
+    def _spec(a: peer_pb2.Assignment) -> dict:
+        """The run's model as a job's ``SPEC`` (``peer/jobs.py``)."""
         m = a.model
-        return ModelSpec(arch=m.arch, in_channels=m.in_channels, image_size=(m.height, m.width),
-                         num_classes=m.num_classes)
+        return {"arch": m.arch, "in_channels": m.in_channels, "height": m.height, "width": m.width,
+                "num_classes": m.num_classes}
+
+    def _job_base(self, run: Run) -> dict:
+        """What every training job of ``run`` is told: model, parameters, seed, classes, site."""
+        a = run.assignment
+        params = run_params.to_dict(a.params)
+        strategy = registry.strategy(a.params.strategy)
+        return {"spec": self._spec(a), "params": params, "seed": a.seed, "class_index": list(a.class_index),
+                "site": self.name, "aggregator": strategy.aggregator, "options": run_params.options(params)}
 
     # -- receiving --------------------------------------------------------------------------------
     def handoff(self, chunks, caller: str | None = None) -> peer_pb2.HandoffReceipt:
@@ -344,44 +348,87 @@ class PeerNode:
         return peer_pb2.TransferOffsetReply(offset=min(held_bytes(dest, h.sha256), h.total_bytes))
 
 
-    @staticmethod
-    def _payload_cap(a: peer_pb2.Assignment) -> int:
+    def _schema_request(self, a: peer_pb2.Assignment) -> tuple[dict, str]:
+        """The schema job for run ``a`` (``peer/jobs.py``) and its cache key."""
+        import hashlib
+        import json
+
+        strategy = registry.strategy(a.params.strategy)
+        opts = run_params.options(run_params.to_dict(a.params)) if strategy.aggregator else {}
+        req = {"op": "schema", "spec": self._spec(a), "strategy": strategy.name, "aggregator": strategy.aggregator,
+               "options": opts}
+        return req, hashlib.sha256(json.dumps(req, sort_keys=True).encode()).hexdigest()[:32]
+
+    def _keep_schemas(self, key: str, answer: dict) -> dict:
+        import json
+
+        found = {k: answer[k] for k in ("hop", "model", "extras")}
+        path = self.state_dir / "schemas" / f"{key}.json"
+        if not path.exists():
+            wire.atomic_write(path, json.dumps(found, sort_keys=True).encode())
+        self._schemas[key] = {k: {n: (tuple(sd[0]), sd[1]) for n, sd in v.items()} for k, v in found.items()}
+        return self._schemas[key]
+
+    def _schemas_of(self, a: peer_pb2.Assignment) -> dict:
+        """The run's payload schemas (``fedrelay.payload``): ``{"hop", "model", "extras"}`` (see
+        ``peer/jobs.py``'s ``schema``), asked of a worker once per model, strategy and
+        aggregator options (a warm worker asks ahead) and kept in memory and in
+        ``state_dir/schemas/`` (a restarted daemon asks no worker again). Raises ``ValueError``
+        when no worker can say."""
+        import json
+
+        req, key = self._schema_request(a)
+        if key in self._schemas:
+            return self._schemas[key]
+        try:
+            return self._keep_schemas(key, json.loads((self.state_dir / "schemas" / f"{key}.json").read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        try:
+            answer = self.jobs.run(req)
+        except Exception as exc:  # noqa: BLE001 - any failure: the payload cannot be checked
+            raise ValueError(f"cannot tell the run's payload schema: {exc}") from exc
+        return self._keep_schemas(key, answer)
+
+    def prepare(self, run_id: str, sender: str, caller: str | None = None) -> bool:
+        """``Peer.Prepare``: the planned sender ``sender`` of a transfer into this site started
+        training; start a worker ahead for the run (and ask it the run's payload schemas) if a
+        host slot is free. True when one was started. Raises ``LookupError`` (unknown run) or
+        ``PermissionError`` (``sender``, or the caller's certificate name, is not a planned
+        sender into this site)."""
+        run = self.runs.get(run_id)
+        if run is None:
+            raise LookupError(f"unknown run {run_id!r}")
+        if caller is not None and caller != sender:
+            raise PermissionError(f"certificate identity {caller!r} is not {sender!r}")
+        if not any(t.receiver == self.name and t.sender == sender for t in run.assignment.transfers):
+            raise PermissionError(f"{sender!r} sends nothing to this site in run {run_id}")
+        if run.ended.is_set() or not self.start_workers:
+            return False
+        req, key = self._schema_request(run.assignment)
+        prefetch = [] if key in self._schemas else [(req, lambda answer: self._keep_schemas(key, answer))]
+        return self.jobs.warm(run_id, prefetch)
+
+    def _payload_cap(self, a: peer_pb2.Assignment) -> int:
         """Largest payload accepted for a run: 4 x (the model's tensor bytes + the aggregator's
         extra tensors' bytes) + 1 MiB of header."""
-        from fedrelay.peer.models import state_bytes
-
-        spec = PeerNode._spec(a)
-        extras = sum(math.prod(shape) * dtype.itemsize for shape, dtype in PeerNode._extras_schema(a).values())
-        return 4 * (state_bytes(spec) + extras) + (1 << 20)
-
-    @staticmethod
-    def _extras_schema(a: peer_pb2.Assignment) -> dict:
-        """Star plans: the extra tensors every upload carries (its aggregator's ``extras_schema``),
-        names with the payload prefix; {} for a chain."""
-        strategy = registry.strategy(a.params.strategy)
-        if not strategy.aggregator:
-            return {}
-        from fedrelay.peer.aggregators import EXTRA
-
-        opts = run_params.options(run_params.to_dict(a.params))
-        schema = registry.load_aggregator(strategy.aggregator).extras_schema(PeerNode._spec(a), opts)
-        return {EXTRA + k: v for k, v in schema.items()}
+        schemas = self._schemas_of(a)
+        return 4 * (payload.payload_bytes(schemas["model"]) + payload.payload_bytes(schemas["extras"])) + (1 << 20)
 
     def _check_model_bytes(self, a: peer_pb2.Assignment, data: bytes, purpose: int) -> None:
-        """Parse a payload with safetensors and check it against its schema before anything is
-        kept: a hop's against the strategy's ``payload_schema`` (default: the run's model), an
-        upload's against the model plus its aggregator's extra tensors (names, shapes, dtypes),
-        a final copy's against the run's model. No NaN or Inf anywhere. Raises ``ValueError``."""
-        from fedrelay.peer.models import check_state, expected_signature
-
-        spec = self._spec(a)
-        expected = None
+        """Parse a payload with safetensors' numpy API and check it against its schema before
+        anything is kept (``fedrelay.payload.check_payload``, no torch): a hop's against the
+        strategy's ``payload_schema`` (default: the run's model), an upload's against the model
+        plus its aggregator's extra tensors (names, shapes, dtypes), a final copy's against the
+        run's model. No NaN or Inf anywhere. Raises ``ValueError``."""
+        schemas = self._schemas_of(a)
         if purpose == common_pb2.CHAIN_HOP:
-            schema = getattr(registry.load(a.params.strategy), "payload_schema", None)
-            expected = schema(spec) if schema is not None else None
+            expected = schemas["hop"]
         elif purpose == common_pb2.UPLOAD:
-            expected = {**expected_signature(spec), **self._extras_schema(a)}
-        check_state(wire.decode_state(data), spec, expected)
+            expected = {**schemas["model"], **schemas["extras"]}
+        else:
+            expected = schemas["model"]
+        payload.check_payload(data, expected)
 
     # -- the worker ---------------------------------------------------------------------------------
     def _start_worker(self, run: Run) -> None:
@@ -506,75 +553,53 @@ class PeerNode:
             run.wake.wait(min(1.0, max(0.0, deadline - time.monotonic())))
 
     def _aggregate(self, run: Run, own: Path, arrived: list, final: Path) -> None:
-        """Combine this site's own upload and the ``arrived`` ones with the run's aggregator
-        (``registry.load_aggregator``; uploads in site-name order, so the result does not
-        depend on arrival order) and write the final model to ``final``. The aggregator gets
-        this site's train/validation split (OFASD learns its coefficients there) and the run's
-        initial model (shared or from a file; None with per-site inits)."""
-        from fedrelay.peer.aggregators import Context, Upload, split_payload
-        from fedrelay.peer.data import train_val_split
-        from fedrelay.peer.models import check_state
-        from fedrelay.peer.training import derive_seed
-
+        """Combine this site's own upload and the ``arrived`` ones with the run's aggregator and
+        write the final model to ``final``: the ``aggregate`` job (``peer/jobs.py``) on a worker,
+        with the site's train/validation split and the run's initial model."""
         a = run.assignment
         strategy = registry.strategy(a.params.strategy)
-        module = registry.load_aggregator(strategy.aggregator)
-        params = run_params.to_dict(a.params)
-        opts = run_params.options(params)
-        spec, cfg = self._spec(a), self._train_config(a)
-        payloads = {self.name: own, **{t.sender: run.destination(t) for t in arrived}}
-        uploads = [Upload(site, *split_payload(wire.decode_state(payloads[site].read_bytes())))
-                   for site in sorted(payloads)]
+        uploads = {self.name: str(own), **{t.sender: str(run.destination(t)) for t in arrived}}
+        req = {**self._job_base(run), "op": "aggregate", "uploads": uploads, "final": str(final),
+               "initial": self._initial(run)}
         with self._train_lock:
-            self._set_state(run, "training", f"aggregating {len(uploads)} models ({strategy.aggregator})")
-            images, labels = self._site_tensors("train", a.class_index)
-            train, val = train_val_split(images, labels, seed=derive_seed(a.seed, "split", self.name))
-            ctx = Context(spec=spec, initial=self._initial_state(run), train=train, val=val, cfg=cfg, options=opts,
-                          seed=derive_seed(a.seed, "aggregate"), device=self.device,
-                          on_epoch=self._epoch_reporter(run))
-            started = time.time()
-            state = module.aggregate(uploads, ctx)
-            check_state(state, spec)
-            wire.atomic_write(final, wire.encode_state(state))
+            answer = self._run_job(run, req, f"aggregating {len(uploads)} models ({strategy.aggregator})")
         log.info("run %s: aggregated %d models with %s in %.1f s", run.run_id, len(uploads), strategy.aggregator,
-                 time.time() - started)
+                 answer["seconds"])
 
-    def _initial_state(self, run: Run):
-        """The run's initial model as a state, where the run names one: ``--init file`` (the
-        weights file, its SHA-256 checked again as read, and its tensors against the run's
-        model), ``--init shared`` in a star plan (built from ``derive_seed(seed, "init")``, the
-        same at every site). None otherwise: each site draws its own seeded init, and a chain's
-        first site keeps the draw it always made (``derive_seed(seed, "site", 0, "init")``), so
-        chain runs keep their digests. Raises ``ValueError``."""
-        import hashlib
-
-        from fedrelay.peer.models import _build_seeded, check_state
-        from fedrelay.peer.training import derive_seed
-
-        a = run.assignment
-        opts = run_params.options(run_params.to_dict(a.params))
-        spec = self._spec(a)
+    def _initial(self, run: Run) -> dict | None:
+        """The run's initial model, as a job's ``initial`` (``peer.jobs.initial_state``):
+        ``--init file`` (the weights file found here by its SHA-256; the job checks the digest
+        again as it reads it, and its tensors against the run's model), ``--init shared`` in a
+        star plan (built from ``derive_seed(seed, "init")``, the same at every site). None
+        otherwise: each site draws its own seeded init, and a chain's first site keeps the draw
+        it always made (``derive_seed(seed, "site", 0, "init")``), so chain runs keep their
+        digests. Raises ``ValueError`` (no such weights file here)."""
+        opts = run_params.options(run_params.to_dict(run.assignment.params))
         if opts["init"] == "file":
-            data = self.initial_weights(opts["init_sha256"]).read_bytes()
-            if hashlib.sha256(data).hexdigest() != opts["init_sha256"]:
-                raise ValueError(f"the initial-weights file changed while being read (SHA-256 is not "
-                                 f"{opts['init_sha256']})")
-            state = wire.decode_state(data)
-            try:
-                check_state(state, spec)
-            except ValueError as exc:
-                raise ValueError(f"the initial-weights file {opts['init_sha256'][:12]}… does not fit the run's "
-                                 f"model: {exc}") from None
-            return state
+            return {"kind": "file", "path": str(self.initial_weights(opts["init_sha256"])),
+                    "sha256": opts["init_sha256"]}
         if opts["init"] == "shared" and run.is_star:
-            return _build_seeded(spec, derive_seed(a.seed, "init")).state_dict()
+            return {"kind": "shared"}
         return None
+
+    def _run_job(self, run: Run, req: dict, detail: str, images: int = 0) -> dict:
+        """Run a training or aggregation job for ``run`` (under ``_train_lock``): the state turns
+        "training" (``detail``) once its worker is ready; epochs are reported as they end; the
+        coordinator's end of the run stops the job (``RunEnded``). Raises ``RunEnded`` and what
+        the job raises (``peer.workers.WorkerDied`` / ``WorkerError``)."""
+        if run.ended.is_set():  # ended while waiting for the site's hardware
+            raise RunEnded(run.run_id)
+        try:
+            return self.jobs.run(req, run_id=run.run_id, on_event=self._epoch_reporter(run, images),
+                                 cancelled=lambda: run.ended.is_set() or self.stop.is_set(),
+                                 on_wait=lambda why: self._set_state(run, "assigned", why),
+                                 on_start=lambda: self._set_state(run, "training", detail))
+        except JobCancelled:
+            raise RunEnded(run.run_id) from None
 
     def _epoch_reporter(self, run: Run, images: int = 0):
         def on_epoch(info: dict) -> None:
-            if run.ended.is_set():  # stops the training at the end of this epoch
-                raise RunEnded(run.run_id)
-            self.metrics.epoch(run.run_id, info, images)
+            self.metrics.epoch(run.run_id, info, info.get("images") or images)
             val_acc = info.get("val_accuracy")
             self.reporter.progress(cpb.ProgressReport(
                 run_id=run.run_id, site=self.name, kind="epoch", stage=info["stage"], model=info["model"],
@@ -624,62 +649,50 @@ class PeerNode:
                 return True
 
     def _train(self, run: Run, r: int, outgoing: Path) -> None:
-        """Visit ``r``'s local training (the run's strategy, from the registry). Round 1 seeds
-        are ``derive_seed(seed, "site", position)`` (a one-shot run's); round r > 1 adds
-        ``("round", r)``. The warm-up happens only at the chain's first visit (no hop in)."""
-        from fedrelay.peer.data import train_val_split
-        from fedrelay.peer.training import derive_seed, run_site
-
+        """Visit ``r``'s local training (the run's strategy, from the registry): the ``train``
+        job (``peer/jobs.py``) on a worker. Round 1 seeds are ``derive_seed(seed, "site",
+        position)`` (a one-shot run's); round r > 1 adds ``("round", r)``. The warm-up happens
+        only at the chain's first visit (no hop in). The receiver of this visit's model is told
+        first (``Peer.Prepare``), so that its worker starts while this site trains."""
         a = run.assignment
         folder = run.visit_dir(r)
+        t = run.inbound(r)
+        req = {**self._job_base(run), "op": "train", "position": a.position, "round": r, "folder": str(folder),
+               "received": str(run.destination(t)) if t is not None else None, "outgoing": str(outgoing),
+               "initial": None}
+        if t is None and not (folder / "warmup.safetensors").exists():
+            req["initial"] = self._initial(run)
+        if not run.is_star:
+            req["aggregator"] = ""  # a chain's hop carries the model only
         with self._train_lock:
-            if run.ended.is_set():  # ended while waiting for the site's hardware
-                raise RunEnded(run.run_id)
-            self._set_state(run, "training", f"round {r}" if (a.rounds or 1) > 1 else "")
-            spec, cfg = self._spec(a), self._train_config(a)
-            images, labels = self._site_tensors("train", a.class_index)
-            train, val = train_val_split(images, labels, seed=derive_seed(a.seed, "split", self.name))
-            t = run.inbound(r)
-            m0 = None
-            if t is not None:
-                m0 = wire.decode_state(run.destination(t).read_bytes())
-            elif (folder / "warmup.safetensors").exists():  # a restarted first site: no second warm-up
-                m0 = wire.decode_state((folder / "warmup.safetensors").read_bytes())
-            pool_dir = folder / "pool"
-            finished = []
-            for j in range(1, registry.load(cfg.strategy).models_to_keep(cfg) + 1):
-                p = pool_dir / f"model-{j}.safetensors"
-                if not p.exists():
-                    break
-                finished.append(wire.decode_state(p.read_bytes()))
+            self._tell_receiver(run, r)
+            answer = self._run_job(run, req, f"round {r}" if (a.rounds or 1) > 1 else "")
+        log.info("run %s: round %d: trained %d pool models in %.1f s", run.run_id, r, answer["pool"],
+                 answer["seconds"])
 
-            def on_model(j: int, state) -> None:
-                wire.atomic_write(pool_dir / f"model-{j}.safetensors", wire.encode_state(state))
+    def _tell_receiver(self, run: Run, r: int) -> None:
+        """``Peer.Prepare`` to the receiver of visit ``r``'s model (a chain's next visit), in the
+        background; a hint only: failures are logged at debug level."""
+        t = None if run.is_star else run.outbound(r)
+        if t is None or t.receiver == self.name:
+            return
+        to = run.peer(t.receiver)
 
-            seed = derive_seed(a.seed, "site", a.position) if r == 1 else derive_seed(a.seed, "site", a.position,
-                                                                                       "round", r)
-            started = time.time()
-            send, pool = run_site(m0, spec, train, val, cfg, seed, self.device, finished=finished,
-                                  on_epoch=self._epoch_reporter(run, len(train[1])), on_model=on_model,
-                                  on_warmup=lambda state: wire.atomic_write(folder / "warmup.safetensors",
-                                                                            wire.encode_state(state)),
-                                  initial=self._initial_state(run) if m0 is None else None)
-            if run.is_star:  # the upload: the model and what the aggregator needs besides
-                send = self._with_extras(a, send, train)
-            wire.atomic_write(outgoing, wire.encode_state(send))
-            log.info("run %s: round %d: trained %d pool models in %.1f s", run.run_id, r, len(pool) - 1,
-                     time.time() - started)
+        def tell() -> None:
+            from fedrelay.v1 import peer_pb2_grpc
 
-    def _with_extras(self, a: peer_pb2.Assignment, state, train):
-        """A star plan's upload: ``state`` plus the extra tensors its aggregator computes at the
-        site (``site_extras``, over the site's own train split), in one payload."""
-        from fedrelay.peer.aggregators import join_payload
+            try:
+                channel = self.transport.channel(to.address, expect=to.name)
+                try:
+                    peer_pb2_grpc.PeerStub(channel).Prepare(peer_pb2.PrepareRequest(run_id=run.run_id, sender=self.name),
+                                                            timeout=wire.CONTROL_TIMEOUT)
+                finally:
+                    channel.close()
+            except Exception as exc:  # noqa: BLE001 - a hint
+                log.debug("run %s: could not tell %s to prepare: %s", run.run_id, to.name, exc)
 
-        strategy = registry.strategy(a.params.strategy)
-        opts = run_params.options(run_params.to_dict(a.params))
-        extras = registry.load_aggregator(strategy.aggregator).site_extras(state, self._spec(a), train, opts,
-                                                                           self.device)
-        return join_payload(state, extras)
+        if to.address:
+            threading.Thread(target=tell, daemon=True, name=f"prepare-{to.name}").start()
 
     def _deliver(self, run: Run, t: common_pb2.PlannedTransfer, path: Path, sha: str, size: int) -> bool:
         """Send ``path`` for the planned transfer ``t`` with retries (exponential backoff and
@@ -844,6 +857,7 @@ class PeerNode:
                             report=status != "cancelled")
         elif first_notice and run.folder.is_dir():
             run.save()
+        self.jobs.drop(run_id)  # a worker started ahead for the run is not needed any more
         removed = sum(remove_partials(folder) for folder in
                       {run.folder, run.path("uploads"), *(run.visit_dir(v) for v in range(1, (run.assignment.rounds or 1) + 1))}
                       if folder.is_dir())
@@ -866,17 +880,15 @@ class PeerNode:
         return path
 
     def evaluate(self, run_id: str, sha256: str) -> peer_pb2.EvaluateReply:
-        """Accuracy of the run's final model on this site's test split."""
-        from fedrelay.peer.models import build_model
-        from fedrelay.peer.training import evaluate
-
+        """Accuracy of the run's final model on this site's test split: the ``evaluate`` job on a
+        worker (waiting for a host slot like any job: at most that many evaluations at once on
+        one machine). Raises ``LookupError`` (no such final model here) or what the job raises."""
         path = self.final_model_path(run_id, sha256)
         a = self.runs[run_id].assignment
         started = time.time()
-        model = build_model(self._spec(a))
-        model.load_state_dict(wire.decode_state(path.read_bytes()))
-        images, labels = self._site_tensors("test", a.class_index)
-        correct, total = evaluate(model.to(self.device), images, labels, device=self.device) if len(labels) else (0, 0)
+        answer = self.jobs.run({"op": "evaluate", "model": str(path), "spec": self._spec(a),
+                                "class_index": list(a.class_index)}, cancelled=self.stop.is_set)
+        correct, total = answer["correct"], answer["total"]
         return peer_pb2.EvaluateReply(site=self.name, correct=correct, test_samples=total,
                                       accuracy=correct / total if total else 0.0, seconds=time.time() - started)
 
@@ -893,12 +905,6 @@ class PeerNode:
         return st
 
     # -- helpers ----------------------------------------------------------------------------------------
-    def _site_tensors(self, split: str, class_index) -> tuple:
-        key = (split, tuple(class_index))
-        if key not in self._tensors:
-            self._tensors[key] = self.data.tensors(split, list(class_index))
-        return self._tensors[key]
-
     def _set_state(self, run: Run, state: str, detail: str, persist: bool = True, force: bool = False,
                    report: bool = True) -> None:
         if run.ended.is_set() and not force:

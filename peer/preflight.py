@@ -48,8 +48,9 @@ def check_serve_options(*, data_dir: Path, name: str, listen: str, coordinator: 
     Raises ``fedrelay.peer.data.DataError`` (a ``ValueError``) for the data folder and
     ``ValueError`` for everything else, with a message naming the option.
     """
-    from fedrelay.peer.daemon import check_state_dir, resolve_device
+    from fedrelay.peer.daemon import check_state_dir
     from fedrelay.peer.data import load_site
+    from fedrelay.peer.worker import resolve_device
 
     try:
         names.check_site_name(name, "--name")

@@ -6,7 +6,7 @@ daemon from serving the next.
 Authorization under mutual TLS (identity = the caller's certificate name): Assign, Evaluate
 and FetchModel only from the ``coordinator`` identity; GetStatus from the coordinator or the
 site's own identity (its administrator, with the folder ``coordinator enroll NAME`` wrote); Handoff only from the run's
-assigned predecessor or last site (checked in ``PeerNode.handoff``), TransferOffset likewise. Refusals are
+assigned predecessor or last site (checked in ``PeerNode.handoff``), TransferOffset and Prepare likewise. Refusals are
 PERMISSION_DENIED. A plaintext daemon has no identities (only the name checks apply).
 """
 
@@ -52,6 +52,17 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         except OSError as exc:  # e.g. a full disk: nothing was kept
             log.error("handoff failed: %s", exc)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot store the model: {exc}")
+
+    def Prepare(self, request: peer_pb2.PrepareRequest, context) -> peer_pb2.PrepareReply:
+        names.check_run_id(request.run_id)
+        names.check_site_name(request.sender, "sender")
+        try:
+            started = self.node.prepare(request.run_id, request.sender, caller=wire.caller_identity(context))
+        except LookupError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except PermissionError as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        return peer_pb2.PrepareReply(started=started)
 
     def TransferOffset(self, request: common_pb2.TransferHeader, context) -> peer_pb2.TransferOffsetReply:
         try:

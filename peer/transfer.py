@@ -131,6 +131,9 @@ def add_peer_servicer(servicer, server) -> None:
         "EndRun": grpc.unary_unary_rpc_method_handler(
             servicer.EndRun, request_deserializer=peer_pb2.EndRunRequest.FromString,
             response_serializer=peer_pb2.EndRunReply.SerializeToString),
+        "Prepare": grpc.unary_unary_rpc_method_handler(
+            servicer.Prepare, request_deserializer=peer_pb2.PrepareRequest.FromString,
+            response_serializer=peer_pb2.PrepareReply.SerializeToString),
     }
     missing = set(peer_pb2.DESCRIPTOR.services_by_name["Peer"].methods_by_name) - set(handlers)
     if missing:  # the .proto grew a method: register it here too

@@ -1,47 +1,60 @@
-"""The worker process (issue 13, item 2): ``python -m fedrelay.peer.worker``, the process that
-imports torch and holds a site's pixels, so that the daemon need not. Started by the daemon with
-``subprocess`` (``peer/workers.py``: never fork, the daemon has gRPC threads); it exits when its
-stdin closes (the daemon ended it, or died), its memory (GPU memory too) going with it.
+"""The worker process (issue 13): ``python -m fedrelay.peer.worker``, the process that imports
+torch and holds a site's pixels, so that the daemon need not. Started by the daemon with
+``subprocess`` (``peer/workers.py``: never fork, the daemon has gRPC threads), it runs one job at a
+time (``peer/jobs.py``) and exits when its stdin closes, at once, even in the middle of a job (the
+daemon ended it, or died: its files are written atomically, so a restarted daemon resumes from the
+last persisted step). Its memory, GPU memory included, goes with it.
 
 Protocol: one JSON object per line. Requests on stdin, answers on stdout (stderr: log lines):
 
 * ``{"op": "prepare", "data": DIR, "device": "cpu"|"cuda:N", "deterministic": bool}`` first:
-  imports torch and the training code, sets the device's kernels as the daemon did
-  (``training.use_deterministic_kernels``; torch's thread settings are left at their defaults,
-  as in the daemon), decodes the site folder, pays the first optimiser's one-time cost;
-  answers ``{"event": "ready", "seconds": S, "train": N, "test": N}``.
-* ``{"op": "schema", "spec": SPEC, "strategy": NAME}``: a chain hop's payload schema
-  (the strategy's ``payload_schema`` or the run's model) as ``fedrelay.payload`` names it;
-  answers ``{"event": "schema", "schema": {name: [shape, dtype]}, "bytes": B}``.
-* ``{"op": "evaluate", "model": PATH, "spec": SPEC, "class_index": [...]}``: accuracy of a
-  safetensors model on the site's test split; answers ``{"event": "evaluated", "correct": C,
-  "total": T, "seconds": S}``.
+  sets the device's kernels as the daemon's settings say (``training.use_deterministic_kernels``;
+  torch's thread settings are left at their defaults), decodes the site folder (a corrupt image
+  is an error naming the file), pays the first optimiser's one-time cost; answers ``{"event":
+  "ready", "seconds": S, "train": N, "test": N, "device": D}`` (``device``: ``auto`` resolved).
+* a job: ``{"op": "schema" | "train" | "aggregate" | "evaluate", ...}`` (``peer/jobs.py``); while it
+  runs, progress lines ``{"event": "epoch", ...}``; then its answer.
 
-``SPEC`` is ``{"arch", "in_channels", "height", "width", "num_classes"}``. A request that fails
-answers ``{"event": "error", "error": "Type: message"}`` and the worker goes on; an unreadable
-line ends it with exit code 2.
-
-Not built yet: the training job (``peer/node.py`` still trains in the daemon).
+A request that fails answers ``{"event": "error", "error": "Type: message"}`` and the worker goes
+on; an unreadable line ends it with exit code 2.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import queue
 import sys
+import threading
 import time
 
 
-def _spec(d: dict):
-    from fedrelay.peer.models import ModelSpec
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda:0`` when a GPU is usable, else ``cpu``. Raises ``ValueError`` for a
+    device that does not exist here. (Imports torch: it runs in a worker, never the daemon.)"""
+    import torch
 
-    return ModelSpec(arch=d["arch"], in_channels=int(d["in_channels"]),
-                     image_size=(int(d["height"]), int(d["width"])), num_classes=int(d["num_classes"]))
+    if device == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return device
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA GPU is usable on this machine (use --device cpu)")
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s)")
+        return f"cuda:{index}"
+    raise ValueError(f"--device must be auto, cpu or cuda:N, not {device!r}")
 
 
-class _Worker:
-    def __init__(self) -> None:
-        self.data = None
-        self.device = "cpu"
+class Worker:
+    """A site's data and device, and the jobs run on them (also used in-process by
+    ``peer.workers.InlineRunner``, with data already decoded)."""
+
+    def __init__(self, data=None, device: str = "cpu") -> None:
+        self.data = data
+        self.device = device
 
     def prepare(self, req: dict) -> dict:
         started = time.time()
@@ -50,63 +63,60 @@ class _Worker:
         from fedrelay.peer.data import load_site
         from fedrelay.peer.training import use_deterministic_kernels
 
-        self.device = req.get("device", "cpu")
+        self.device = resolve_device(req.get("device", "cpu"))
         if req.get("deterministic", True):
             use_deterministic_kernels(self.device)
         self.data = load_site(req["data"])
-        torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # as the daemon's _warm_up_imports
-        return {"event": "ready", "seconds": time.time() - started,
+        torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # torch._dynamo's import, paid now
+        return {"event": "ready", "seconds": time.time() - started, "device": self.device,
                 "train": self.data.num_samples("train"), "test": self.data.num_samples("test")}
 
-    def schema(self, req: dict) -> dict:
-        from fedrelay import payload, registry
-        from fedrelay.peer.models import expected_signature
+    def handle(self, req: dict, emit) -> dict:
+        """Answer one request (``prepare`` or a job). Raises what the job raises."""
+        if req["op"] == "prepare":
+            return self.prepare(req)
+        from fedrelay.peer import jobs
 
-        spec = _spec(req["spec"])
-        module = registry.load(req["strategy"]) if req.get("strategy") else None
-        custom = getattr(module, "payload_schema", None)
-        schema = payload.schema_from_torch(custom(spec) if custom is not None else expected_signature(spec))
-        return {"event": "schema", "schema": {k: [list(s), d] for k, (s, d) in schema.items()},
-                "bytes": payload.payload_bytes(schema)}
+        if self.data is None and req["op"] != "schema":
+            raise RuntimeError(f"{req['op']} before prepare")
+        return jobs.run(req, self.data, self.device, emit)
 
-    def evaluate(self, req: dict) -> dict:
-        from pathlib import Path
 
-        from fedrelay import wire
-        from fedrelay.peer.models import build_model
-        from fedrelay.peer.training import evaluate
-
-        if self.data is None:
-            raise RuntimeError("evaluate before prepare")
-        started = time.time()
-        model = build_model(_spec(req["spec"]))
-        model.load_state_dict(wire.decode_state(Path(req["model"]).read_bytes()))
-        images, labels = self.data.tensors("test", req["class_index"])
-        correct, total = (evaluate(model.to(self.device), images, labels, device=self.device)
-                          if len(labels) else (0, 0))
-        return {"event": "evaluated", "correct": int(correct), "total": int(total), "seconds": time.time() - started}
+def _read_stdin(lines: queue.Queue) -> None:
+    for line in sys.stdin:
+        lines.put(line)
+    # stdin closed: the daemon ended this worker or died. Nothing is half-written (every file is
+    # written atomically), so stop now, even in the middle of a job.
+    os._exit(0)
 
 
 def main() -> int:
-    worker = _Worker()
-    for line in sys.stdin:
+    worker = Worker()
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_stdin, args=(lines,), daemon=True, name="stdin").start()
+
+    def emit(event: dict) -> None:
+        sys.stdout.write(json.dumps(event) + "\n")
+        sys.stdout.flush()
+
+    while True:
+        line = lines.get()
         if not line.strip():
             continue
         try:
             req = json.loads(line)
-            op = req["op"]
+            req["op"]
         except (ValueError, KeyError, TypeError) as exc:
             print(f"worker: unreadable request: {exc}", file=sys.stderr, flush=True)
             return 2
         try:
-            if op not in ("prepare", "schema", "evaluate"):
-                raise ValueError(f"unknown op {op!r}")
-            answer = getattr(worker, op)(req)
+            answer = worker.handle(req, emit)
         except Exception as exc:  # noqa: BLE001 - the daemon gets every failure as an answer
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
             answer = {"event": "error", "error": f"{type(exc).__name__}: {exc}"}
-        sys.stdout.write(json.dumps(answer) + "\n")
-        sys.stdout.flush()
-    return 0
+        emit(answer)
 
 
 if __name__ == "__main__":

@@ -1,25 +1,46 @@
-"""The daemon's side of a worker process (``peer/worker.py``), without torch: start it with
-``subprocess`` (not fork: the daemon has gRPC threads), ask it things over JSON lines, and say
-why it died when it does.
+"""The daemon's side of its worker processes (``peer/worker.py``), without torch (issue 13).
 
-A worker that exits or is killed mid-request (a crash, SIGKILL, the kernel's out-of-memory
-killer: return code -9) raises ``WorkerDied`` whose message names the exit code or signal and
-the last lines the worker wrote to stderr; the caller fails or retries its run by the run's
-rules. ``close()`` ends a worker (stdin closed, then SIGTERM, then SIGKILL) and frees the host
-slot (``peer/slots.py``) it holds.
+``WorkerProcess`` is one ``python -m fedrelay.peer.worker`` child, started with ``subprocess``
+(not fork: the daemon has gRPC threads) and spoken to in JSON lines. A worker that exits or is
+killed mid-request (a crash, SIGKILL, the kernel's out-of-memory killer: return code -9) raises
+``WorkerDied``, whose message names the exit code or signal and the last lines the worker wrote
+to stderr.
+
+``WorkerPool`` is what ``PeerNode`` runs its jobs with (``peer/jobs.py``): each job gets a worker
+that holds one of the host's worker slots (``peer/slots.py``: at most N workers at once on a
+machine, shared by every site daemon there) and that exits after the job, its memory (GPU
+memory too) going with it. A worker's start (Python, torch, the site's pixels decoded: seconds)
+is hidden where the daemon knows work is coming: ``warm(run_id)`` starts the run's next worker
+ahead (the predecessor asks for it as it starts training, ``Peer.Prepare``) if a slot is free
+now, so a warm worker never waits for a slot and never blocks a job that needs one; one left
+unused for ``warm_timeout`` seconds, or whose run ends (``drop``), is closed. A job whose worker
+dies is run once more on a new worker (its persisted steps are kept, so a training resumes);
+a second death raises ``WorkerDied``.
+
+``InlineRunner`` runs the same jobs in the calling process (it imports torch): for tests and
+embedded use, where a ``PeerNode`` is built with the site's decoded data.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import logging
 import queue
 import signal
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
+from typing import Callable
 
-__all__ = ["WorkerDied", "WorkerError", "WorkerProcess"]
+__all__ = ["WorkerDied", "WorkerError", "JobCancelled", "WorkerProcess", "WorkerPool", "InlineRunner"]
+
+log = logging.getLogger("fedrelay.peer")
+
+EventCallback = Callable[[dict], None]
+DEFAULT_WARM_TIMEOUT = 900.0  # seconds a warm worker waits for its job before it is closed
 
 
 class WorkerDied(RuntimeError):
@@ -30,6 +51,10 @@ class WorkerError(RuntimeError):
     """The worker answered a request with an error (``"Type: message"``)."""
 
 
+class JobCancelled(Exception):
+    """``cancelled()`` turned true while a job ran: its worker was ended."""
+
+
 class WorkerProcess:
     """One ``python -m fedrelay.peer.worker`` child. ``slot``: a ``peer.slots.Slot`` it holds
     (released by ``close``); ``stderr_lines``: how many of its last stderr lines to keep."""
@@ -38,6 +63,7 @@ class WorkerProcess:
         self.slot = slot
         self._tail: collections.deque[str] = collections.deque(maxlen=stderr_lines)
         self._answers: queue.Queue = queue.Queue()
+        self.prepared: dict | None = None  # the answer to "prepare", once given
         self.proc = subprocess.Popen([sys.executable, "-m", "fedrelay.peer.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
                                      env=env, close_fds=True)
@@ -73,19 +99,40 @@ class WorkerProcess:
         tail = "; ".join(line for line in self._tail if line)[-1500:]
         return how + (f"; last stderr: {tail}" if tail else "")
 
-    def request(self, req: dict, timeout: float | None = None) -> dict:
-        """Send one request and wait for its answer. Raises ``WorkerDied`` (the worker ended
-        first), ``WorkerError`` (it answered an error) or ``TimeoutError``."""
+    def request(self, req: dict, timeout: float | None = None, on_event: EventCallback | None = None,
+                cancelled: Callable[[], bool] | None = None, poll: float = 0.25) -> dict:
+        """Send one request and wait for its answer; progress lines (``{"event": "epoch"}``) go
+        to ``on_event`` meanwhile. Raises ``WorkerDied`` (the worker ended first), ``WorkerError``
+        (it answered an error), ``TimeoutError`` (no answer within ``timeout`` seconds) or
+        ``JobCancelled`` (``cancelled()`` turned true: the worker is closed at once); what
+        ``on_event`` raises ends the worker too and propagates."""
+        until = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             try:
                 self.proc.stdin.write(json.dumps(req) + "\n")
                 self.proc.stdin.flush()
             except (BrokenPipeError, OSError):
                 pass  # the answer queue says it ended
-            try:
-                answer = self._answers.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"worker {self.pid} did not answer {req.get('op')!r} in {timeout} s") from None
+            while True:
+                if cancelled is not None and cancelled():
+                    self.close(grace=0)
+                    raise JobCancelled(req.get("op"))
+                wait = poll if until is None else min(poll, until - time.monotonic())
+                if wait <= 0:
+                    raise TimeoutError(f"worker {self.pid} did not answer {req.get('op')!r} in {timeout} s")
+                try:
+                    answer = self._answers.get(timeout=wait)
+                except queue.Empty:
+                    continue
+                if answer is not None and answer.get("event") == "epoch":
+                    if on_event is not None:
+                        try:
+                            on_event(answer)
+                        except BaseException:
+                            self.close(grace=0)
+                            raise
+                    continue
+                break
         if answer is None:
             self._answers.put(None)
             raise WorkerDied(f"worker process {self.pid} ended during {req.get('op')!r}: {self.reason()}")
@@ -94,7 +141,8 @@ class WorkerProcess:
         return answer
 
     def close(self, grace: float = 5.0) -> None:
-        """End the worker (idempotent) and release its slot."""
+        """End the worker (idempotent; stdin closed, then SIGTERM, then SIGKILL after ``grace``
+        seconds each) and release its slot."""
         try:
             if self.proc.poll() is None:
                 try:
@@ -102,14 +150,200 @@ class WorkerProcess:
                 except OSError:
                     pass
                 try:
-                    self.proc.wait(timeout=grace)
+                    self.proc.wait(timeout=max(grace, 0.5))
                 except subprocess.TimeoutExpired:
                     self.proc.terminate()
                     try:
-                        self.proc.wait(timeout=grace)
+                        self.proc.wait(timeout=max(grace, 0.5))
                     except subprocess.TimeoutExpired:
                         self.proc.kill()
                         self.proc.wait()
         finally:
             if self.slot is not None:
                 self.slot.release()
+
+
+class _Warm:
+    """A worker started ahead for a run: prepared (and asked the ``prefetch`` requests) in a
+    thread of its own."""
+
+    def __init__(self, worker: WorkerProcess, prepare: dict, prefetch: list[tuple[dict, Callable]]):
+        self.worker = worker
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.started = time.monotonic()
+        threading.Thread(target=self._prepare, args=(prepare, prefetch), daemon=True,
+                         name=f"warm-{worker.pid}").start()
+
+    def _prepare(self, prepare: dict, prefetch) -> None:
+        try:
+            self.worker.prepared = self.worker.request(prepare)
+            for req, on_result in prefetch:
+                on_result(self.worker.request(req))
+        except BaseException as exc:  # noqa: BLE001 - told to whoever takes the worker
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+class WorkerPool:
+    """Runs a site's jobs in worker processes (see the module docstring).
+
+    ``data_dir``, ``device`` (``auto`` allowed), ``deterministic``: what each worker prepares.
+    ``slots``: the host's ``peer.slots.HostSlots``. ``stop``: the daemon's stop event (a job
+    waiting for a slot gives up when it is set). ``on_wait(message)``: told when a job waits for
+    a slot (the site's state says so).
+    """
+
+    def __init__(self, data_dir: str | Path, device: str, slots, *, deterministic: bool = True,
+                 stop: threading.Event | None = None, warm_timeout: float = DEFAULT_WARM_TIMEOUT,
+                 env: dict | None = None):
+        self.data_dir = str(Path(data_dir).resolve())
+        self.device = device
+        self.deterministic = deterministic
+        self.slots = slots
+        self.stop = stop or threading.Event()
+        self.warm_timeout = warm_timeout
+        self.env = env
+        self._warm: dict[str, _Warm] = {}
+        self._lock = threading.Lock()
+        self.started = 0  # worker processes started (for tests and metrics)
+
+    def _prepare_request(self) -> dict:
+        return {"op": "prepare", "data": self.data_dir, "device": self.device, "deterministic": self.deterministic}
+
+    def _new_worker(self, slot) -> WorkerProcess:
+        self.started += 1
+        return WorkerProcess(slot=slot, env=self.env)
+
+    def warm(self, run_id: str, prefetch: list[tuple[dict, Callable]] = ()) -> bool:
+        """Start a worker ahead for ``run_id`` if it has none and a slot is free now; the
+        ``prefetch`` requests (e.g. the run's payload schemas) are asked once it is ready, their
+        answers passed to their callbacks. True when a worker was started."""
+        self._expire()
+        with self._lock:
+            if run_id in self._warm or self.stop.is_set():
+                return False
+            slot = self.slots.try_acquire()
+            if slot is None:
+                return False
+            self._warm[run_id] = _Warm(self._new_worker(slot), self._prepare_request(), list(prefetch))
+        log.info("run %s: started a worker ahead of the model's arrival", run_id)
+        return True
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            old = [k for k, w in self._warm.items() if now - w.started > self.warm_timeout]
+            expired = [self._warm.pop(k) for k in old]
+        for w in expired:
+            log.info("closing a worker left unused for %.0f s", self.warm_timeout)
+            w.worker.close()
+
+    def drop(self, run_id: str) -> None:
+        """Close ``run_id``'s warm worker, if any (the run ended here)."""
+        with self._lock:
+            w = self._warm.pop(run_id, None)
+        if w is not None:
+            w.worker.close()
+
+    def _take(self, run_id: str | None, on_wait: Callable[[str], None] | None) -> WorkerProcess:
+        with self._lock:
+            w = self._warm.pop(run_id, None) if run_id is not None else None
+        if w is not None:
+            w.done.wait()
+            if w.error is None and w.worker.proc.poll() is None:
+                return w.worker
+            log.warning("the worker started ahead failed (%s); starting another", w.error)
+            w.worker.close()
+        slot = self.slots.try_acquire()
+        if slot is None:
+            if on_wait is not None:
+                on_wait(f"waiting for a worker slot ({self.slots.count} on this host)")
+            slot = self.slots.acquire(stop=self.stop)
+            if slot is None:
+                raise JobCancelled("the daemon is stopping")
+        return self._new_worker(slot)
+
+    def run(self, req: dict, *, run_id: str | None = None, on_event: EventCallback | None = None,
+            cancelled: Callable[[], bool] | None = None, on_wait: Callable[[str], None] | None = None,
+            on_start: Callable[[], None] | None = None, retries: int = 1) -> dict:
+        """Run the job ``req`` (``peer/jobs.py``) on a worker (``run_id``'s warm one if any) that
+        is closed afterwards; ``on_start()`` is called once the worker is ready, as the job is
+        sent. A worker that dies is replaced ``retries`` times. Raises
+        ``WorkerDied``, ``WorkerError`` (the job failed: its message), ``JobCancelled``
+        (``cancelled()`` turned true, or the daemon stops while waiting for a slot), and what
+        ``on_event`` raises."""
+        for attempt in range(retries + 1):
+            worker = self._take(run_id, on_wait)
+            try:
+                if worker.prepared is None and req["op"] != "schema":
+                    worker.prepared = worker.request(self._prepare_request(), cancelled=cancelled)
+                if on_start is not None:
+                    on_start()
+                return worker.request(req, on_event=on_event, cancelled=cancelled)
+            except WorkerDied as exc:
+                if attempt == retries:
+                    raise
+                log.warning("%s; running the %s job again on a new worker", exc, req["op"])
+            finally:
+                worker.close()
+        raise AssertionError("unreachable")
+
+    def check(self) -> dict:
+        """One worker's ``prepare`` (the site's every image decoded, the device resolved), then
+        the worker is closed: its answer. Raises ``WorkerError`` (e.g. ``DataError: ...``),
+        ``WorkerDied`` or ``JobCancelled`` (the daemon stops while waiting for a slot)."""
+        worker = self._take(None, None)
+        try:
+            return worker.request(self._prepare_request())
+        finally:
+            worker.close()
+
+    def close(self) -> None:
+        """Close every warm worker (the daemon stops)."""
+        with self._lock:
+            warm, self._warm = list(self._warm.values()), {}
+        for w in warm:
+            w.worker.close(grace=1.0)
+
+
+class InlineRunner:
+    """``WorkerPool``'s interface, the jobs run in this process on ``data`` (a decoded
+    ``peer.data.SiteData``). ``cancelled`` is checked at each progress event (the end of an
+    epoch). Imports torch."""
+
+    def __init__(self, data, device: str = "cpu"):
+        from fedrelay.peer.worker import Worker
+
+        self.worker = Worker(data, device)
+        self.started = 0
+
+    def warm(self, run_id: str, prefetch=()) -> bool:
+        for req, on_result in prefetch:
+            on_result(self.run(req))
+        return False
+
+    def drop(self, run_id: str) -> None:
+        pass
+
+    def run(self, req: dict, *, run_id: str | None = None, on_event: EventCallback | None = None,
+            cancelled: Callable[[], bool] | None = None, on_wait=None, on_start=None, retries: int = 0) -> dict:
+        if on_start is not None:
+            on_start()
+
+        def emit(event: dict) -> None:
+            if cancelled is not None and cancelled():
+                raise JobCancelled(req.get("op"))
+            if on_event is not None:
+                on_event(json.loads(json.dumps(event)))  # as a worker's line would be
+
+        try:
+            return json.loads(json.dumps(self.worker.handle(req, emit)))
+        except JobCancelled:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the same error a worker would answer
+            raise WorkerError(f"{type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        pass

@@ -7,6 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PrepareRequest(_message.Message):
+    __slots__ = ("run_id", "sender")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    sender: str
+    def __init__(self, run_id: _Optional[str] = ..., sender: _Optional[str] = ...) -> None: ...
+
+class PrepareReply(_message.Message):
+    __slots__ = ("started",)
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    started: bool
+    def __init__(self, started: _Optional[bool] = ...) -> None: ...
+
 class EndRunRequest(_message.Message):
     __slots__ = ("run_id", "status", "reason", "cancelled_by")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

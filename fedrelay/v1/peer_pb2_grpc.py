@@ -75,6 +75,11 @@ class PeerStub:
                 request_serializer=fedrelay_dot_v1_dot_peer__pb2.EndRunRequest.SerializeToString,
                 response_deserializer=fedrelay_dot_v1_dot_peer__pb2.EndRunReply.FromString,
                 _registered_method=True)
+        self.Prepare = channel.unary_unary(
+                '/fedrelay.v1.Peer/Prepare',
+                request_serializer=fedrelay_dot_v1_dot_peer__pb2.PrepareRequest.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_peer__pb2.PrepareReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -144,6 +149,16 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prepare(self, request, context):
+        """A site that starts training the model it will send tells the transfer's receiver, which may
+        start its worker process ahead (imports, data decoded) so that the start-up is hidden behind
+        the sender's training. Only from a planned sender of a transfer into this site; a hint:
+        answered at once, and nothing fails if it is lost.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +201,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.EndRun,
                     request_deserializer=fedrelay_dot_v1_dot_peer__pb2.EndRunRequest.FromString,
                     response_serializer=fedrelay_dot_v1_dot_peer__pb2.EndRunReply.SerializeToString,
+            ),
+            'Prepare': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prepare,
+                    request_deserializer=fedrelay_dot_v1_dot_peer__pb2.PrepareRequest.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_peer__pb2.PrepareReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -404,6 +424,33 @@ class Peer:
             '/fedrelay.v1.Peer/EndRun',
             fedrelay_dot_v1_dot_peer__pb2.EndRunRequest.SerializeToString,
             fedrelay_dot_v1_dot_peer__pb2.EndRunReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prepare(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Peer/Prepare',
+            fedrelay_dot_v1_dot_peer__pb2.PrepareRequest.SerializeToString,
+            fedrelay_dot_v1_dot_peer__pb2.PrepareReply.FromString,
             options,
             channel_credentials,
             insecure,
