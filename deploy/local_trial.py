@@ -122,6 +122,8 @@ class LocalTrial:
         self.site_dirs = site_dirs
         self.device = device
         self.env = {**os.environ, **(env or {})}
+        # The trial's daemons share one set of worker slots (peer/slots.py): the trial's own.
+        self.env.setdefault("FEDRELAY_WORKER_SLOTS_DIR", str(Path(workdir).resolve() / "worker-slots"))
         self.procs: dict[str, subprocess.Popen] = {}
         self.argv: dict[str, list[str]] = {}
         # Fixed addresses, so that a daemon restarted with the same command is found where it was.

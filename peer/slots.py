@@ -20,8 +20,15 @@ __all__ = ["DEFAULT_SLOTS", "Slot", "HostSlots", "default_folder"]
 DEFAULT_SLOTS = 3
 
 
+ENV_FOLDER = "FEDRELAY_WORKER_SLOTS_DIR"
+
+
 def default_folder() -> Path:
-    """``/tmp/fedrelay-worker-slots-<uid>``: one set of slots per user on the machine."""
+    """``$FEDRELAY_WORKER_SLOTS_DIR`` when set (e.g. one set of slots per trial: the daemons of
+    ``deploy/local_trial.py``), else ``/tmp/fedrelay-worker-slots-<uid>``: one set of slots per
+    user on the machine."""
+    if os.environ.get(ENV_FOLDER):
+        return Path(os.environ[ENV_FOLDER])
     return Path("/tmp") / f"fedrelay-worker-slots-{os.getuid()}"
 
 

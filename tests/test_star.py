@@ -219,7 +219,15 @@ def test_an_upload_without_the_aggregators_extra_tensors_is_refused(three_sites,
     state = _build_seeded(ModelSpec("cnn", 1, (28, 28), 10), 1).state_dict()
     with pytest.raises(ValueError, match="tensor names differ"):
         node._check_model_bytes(a, wire.encode_state(state), common_pb2.UPLOAD)
-    extras = {k: v.clone() for k, v in node._with_extras(a, state, node._site_tensors("train", a.class_index)).items()}
+    from fedrelay import params as run_params
+    from fedrelay.peer.aggregators import join_payload
+    from fedrelay.peer.aggregators import maecho
+
+    site = load_site(three_sites[0])
+    train = site.tensors("train", list(a.class_index))
+    opts = run_params.options(run_params.to_dict(a.params))
+    made = maecho.site_extras(state, ModelSpec("cnn", 1, (28, 28), 10), train, opts)
+    extras = {k: v.clone() for k, v in join_payload(state, made).items()}
     node._check_model_bytes(a, wire.encode_state(extras), common_pb2.UPLOAD)  # the real thing passes
     counts = EXTRA + "class_counts"
     extras[counts] = extras[counts][:5]

@@ -167,7 +167,9 @@ def test_worker_process_evaluates_and_a_killed_one_says_why(three_sites, tmp_pat
         ready = worker.request({"op": "prepare", "data": str(three_sites[0]), "device": "cpu"}, timeout=120)
         assert ready["train"] == sum(site.train_counts.values())
         schema = worker.request({"op": "schema", "spec": spec, "strategy": "fedelmy"}, timeout=60)
-        assert schema["bytes"] > 0 and "classifier.3.bias" in schema["schema"]
+        assert "classifier.3.bias" in schema["model"] and schema["hop"] == schema["model"]
+        assert schema["extras"] == {}
+        assert payload.payload_bytes({k: (tuple(s), d) for k, (s, d) in schema["model"].items()}) > 0
         got = worker.request({"op": "evaluate", "model": str(model), "spec": spec, "class_index": classes},
                              timeout=60)
         assert got["total"] == site.num_samples("test") and 0 <= got["correct"] <= got["total"]

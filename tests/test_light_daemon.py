@@ -1,0 +1,141 @@
+"""Issue 13: the light site daemon. ``peer serve`` imports no torch and stays small; its work runs
+in worker processes (peer/workers.py) that exit after their job; a worker that dies is replaced
+and the job resumes from its persisted steps with the same result; a warm worker is started only
+for a planned sender's Prepare."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from fedrelay.peer.slots import HostSlots
+from fedrelay.peer.workers import WorkerPool
+from fedrelay.v1 import peer_pb2, peer_pb2_grpc
+
+from bench.common import deploy_script
+
+free_port = deploy_script("local_trial").free_port
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_an_idle_site_daemon_imports_no_torch_and_stays_small(three_sites, tmp_path):
+    """A daemon with its data checked and serving: no torch library mapped, no worker left
+    running, resident memory at most 150 MB (the issue's bound)."""
+    port = free_port()
+    env = {**os.environ, "FEDRELAY_WORKER_SLOTS_DIR": str(tmp_path / "slots")}
+    proc = subprocess.Popen([sys.executable, "-m", "fedrelay.cli.peer", "serve", "--data", str(three_sites[0]),
+                             "--name", "site-a", "--listen", f"127.0.0.1:{port}", "--coordinator", "127.0.0.1:1",
+                             "--state-dir", str(tmp_path / "state"), "--device", "cpu", "--insecure"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            grpc.channel_ready_future(ch).result(timeout=120)
+            st = peer_pb2_grpc.PeerStub(ch).GetStatus(peer_pb2.StatusRequest(), timeout=10)
+        assert st.name == "site-a" and st.device == "cpu"
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert "libtorch" not in maps and "/torch/" not in maps
+        assert _children(proc.pid) == []  # the start-up check's worker has exited
+        assert _rss_mb(proc.pid) <= 150
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _train_request(site: Path, folder: Path, class_index: list[str]) -> dict:
+    params = {"strategy": "fedelmy", "models_per_site": 2, "local_epochs": 1, "warmup_epochs": 1, "alpha": 1.0,
+              "beta": 1.0, "lr": 1e-3, "batch_size": 32, "weight_decay": 1e-4, "selection": "best-val"}
+    return {"op": "train", "spec": {"arch": "cnn", "in_channels": 1, "height": 28, "width": 28,
+                                    "num_classes": len(class_index)},
+            "params": params, "seed": 5, "class_index": class_index, "site": site.name, "aggregator": "",
+            "options": {}, "position": 0, "round": 1, "folder": str(folder), "received": None,
+            "outgoing": str(folder / "outgoing.safetensors"), "initial": None}
+
+
+def test_a_worker_killed_mid_training_is_replaced_and_gives_the_same_model(three_sites, tmp_path):
+    """SIGKILL of the worker during the second pool model: the pool starts another worker, which
+    resumes from the persisted warm-up and first pool model; the model equals an undisturbed
+    run's, bit for bit."""
+    from fedrelay.peer.scan import scan_site
+
+    site = three_sites[0]
+    classes = [f"{i}" for i in range(10)]
+    classes = sorted(set(scan_site(site).class_names) | set(classes))
+    pool = WorkerPool(site, "cpu", HostSlots(2, tmp_path / "slots"))
+    pool.run(_train_request(site, tmp_path / "a", classes))
+    assert pool.started == 1
+
+    killed = []
+
+    def on_event(info: dict) -> None:
+        if info["model"] == 2 and not killed:
+            for pid in _children(os.getpid()):
+                if "fedrelay.peer.worker" in Path(f"/proc/{pid}/cmdline").read_text():
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+
+    pool.run(_train_request(site, tmp_path / "b", classes), on_event=on_event)
+    assert killed and pool.started == 3  # the killed worker was replaced once
+    assert (tmp_path / "b" / "pool" / "model-1.safetensors").exists()
+    digest = [hashlib.sha256((tmp_path / x / "outgoing.safetensors").read_bytes()).hexdigest() for x in "ab"]
+    assert digest[0] == digest[1]
+    assert HostSlots(2, tmp_path / "slots").held() == 0  # every worker gave its slot back
+
+
+def test_a_second_death_fails_the_job_with_its_reason(three_sites, tmp_path):
+    """A worker killed again on the retry: the job fails with WorkerDied naming the signal."""
+    from fedrelay.peer.workers import WorkerDied
+
+    site = three_sites[0]
+    pool = WorkerPool(site, "cpu", HostSlots(1, tmp_path / "slots"))
+
+    def kill_workers() -> None:  # as the job is sent, once the worker is ready
+        for pid in _children(os.getpid()):
+            if "fedrelay.peer.worker" in Path(f"/proc/{pid}/cmdline").read_text():
+                os.kill(pid, signal.SIGKILL)
+
+    with pytest.raises(WorkerDied, match="killed by SIGKILL"):
+        pool.run(_train_request(site, tmp_path / "c", ["0", "1"]), on_start=kill_workers)
+    assert pool.started == 2
+    assert HostSlots(1, tmp_path / "slots").held() == 0
+
+
+def test_prepare_is_taken_only_from_a_planned_sender(three_sites, tmp_path):
+    """Prepare starts nothing for an unknown run, a site that sends nothing here, or a caller
+    whose certificate is not the named sender."""
+    from tests.test_transfer import assignment
+
+    from fedrelay.peer.data import load_site
+    from fedrelay.peer.node import PeerNode
+
+    node = PeerNode("site-b", "127.0.0.1:1", load_site(three_sites[0]), tmp_path, "cpu", None, start_workers=False)
+    node.assign(assignment("r1"))
+    with pytest.raises(LookupError):
+        node.prepare("nope", "site-a")
+    with pytest.raises(PermissionError, match="sends nothing"):
+        node.prepare("r1", "site-c")
+    with pytest.raises(PermissionError, match="certificate"):
+        node.prepare("r1", "site-a", caller="site-c")
+    assert node.prepare("r1", "site-a", caller="site-a") is False  # nothing to start in a test node
