@@ -71,6 +71,7 @@ class PeerNode:
         self.streams = InboundStreams(stall_timeout)  # the Handoff streams open here
         self.jobs = jobs if jobs is not None else InlineRunner(data, device)
         self._schemas: dict[str, dict] = {}  # run's schema key -> payload schemas (see _schemas_of)
+        self._schema_waits: dict[str, threading.Event] = {}  # schema keys a warm worker is asked for
         self._digests: dict[tuple, str] = {}
         self.reporter = Reporter(coordinator, lambda: self.stop)
         self.stop = threading.Event()
@@ -384,6 +385,11 @@ class PeerNode:
             return self._keep_schemas(key, json.loads((self.state_dir / "schemas" / f"{key}.json").read_text()))
         except (OSError, ValueError, KeyError, TypeError):
             pass
+        asked = self._schema_waits.get(key)
+        if asked is not None:  # a warm worker is being asked: its answer comes within seconds
+            asked.wait(120.0)
+            if key in self._schemas:
+                return self._schemas[key]
         try:
             answer = self.jobs.run(req)
         except Exception as exc:  # noqa: BLE001 - any failure: the payload cannot be checked
@@ -406,8 +412,23 @@ class PeerNode:
         if run.ended.is_set() or not self.start_workers:
             return False
         req, key = self._schema_request(run.assignment)
-        prefetch = [] if key in self._schemas else [(req, lambda answer: self._keep_schemas(key, answer))]
-        return self.jobs.warm(run_id, prefetch)
+        prefetch, asked = [], None
+        if key not in self._schemas and key not in self._schema_waits:
+            asked = self._schema_waits[key] = threading.Event()
+
+            def keep(answer: dict | None) -> None:
+                try:
+                    if answer is not None:
+                        self._keep_schemas(key, answer)
+                finally:
+                    self._schema_waits.pop(key, None)
+                    asked.set()
+            prefetch = [(req, keep)]
+        started = self.jobs.warm(run_id, prefetch)
+        if not started and asked is not None:
+            self._schema_waits.pop(key, None)
+            asked.set()
+        return started
 
     def _payload_cap(self, a: peer_pb2.Assignment) -> int:
         """Largest payload accepted for a run: 4 x (the model's tensor bytes + the aggregator's

@@ -164,8 +164,9 @@ class WorkerProcess:
 
 
 class _Warm:
-    """A worker started ahead for a run: prepared (and asked the ``prefetch`` requests) in a
-    thread of its own."""
+    """A worker started ahead for a run, in a thread of its own: first asked the ``prefetch``
+    requests (which need no data: they are answered as soon as torch is imported), then
+    prepared. Each prefetch callback is called once, with the answer or None (failed)."""
 
     def __init__(self, worker: WorkerProcess, prepare: dict, prefetch: list[tuple[dict, Callable]]):
         self.worker = worker
@@ -176,13 +177,19 @@ class _Warm:
                          name=f"warm-{worker.pid}").start()
 
     def _prepare(self, prepare: dict, prefetch) -> None:
+        pending = list(prefetch)
         try:
+            while pending:
+                req, on_result = pending[0]
+                answer = self.worker.request(req)
+                pending.pop(0)
+                on_result(answer)
             self.worker.prepared = self.worker.request(prepare)
-            for req, on_result in prefetch:
-                on_result(self.worker.request(req))
         except BaseException as exc:  # noqa: BLE001 - told to whoever takes the worker
             self.error = exc
         finally:
+            for _, on_result in pending:
+                on_result(None)
             self.done.set()
 
 
@@ -218,8 +225,9 @@ class WorkerPool:
 
     def warm(self, run_id: str, prefetch: list[tuple[dict, Callable]] = ()) -> bool:
         """Start a worker ahead for ``run_id`` if it has none and a slot is free now; the
-        ``prefetch`` requests (e.g. the run's payload schemas) are asked once it is ready, their
-        answers passed to their callbacks. True when a worker was started."""
+        ``prefetch`` requests (e.g. the run's payload schemas) are asked first, their answers
+        (None: failed) passed to their callbacks. True when a worker was started (False: the
+        callbacks are not called)."""
         self._expire()
         with self._lock:
             if run_id in self._warm or self.stop.is_set():
