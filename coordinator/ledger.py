@@ -183,6 +183,7 @@ class Ledger:
             self._peer_rows: dict[str, tuple] = {}  # name -> what the ledger holds besides last_seen
             self._instances: dict[str, str] = {}  # name -> the daemon instance id the ledger holds
             self._seen: dict[str, float] = {}  # name -> last_seen newer than the ledger's
+            self._peer_memo: dict[str, dict] = {}  # name -> its row as ``peer`` read it (dropped on a write)
             self._flushed = time.monotonic()
             self._plans: dict[str, list[dict]] = {}  # run id -> every version of its plan (immutable)
             self._in_batch = False
@@ -285,6 +286,9 @@ class Ledger:
             if not self._seen:
                 return 0
             seen, self._seen = self._seen, {}
+            for n, t in seen.items():  # what is written is what peer() goes on showing
+                if n in self._peer_memo:
+                    self._peer_memo[n]["last_seen"] = max(self._peer_memo[n]["last_seen"] or 0.0, t)
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 self._db.executemany("UPDATE peers SET last_seen = MAX(COALESCE(last_seen, 0), ?) WHERE name = ?",
@@ -299,6 +303,7 @@ class Ledger:
         address, classes = row[0], row[1]
         self._seen.pop(name, None)
         self._peer_rows.pop(name, None)
+        self._peer_memo.pop(name, None)
         self._exec(
             """INSERT INTO peers (name, address, classes, channels, height, width, device, version,
                                   registered, last_seen)
@@ -318,9 +323,19 @@ class Ledger:
         return row
 
     def peer(self, name: str) -> dict[str, Any] | None:
+        """``name``'s registration (name, address, last_seen, instance), or None. Read from SQLite
+        once, then from memory until it changes (a heartbeat asks for it every time)."""
         with self._lock:
-            rows = self._all("SELECT name, address, last_seen, instance FROM peers WHERE name = ?", (name,))
-            return self._overlay(rows[0]) if rows else None
+            if name not in self._peer_memo:
+                rows = self._all("SELECT name, address, last_seen, instance FROM peers WHERE name = ?", (name,))
+                if not rows:
+                    return None
+                self._peer_memo[name] = rows[0]
+            return self._overlay(dict(self._peer_memo[name]))
+
+    def registered_count(self) -> int:
+        """How many sites registered (or heartbeat) since this ledger was opened."""
+        return len(self._peer_rows)
 
     def set_peer_instance(self, name: str, instance: str) -> None:
         """Record the random id of the daemon process now serving ``name`` (after ``upsert_peer``);
@@ -330,6 +345,7 @@ class Ledger:
                 return
             self._exec("UPDATE peers SET instance = ? WHERE name = ?", (instance, name))
             self._instances[name] = instance
+            self._peer_memo.pop(name, None)
 
     def forget_peer(self, name: str) -> bool:
         """Remove ``name``'s registration. False when no such peer is registered."""
@@ -337,6 +353,7 @@ class Ledger:
             self._peer_rows.pop(name, None)
             self._instances.pop(name, None)
             self._seen.pop(name, None)
+            self._peer_memo.pop(name, None)
             return self._exec("DELETE FROM peers WHERE name = ?", (name,)).rowcount == 1
 
     def peers(self) -> list[dict[str, Any]]:

@@ -72,3 +72,44 @@ def test_heartbeats_that_change_nothing_write_nothing_and_still_show_last_seen()
     ledger.upsert_peer("a", "127.0.0.1:2", classes, (1, 28, 28), "cpu", "1")
     assert ledger.flush_last_seen() == 1  # one transaction for every site's heartbeat
     ledger.close()
+
+
+def test_a_heartbeat_reads_nothing_once_its_site_is_known_and_the_period_bounds_the_total_rate():
+    """Re-registrations of a known site read and write no SQL (the registration is kept in
+    memory and dropped on any write); the heartbeat period grows with the number of registered
+    sites so that all of them together heartbeat about twice a second, and never exceeds a
+    quarter of --peer-timeout."""
+    from fedrelay.coordinator.service import HEARTBEATS_PER_SECOND
+
+    class Plaintext:  # a plaintext server's call context: no identities
+        def auth_context(self):
+            return {}
+
+    counter = WriteCounter()
+    ledger = Ledger(":memory:")
+    ledger._db.set_trace_callback(counter)
+    service = CoordinatorService(ledger, peer_timeout=120.0)
+    classes = [cpb.ClassCount(name="c", train=5, test=1)]
+
+    def register(name: str, address: str = "127.0.0.1:1") -> cpb.RegisterReply:
+        return service.Register(cpb.RegisterRequest(name=name, address=address, classes=classes, channels=1,
+                                                    height=28, width=28, device="cpu", version="1",
+                                                    instance="i-" + name), Plaintext())
+
+    assert register("a").heartbeat_seconds == 10
+    register("a")
+    reads, writes = counter.reads, counter.writes
+    for _ in range(5):
+        register("a")
+    assert (counter.reads, counter.writes) == (reads, writes)
+    assert ledger.peer("a")["address"] == "127.0.0.1:1"
+    register("a", "127.0.0.1:2")  # moved: written, and peer() shows it
+    assert ledger.peer("a")["address"] == "127.0.0.1:2"
+    for i in range(40):
+        register(f"s{i:02d}")
+    assert register("a").heartbeat_seconds == max(10, -(-41 // int(HEARTBEATS_PER_SECOND)))
+    for i in range(40, 200):
+        register(f"s{i:03d}")
+    assert register("a").heartbeat_seconds == 30  # a quarter of --peer-timeout
+    service.close()
+    ledger.close()
