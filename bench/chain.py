@@ -15,7 +15,10 @@ chain and one FedSeq chain with the same seed run through the real CLI. Then:
   traffic to that site in the window). Without namespaces (``--no-netns``) only the loopback
   interface's total over the run is available: an upper bound holding every process's
   loopback traffic;
-- **memory**: each peer process's peak resident set (VmHWM) against baseline + data + (S+3)·M,
+- **memory**: each site's peak resident set against baseline + data + (S+3)·M: the larger of
+  the daemon's own peak (VmHWM) and the peak of the daemon and its worker processes together
+  (the light daemon trains in workers; their resident sets are summed with the daemon's every
+  50 ms during the FedELMY chain),
   where baseline is the peak RSS of a process that imports what a peer imports (and, to explain
   the gap, of one that has also run one training step);
 - **chain overhead**: the chain's wall time (run start to final model) against the sum of the
@@ -104,6 +107,35 @@ def vm_hwm(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+class TreePeaks:
+    """Samples, every ``period`` seconds in a thread, the summed resident set (bytes) of each
+    site's daemon and its descendants (the workers that train); ``peaks`` holds the maximum per
+    site. Peaks shorter than the period can be missed; the daemon's own VmHWM is exact."""
+
+    def __init__(self, pids: dict[str, int], period: float = 0.05):
+        import threading
+
+        self.pids, self.period = pids, period
+        self.peaks = {name: 0 for name in pids}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from bench.scale import process_tree_rss
+
+        while not self._stop.wait(self.period):
+            for name, pid in self.pids.items():
+                self.peaks[name] = max(self.peaks[name], process_tree_rss([pid]))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
 
 
 def baseline_rss(training_step: bool = False, batch_size: int = 128) -> int:
@@ -261,7 +293,9 @@ def main(argv=None) -> dict:
     with trial_cls(work / "trial", sites) as trial:
         for strategy in ("fedelmy", "fedseq"):
             before = lo_bytes()
-            with LinkSampler(trial, work / f"links-{strategy}.jsonl") if use_netns else nullcontext() as sampler:
+            daemons = {name: p.pid for name, p in trial.procs.items() if name != "coordinator"}
+            with LinkSampler(trial, work / f"links-{strategy}.jsonl") if use_netns else nullcontext() as sampler, \
+                    TreePeaks(daemons) as tree:
                 res = trial.cli("start-chain", "--seed", str(args.seed), "--strategy", strategy, "--wait", "--json",
                                 *chain_args, capture_output=True, text=True, timeout=3600)
                 time.sleep(0.05)  # a sample after the last transfer
@@ -274,7 +308,7 @@ def main(argv=None) -> dict:
                 for h in runs[strategy]["hops"]:
                     h["kernel_bytes"] = sampler.into(h["receiver"], h["started"], h["ended"], rows)
             if strategy == "fedelmy":
-                peaks = {name: vm_hwm(p.pid) for name, p in trial.procs.items() if name != "coordinator"}
+                peaks = {name: max(vm_hwm(pid), tree.peaks[name]) for name, pid in daemons.items()}
                 with OperatorClient(trial.coordinator, trial.transport()) as c:
                     events = [{"kind": e.kind, "site": e.site, "time": e.time, "data": e.data_json}
                               for e in c.watch(runs[strategy]["run_id"])]
