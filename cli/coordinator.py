@@ -80,6 +80,11 @@ def serve(
     metrics_listen: str = typer.Option(None, "--metrics-listen", help="HOST:PORT to serve Prometheus metrics on "
                                        "(plain HTTP, /metrics; unauthenticated: bind it where only your "
                                        "monitoring reaches) \\[default: off]."),
+    relay_dir: Path = typer.Option(None, "--relay-dir", file_okay=False,
+                                   help="Where the coordinator's relay keeps sealed payloads for sites that cannot "
+                                        "be reached directly (TLS only) \\[default: the folder 'relay' beside --db]."),
+    relay: str = typer.Option("", "--relay", help="HOST:PORT of the operator's own relay (`coordinator relay`), "
+                              "told to every site; the coordinator then relays nothing itself."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
 ) -> None:
     """Run the coordinator (ledger: SQLite at --db)."""
@@ -90,7 +95,31 @@ def serve(
 
     try:
         run_service(listen, db, transport=transport, peer_timeout=peer_timeout, web=web,
-                    metrics_listen=metrics_listen)
+                    metrics_listen=metrics_listen, relay_dir=relay_dir, relay=relay)
+    except (RuntimeError, ValueError) as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command("relay")
+def relay_command(
+    listen: str = typer.Option("0.0.0.0:50072", "--listen", help="HOST:PORT to listen on."),
+    folder: Path = typer.Option(Path("fedrelay-relay"), "--dir", file_okay=False,
+                                help="Where the sealed payloads are kept until their receiver fetches them."),
+    tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " Here: PKI/coordinator (sites dial "
+                             "the relay expecting the coordinator's certificate name).", file_okay=False),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
+) -> None:
+    """Run a relay on its own: where senders leave payloads, sealed to the receiver's key, for sites
+    they cannot reach directly (point the coordinator at it with `serve --relay HOST:PORT`)."""
+    transport = transport_from(tls, False)
+    setup_logging(verbose, prefix="[relay] ")
+    stop_on_sigterm()
+    from fedrelay.coordinator.relay import serve_relay
+
+    try:
+        serve_relay(listen, folder, transport=transport)
     except (RuntimeError, ValueError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -259,18 +288,36 @@ def _status(h: dict) -> str:
 
 
 def _transfer_table(title: str, first: str, rows: list[dict], rounds: int = 1) -> Table:
-    t = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+    relayed = any(h.get("route") == "relayed" for h in rows)
+    t = Table(title=title + ("; via: direct or through the relay, sealed" if relayed else ""), box=box.SIMPLE_HEAD,
+              collapse_padding=True, pad_edge=False)
     columns = (first, *(("r",) if rounds > 1 else ()), "sender → receiver", "bytes", "on wire", "SHA-256",
-               "s", "tries", "ledger")
+               "s", "tries", *(("via",) if relayed else ()), "ledger")
     for col in columns:  # nothing is cut: the table fits 80 columns with 8-digit site numbers
         t.add_column(col, justify="left" if col in ("sender → receiver", "SHA-256", "ledger") else "right",
                      no_wrap=True)
     for h in rows:
         tries = str(h["attempts"]) + (f" (resumed at {_fmt_bytes(h['resumed_from'])})" if h["resumed_from"] else "")
+        via = ("relay" if h.get("route") == "relayed" else "direct",) if relayed else ()
         t.add_row(str(h["hop"]), *((str(h["round"]),) if rounds > 1 else ()), f"{h['sender']} → {h['receiver']}",
                   _fmt_bytes(h["payload_bytes"]), _fmt_bytes(h["wire_bytes"]), (h["sha256"] or "")[:10] + "…",
-                  f"{h['seconds']:.2f}", tries, _status(h))
+                  f"{h['seconds']:.2f}", tries, *via, _status(h))
     return t
+
+
+def _render_relayed(s: dict) -> None:
+    """One line on the transfers that went through the relay: which, and the bytes of each leg."""
+    kinds = (("hop", s["hops"]), ("upload", s.get("uploads", [])), ("final copy to", s["final_transfers"]))
+    rows = [(f"{kind} {h['receiver'] if kind.startswith('final') else h['hop']}", h)
+            for kind, group in kinds for h in group if h.get("route") == "relayed"]
+    if not rows:
+        return
+    up = sum(h["wire_bytes"] or 0 for _, h in rows)
+    down = sum(h["relay_wire_bytes"] or 0 for _, h in rows)
+    sealed = sum(h["sealed_bytes"] or 0 for _, h in rows)
+    console.print(f"through the relay, sealed to the receiver's key: {', '.join(label for label, _ in rows)}; "
+                  f"sealed envelopes {_fmt_bytes(sealed)} bytes; on the wire sender → relay {_fmt_bytes(up)}, "
+                  f"relay → receiver {_fmt_bytes(down)}", highlight=False)
 
 
 def _render_star(s: dict) -> None:
@@ -297,6 +344,7 @@ def render_summary(s: dict) -> None:
         _render_star(s)
     else:
         _render_chain(s)
+    _render_relayed(s)
     _render_outcome(s)
 
 
@@ -487,7 +535,8 @@ def peers(coordinator: str = COORD,
         t.add_column(col, no_wrap=col not in ("site", "address"), overflow="fold")
     for p in records:
         status = "[green]live[/]" if p.live else f"[red]stale[/] (> {p.peer_timeout:.0f} s)"
-        t.add_row(p.name, p.address, f"{p.channels}x{p.height}x{p.width}", str(len(p.classes)),
+        address = p.address or ("connects out only, " + ("[green]stream open[/]" if p.connected else "[red]no stream[/]"))
+        t.add_row(p.name, address, f"{p.channels}x{p.height}x{p.width}", str(len(p.classes)),
                   str(sum(c.train for c in p.classes)), str(sum(c.test for c in p.classes)), p.device,
                   f"{p.age_seconds:.0f} s ago", status)
     _print_wide(t)

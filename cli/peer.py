@@ -47,6 +47,14 @@ def serve(
     worker_slots: int = typer.Option(3, "--worker-slots", min=1, max=64,
                                      help="At most this many worker processes (training, evaluation) at once on "
                                           "this host, shared by every site daemon of this user here."),
+    outbound_only: bool = typer.Option(False, "--outbound-only",
+                                       help="This site accepts no inbound connection: it registers no address, "
+                                            "keeps a control stream open to the coordinator, and receives models "
+                                            "through the relay, sealed to its certificate key (needs --tls; "
+                                            "--listen then serves only local `peer status`/`peer health`)."),
+    relay_after: float = typer.Option(60.0, "--relay-after",
+                                      help="Seconds a receiver with an address may stay unreachable before this "
+                                           "site sends to it through the relay (TLS only; 0: never)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
     check: bool = typer.Option(False, "--check", help="Only validate the options (name, TLS identity, addresses, "
                                "device, state dir, data folder), print one line and exit 0; listens on nothing."),
@@ -55,7 +63,7 @@ def serve(
     transport = transport_from(tls, insecure)
     if check:
         _check_serve(data, name, listen, coordinator, state_dir or Path(".fedrelay") / name, device, advertise,
-                     transport, stall_timeout, weights_dir)
+                     transport, stall_timeout, weights_dir, outbound_only, relay_after)
         return
     setup_logging(verbose, prefix=f"[{name}] ")
     stop_on_sigterm()
@@ -66,7 +74,8 @@ def serve(
         run_daemon(data_dir=data, name=name, listen=listen, coordinator=coordinator,
                    state_dir=state_dir or Path(".fedrelay") / name, device=device, advertise=advertise,
                    transport=transport, stall_timeout=stall_timeout, deterministic=deterministic,
-                   weights_dir=weights_dir, metrics_listen=metrics_listen, worker_slots=worker_slots)
+                   weights_dir=weights_dir, metrics_listen=metrics_listen, worker_slots=worker_slots,
+                   outbound_only=outbound_only, relay_after=relay_after)
     except (DataError, ValueError, RuntimeError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -74,7 +83,7 @@ def serve(
 
 
 def _check_serve(data, name, listen, coordinator, state_dir, device, advertise, transport, stall_timeout,
-                 weights_dir) -> None:
+                 weights_dir, outbound_only=False, relay_after=60.0) -> None:
     """``peer serve --check``: ``fedrelay.peer.preflight.check_serve_options``, one line, exit 0 or fail."""
     from fedrelay.cli.common import console
     from fedrelay.peer.preflight import check_serve_options
@@ -82,11 +91,12 @@ def _check_serve(data, name, listen, coordinator, state_dir, device, advertise, 
     try:
         r = check_serve_options(data_dir=data, name=name, listen=listen, coordinator=coordinator, state_dir=state_dir,
                                 device=device, transport=transport, advertise=advertise, stall_timeout=stall_timeout,
-                                weights_dir=weights_dir)
+                                weights_dir=weights_dir, outbound_only=outbound_only, relay_after=relay_after)
     except ValueError as exc:
         fail(str(exc))
-    console.print(f"ok: site {name}, {r.images} images in {len(r.classes)} classes, device {r.device}, dialled at "
-                  f"{r.address}, coordinator {coordinator}, state dir {state_dir}", highlight=False, soft_wrap=True)
+    reach = f"dialled at {r.address}" if r.address else "connects out only (models through the relay)"
+    console.print(f"ok: site {name}, {r.images} images in {len(r.classes)} classes, device {r.device}, {reach}, "
+                  f"coordinator {coordinator}, state dir {state_dir}", highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -28,7 +28,10 @@ def summary_dict(s: cpb.RunSummary) -> dict:
     seconds, attempts, resumed_from (bytes the receiver already held when the last attempt
     began), status (done: sender and receiver agree; sent / received: one end has reported so
     far; disputed: they disagree), receiver_sha256 and receiver_bytes (what the receiver
-    attests it kept)), total_bytes (sum of the hops' payload bytes as their senders reported),
+    attests it kept), route ("direct", or "relayed": sealed and left at the relay, then
+    wire_bytes are the sender -> relay leg's), relay (its address; "" = the coordinator's own),
+    sealed_bytes (the envelope's size) and relay_wire_bytes (the relay -> receiver leg, as the
+    receiver counted it); null where they do not apply), total_bytes (sum of the hops' payload bytes as their senders reported),
     planned_hops (hops of the run's plan, with hops made before a reroute dropped them),
     expected_total_bytes (planned_hops * M), plan (the current plan: purpose, index, round,
     sender, receiver), final_site, final (null until the run has finished: sha256, accuracy,
@@ -58,7 +61,9 @@ def summary_dict(s: cpb.RunSummary) -> dict:
                 "payload_bytes": h.payload_bytes, "wire_bytes": h.wire_bytes, "sha256": h.sha256,
                 "seconds": round(h.ended - h.started, 6), "started": h.started, "ended": h.ended,
                 "attempts": h.attempts, "resumed_from": h.resumed_from, "status": h.status,
-                "receiver_sha256": h.receiver_sha256, "receiver_bytes": h.receiver_bytes}
+                "receiver_sha256": h.receiver_sha256, "receiver_bytes": h.receiver_bytes,
+                "route": h.route or None, "relay": h.relay or None, "sealed_bytes": h.sealed_bytes or None,
+                "relay_wire_bytes": h.relay_wire_bytes or None}
 
     finals = sum(1 for t in s.plan if t.purpose == common_pb2.FINAL_MODEL)
     out = {
@@ -121,12 +126,13 @@ def peer_dict(p: cpb.PeerRecord) -> dict:
     image_shape [channels, height, width], classes [{name, train, test}], train_images,
     test_images, last_seen (unix seconds of its latest registration or heartbeat),
     age_seconds (since then, by the coordinator's clock), live (heard from within the
-    coordinator's --peer-timeout) and peer_timeout (that timeout, seconds)."""
+    coordinator's --peer-timeout), peer_timeout (that timeout, seconds), outbound_only (it
+    registered no address: it connects out only) and connected (its control stream is open)."""
     return {"name": p.name, "address": p.address, "device": p.device, "image_shape": [p.channels, p.height, p.width],
             "classes": [{"name": c.name, "train": c.train, "test": c.test} for c in p.classes],
             "train_images": sum(c.train for c in p.classes), "test_images": sum(c.test for c in p.classes),
             "last_seen": p.last_seen, "age_seconds": round(p.age_seconds, 3), "live": p.live,
-            "peer_timeout": p.peer_timeout}
+            "peer_timeout": p.peer_timeout, "outbound_only": p.outbound_only, "connected": p.connected}
 
 
 METRIC_FIELDS = ("site", "stage", "model", "epoch", "epochs", "train_loss", "val_accuracy", "seconds", "time")

@@ -65,6 +65,8 @@ CREATE TABLE IF NOT EXISTS receipts (
     run_id TEXT NOT NULL, purpose TEXT NOT NULL, hop INTEGER NOT NULL, receiver TEXT NOT NULL,
     sender TEXT NOT NULL, payload_bytes INTEGER NOT NULL, sha256 TEXT NOT NULL,
     schema_sha256 TEXT NOT NULL, received REAL NOT NULL,
+    route TEXT NOT NULL DEFAULT 'direct',       -- direct | relayed (fetched from a relay, sealed)
+    relay_wire_bytes INTEGER NOT NULL DEFAULT 0,  -- relayed: wire bytes of the relay -> receiver leg
     PRIMARY KEY (run_id, purpose, hop, receiver)
 );
 CREATE TABLE IF NOT EXISTS hops (
@@ -79,6 +81,10 @@ CREATE TABLE IF NOT EXISTS hops (
     resumed_from INTEGER NOT NULL DEFAULT 0,  -- bytes the receiver held when the last stream began
     round INTEGER NOT NULL DEFAULT 1,
     schema_sha256 TEXT NOT NULL DEFAULT '',
+    route TEXT NOT NULL DEFAULT 'direct',     -- direct | relayed (then wire_bytes: the sender -> relay leg)
+    sealed_bytes INTEGER NOT NULL DEFAULT 0,  -- relayed: size of the sealed envelope
+    sealed_sha256 TEXT NOT NULL DEFAULT '',   -- relayed: SHA-256 of the sealed envelope
+    relay TEXT NOT NULL DEFAULT '',           -- relayed: the relay's address
     PRIMARY KEY (run_id, purpose, hop, receiver)
 );
 CREATE TABLE IF NOT EXISTS evaluations (
@@ -121,6 +127,10 @@ LAST_SEEN_FLUSH = 30.0  # seconds a heartbeat's last_seen may stay in memory onl
 
 class LedgerConflict(ValueError):
     """A report contradicts what the ledger already holds for the same transfer."""
+
+
+# A transfer only its receiver has reported: the sender's relay columns.
+_UNSENT = {"route": "", "sealed_bytes": 0, "sealed_sha256": "", "relay": ""}
 
 
 def transfer_status(sent: dict | None, received: dict | None) -> str:
@@ -201,7 +211,10 @@ class Ledger:
     def _migrate(self) -> None:
         """Bring a ledger written by an older fedrelay up to this schema (columns added since)."""
         added = {"hops": ("attempts INTEGER NOT NULL DEFAULT 1", "resumed_from INTEGER NOT NULL DEFAULT 0",
-                          "round INTEGER NOT NULL DEFAULT 1", "schema_sha256 TEXT NOT NULL DEFAULT ''"),
+                          "round INTEGER NOT NULL DEFAULT 1", "schema_sha256 TEXT NOT NULL DEFAULT ''",
+                          "route TEXT NOT NULL DEFAULT 'direct'", "sealed_bytes INTEGER NOT NULL DEFAULT 0",
+                          "sealed_sha256 TEXT NOT NULL DEFAULT ''", "relay TEXT NOT NULL DEFAULT ''"),
+                 "receipts": ("route TEXT NOT NULL DEFAULT 'direct'", "relay_wire_bytes INTEGER NOT NULL DEFAULT 0"),
                  "runs": ("rounds INTEGER NOT NULL DEFAULT 1", "schema_sha256 TEXT", "upload_bytes INTEGER",
                           "upload_schema_sha256 TEXT", "cancelled_by TEXT", "cancel_reason TEXT"),
                  "peers": ("instance TEXT",)}
@@ -520,19 +533,23 @@ class Ledger:
     def record_hop(self, run_id: str, purpose: str, hop: int, sender: str, receiver: str,
                    payload_bytes: int, wire_bytes: int, sha256: str, started: float,
                    ended: float, attempts: int = 1, resumed_from: int = 0, round: int = 1,
-                   schema_sha256: str = "") -> bool:
+                   schema_sha256: str = "", route: str = "direct", sealed_bytes: int = 0,
+                   sealed_sha256: str = "", relay: str = "") -> bool:
         """Record the sender's report of one transfer (sizes in bytes, times in unix seconds;
         ``wire_bytes`` counts every attempt, ``resumed_from`` the bytes the receiver held when the
-        last one began). Returns False when the same report was already recorded (a retry).
-        Raises ``LedgerConflict`` when a different one was: nothing is overwritten."""
+        last one began). ``route`` "relayed": the payload went to the relay at ``relay`` as a
+        sealed envelope of ``sealed_bytes`` bytes (SHA-256 ``sealed_sha256``), and ``wire_bytes``
+        are the sender -> relay leg's. Returns False when the same report was already recorded (a
+        retry). Raises ``LedgerConflict`` when a different one was: nothing is overwritten."""
         with self._lock:
             cur = self._db.execute(
                 """INSERT OR IGNORE INTO hops (run_id, purpose, hop, sender, receiver, payload_bytes,
                                               wire_bytes, sha256, started, ended, attempts, resumed_from,
-                                              round, schema_sha256)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                                              round, schema_sha256, route, sealed_bytes, sealed_sha256, relay)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                 (run_id, purpose, hop, sender, receiver, payload_bytes, wire_bytes, sha256, started, ended,
-                 max(1, attempts), resumed_from, round, schema_sha256),
+                 max(1, attempts), resumed_from, round, schema_sha256, route or "direct", sealed_bytes,
+                 sealed_sha256, relay),
             )
             if cur.rowcount == 1:
                 return True
@@ -544,14 +561,18 @@ class Ledger:
             return False
 
     def record_receipt(self, run_id: str, purpose: str, hop: int, sender: str, receiver: str,
-                       payload_bytes: int, sha256: str, schema_sha256: str, received: float) -> bool:
-        """Record the receiver's attestation of one transfer (what it verified and kept). Returns
-        False for a repeat of the same attestation; raises ``LedgerConflict`` for a different one."""
+                       payload_bytes: int, sha256: str, schema_sha256: str, received: float,
+                       route: str = "direct", relay_wire_bytes: int = 0) -> bool:
+        """Record the receiver's attestation of one transfer (what it verified and kept; ``route``
+        "relayed": fetched from a relay, ``relay_wire_bytes`` on that leg). Returns False for a
+        repeat of the same attestation; raises ``LedgerConflict`` for a different one."""
         with self._lock:
             cur = self._db.execute(
                 """INSERT OR IGNORE INTO receipts (run_id, purpose, hop, receiver, sender, payload_bytes, sha256,
-                                                   schema_sha256, received) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-                (run_id, purpose, hop, receiver, sender, payload_bytes, sha256, schema_sha256, received))
+                                                   schema_sha256, received, route, relay_wire_bytes)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                (run_id, purpose, hop, receiver, sender, payload_bytes, sha256, schema_sha256, received,
+                 route or "direct", relay_wire_bytes))
             if cur.rowcount == 1:
                 return True
             have = self._db.execute("SELECT sender, payload_bytes, sha256, schema_sha256 FROM receipts WHERE "
@@ -575,7 +596,7 @@ class Ledger:
             row = dict(sent.get(key) or {"run_id": run_id, "purpose": purpose, "hop": key[0], "receiver": key[1],
                                          "sender": got[key]["sender"], "payload_bytes": None, "wire_bytes": None,
                                          "sha256": None, "started": None, "ended": None, "attempts": 0,
-                                         "resumed_from": 0, "round": None, "schema_sha256": ""})
+                                         "resumed_from": 0, "round": None, "schema_sha256": "", **_UNSENT})
             row["receipt"] = got.get(key)
             row["status"] = transfer_status(sent.get(key), got.get(key))
             out.append(row)
@@ -594,7 +615,7 @@ class Ledger:
         row = dict(sent[0] if sent else {"run_id": run_id, "purpose": purpose, "hop": hop, "receiver": receiver,
                                          "sender": got[0]["sender"], "payload_bytes": None, "wire_bytes": None,
                                          "sha256": None, "started": None, "ended": None, "attempts": 0,
-                                         "resumed_from": 0, "round": None, "schema_sha256": ""})
+                                         "resumed_from": 0, "round": None, "schema_sha256": "", **_UNSENT})
         row["receipt"] = got[0] if got else None
         row["status"] = transfer_status(sent[0] if sent else None, row["receipt"])
         return row

@@ -40,8 +40,11 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from fedrelay import wire
-from fedrelay.guard import Guard
+from fedrelay.guard import Guard, Limits
 from fedrelay.metrics import MetricsServer, code_label
+
+CONNECT_METHOD = "/fedrelay.v1.Coordinator/Connect"
+MAX_CONTROL_STREAMS = 256  # sites that connect out only, per coordinator (a worker thread each)
 
 log = logging.getLogger("fedrelay.coordinator")
 
@@ -72,8 +75,12 @@ class CoordinatorMonitor:
 
     # -- wiring ----------------------------------------------------------------------------------
     def guard(self) -> Guard:
-        """The coordinator server's guard, counting every refused call here."""
-        return Guard(on_refusal=self.refused)
+        """The coordinator server's guard, counting every refused call here. The control streams of
+        sites that connect out only (``Coordinator.Connect``, one per such site) are long-lived:
+        they do not count against the sites' shared bound, and the server has a worker thread for
+        each of up to ``MAX_CONTROL_STREAMS`` of them on top of the usual 128."""
+        limits = Limits(max_workers=Limits.max_workers + MAX_CONTROL_STREAMS, long_lived=frozenset({CONNECT_METHOD}))
+        return Guard(limits, on_refusal=self.refused)
 
     def serve_http(self, listen: str) -> str:
         """Serve ``/metrics`` on ``listen`` (``HOST:PORT``); returns the bound address. Raises

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import queue
 import secrets
 import threading
 import time
@@ -35,19 +36,23 @@ from fedrelay.coordinator.live import LiveState
 from fedrelay.coordinator.plan import (FINAL, HOP, UPLOAD, Plan, PlanError, Transfer, chain_plan, pick_aggregator,
                                        replan, star_plan)
 from fedrelay.coordinator.planner import PeerInfo, plan_chain
+from fedrelay.coordinator.relay import RelayService
+from fedrelay.coordinator.tunnel import Tunnels
 from fedrelay.final_model import MODEL_SPEC_METADATA
-from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
+from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc, relay_pb2_grpc
 
 log = logging.getLogger("fedrelay.coordinator")
 
 HEARTBEAT_SECONDS = 10  # seconds between a site's heartbeats, with few sites (see heartbeat_period)
 HEARTBEATS_PER_SECOND = 2.0  # with many sites, all of them together heartbeat about this often
 END_NOTICE_RETRY = 10.0  # seconds before an end notice a live site did not take is sent again
+RELAY_NOTICE_RETRY = 30.0  # seconds before a relay notice is sent again while the receipt has not come
 DEFAULT_PEER_TIMEOUT = 120.0  # seconds a site may go without a heartbeat before it is routed around
 CLAIM_PROBE_TIMEOUT = 3.0  # seconds the coordinator waits for the registered daemon of a name claimed anew
 INSECURE_OPERATOR = "insecure operator"  # who cancelled a run, on a plaintext coordinator
 PURPOSES = {common_pb2.CHAIN_HOP: "chain", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}  # wire -> ledger
 PLAN_PURPOSE = {"chain": HOP, "final": FINAL, "upload": UPLOAD}  # ledger -> plan
+PLAN_PURPOSE_WIRE = {v: k for k, v in PURPOSES.items()}  # ledger -> wire
 PURPOSE_ERROR = "purpose must be CHAIN_HOP, UPLOAD or FINAL_MODEL"
 
 
@@ -57,7 +62,8 @@ def new_run_id() -> str:
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, ledger: Ledger, *, transport: wire.Transport = wire.INSECURE,
-                 peer_timeout: float = DEFAULT_PEER_TIMEOUT, probe_timeout: float = 10.0):
+                 peer_timeout: float = DEFAULT_PEER_TIMEOUT, probe_timeout: float = 10.0,
+                 relay_dir: str | Path | None = None, relay: str = ""):
         self.ledger = ledger
         self.transport = transport
         self.insecure = not transport.secure
@@ -78,6 +84,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # A heartbeat's time stays in memory for at most a quarter of --peer-timeout (at most 30 s).
         ledger.last_seen_flush = min(ledger.last_seen_flush, peer_timeout / 4)
         self._plan_cache: dict[tuple[str, int], tuple[Plan, dict]] = {}  # (run, version) -> plan, transfer index
+        # Sites that only connect out: their control streams (coordinator/tunnel.py), and the
+        # certificates sites presented at registration (a sender seals a relayed payload to one).
+        self.tunnels = Tunnels()
+        self.tunnels.on_open.append(self._tunnel_opened)
+        self._certificates: dict[str, bytes] = {}
+        # The relay: this coordinator's own (``relay_dir``; None: none), or the operator's at
+        # ``relay`` (HOST:PORT), which RegisterReply names to the sites.
+        self.relay_address = relay
+        self.relay = RelayService(relay_dir, authorize=self._relay_authorize) if relay_dir is not None and not relay else None
+        # Relayed transfers whose receiver has not attested yet: key -> (notice, monotonic time of the next try).
+        self._relay_notices: dict[tuple[str, str, int, str], list] = {}
+        self._relay_lock = threading.Lock()
+        self._receipts = threading.Condition()  # notified by every receipt (evaluation waits for relayed copies)
 
     # -- authorization ---------------------------------------------------------------------------
     def _as_site(self, context, claimed: str) -> None:
@@ -104,6 +123,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         made once and reused by every call (gRPC reconnects it as needed); ``close`` closes them."""
         name, address = (site["name"], site["address"]) if isinstance(site, dict) else (site.name, site.address)
         key = (name, self._address(name, address))
+        if not key[1]:  # a site that only connects out: over its control stream
+            return self.tunnels.stub(name)
         with self._channels_lock:
             if key not in self._channels:
                 channel = self.transport.channel(key[1], expect=name)
@@ -113,6 +134,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def close(self) -> None:
         """Close the channels to the sites and the metrics endpoint (the daemon is stopping)."""
         self.monitor.close()
+        self.tunnels.close()
         with self._channels_lock:
             for channel, _ in self._channels.values():
                 channel.close()
@@ -127,13 +149,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def Register(self, request: cpb.RegisterRequest, context) -> cpb.RegisterReply:
         names.check_registration(request)
         self._as_site(context, request.name)
-        if not request.name or not request.address:
+        if not request.name or not (request.address or request.outbound_only):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name and address are required")
-        try:
-            wire.split_hostport(request.address)
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if request.outbound_only and request.address:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a site that only connects out registers no address")
+        if request.address:
+            try:
+                wire.split_hostport(request.address)
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         before = self._check_claim(request, context)
+        pem = (context.auth_context() or {}).get("x509_pem_cert") or []
+        if pem:
+            self._certificates[request.name] = pem[0]
         classes = [{"name": c.name, "train": c.train, "test": c.test} for c in request.classes]
         self.ledger.upsert_peer(request.name, request.address, classes,
                                 (request.channels, request.height, request.width),
@@ -141,7 +169,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.monitor.registered(request.name, request.address, before)
         if request.instance:
             self.ledger.set_peer_instance(request.name, request.instance)
-        return cpb.RegisterReply(version=__version__, heartbeat_seconds=self.heartbeat_period())
+        return cpb.RegisterReply(version=__version__, heartbeat_seconds=self.heartbeat_period(),
+                                 relay=self.relay_address)
 
     def heartbeat_period(self) -> int:
         """Seconds between a site's heartbeats, told in every ``RegisterReply``: 10 (at most a
@@ -168,7 +197,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if old is None or not old["instance"] or not request.instance or old["instance"] == request.instance:
             return old
         alive = False
-        if old["address"] != request.address:
+        if not old["address"]:  # it only connects out: alive while its control stream is open
+            tunnel = self.tunnels.get(request.name)
+            alive = tunnel is not None and tunnel.instance == old["instance"]
+        elif old["address"] != request.address:
             try:
                 st = self._peer(old).GetStatus(peer_pb2.StatusRequest(), timeout=CLAIM_PROBE_TIMEOUT)
                 alive = st.name == request.name and st.instance == old["instance"]
@@ -178,7 +210,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             log.warning("refused the registration of %s from %s: a live daemon serves that name at %s",
                         request.name, request.address, old["address"])
             context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                          f"site {request.name!r} is already served by a live daemon at {old['address']}; stop "
+                          f"site {request.name!r} is already served by a live daemon at "
+                          f"{old['address'] or 'a control stream'}; stop "
                           "that daemon first, or start this one with another --name")
         log.info("site %s: a new daemon at %s takes over the name from the one registered at %s "
                  "(it does not answer as that site any more)", request.name, request.address, old["address"])
@@ -192,7 +225,111 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         peer = self.ledger.peer(request.name)
         if peer is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no site {request.name!r} has registered")
-        return common_pb2.SiteRef(name=peer["name"], address=peer["address"])
+        return common_pb2.SiteRef(name=peer["name"], address=peer["address"],
+                                  certificate=self._certificates.get(peer["name"], b""))
+
+    def Connect(self, request_iterator, context):
+        """The control stream of a site that only connects out (``coordinator/tunnel.py``): the
+        site's hello names it (its certificate must too) and the daemon instance it registered
+        with; then the coordinator's calls for it go down this stream until it ends. A newer
+        stream of the same site replaces this one."""
+        hello = next(request_iterator, None)
+        if hello is None:
+            return
+        names.check_site_name(hello.site, "site")
+        names.check_label(hello.instance, "instance")
+        self._as_site(context, hello.site)
+        peer = self.ledger.peer(hello.site)
+        if peer is None or peer["address"]:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{hello.site} has not registered as a site that only connects out (register first)")
+        if peer["instance"] and hello.instance != peer["instance"]:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"another daemon instance serves {hello.site}")
+        tunnel = self.tunnels.open(hello.site, hello.instance)
+        log.info("site %s: control stream open (it connects out only)", hello.site)
+
+        def read() -> None:
+            try:
+                for reply in request_iterator:
+                    tunnel.deliver(reply)
+            except Exception:  # noqa: BLE001 - a broken stream: the calls waiting on it fail
+                pass
+            finally:
+                tunnel.close()
+
+        reader = threading.Thread(target=read, name=f"control-{hello.site}", daemon=True)
+        reader.start()
+        try:
+            yield cpb.ControlRequest(id=0)  # the hello back: the stream is open
+            while context.is_active() and not tunnel.closed.is_set():
+                try:
+                    yield tunnel.outbox.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+        finally:
+            self.tunnels.drop(tunnel)
+            log.info("site %s: control stream closed", hello.site)
+
+    def _tunnel_opened(self, site: str) -> None:
+        """A site's control stream (re)opened: what it is owed goes out at the next tick."""
+        with self._relay_lock:
+            for key, entry in self._relay_notices.items():
+                if key[3] == site:
+                    entry[1] = 0.0
+        for key in [k for k in self._end_retry if k[1] == site]:
+            self._end_retry.pop(key, None)
+
+    # -- the relay --------------------------------------------------------------------------------
+    def _relay_authorize(self, run_id: str, purpose: int, index: int, sender: str, receiver: str) -> None:
+        """The coordinator's relay carries only transfers of a running run's plan (any version).
+        Raises ``PermissionError``."""
+        run = self.ledger.run(run_id)
+        if run is None or run["status"] != "running":
+            raise PermissionError(f"run {run_id!r} is not running")
+        word = PURPOSES.get(purpose)
+        if word is None or self._planned(run_id, word, index, sender, receiver) is None:
+            raise PermissionError(f"{sender} -> {receiver} is not transfer {index} of run {run_id}'s plan")
+
+    def _owe_relay_notice(self, run_id: str, purpose: int, index: int, sender: str, receiver: str,
+                          relay: str, sealed_bytes: int, sealed_sha256: str) -> None:
+        # "" (this coordinator's relay): the receiver fetches from the coordinator as it dials it
+        notice = peer_pb2.RelayNotice(run_id=run_id, purpose=purpose, index=index, sender=sender,
+                                      relay=self.relay_address, sealed_bytes=sealed_bytes, sealed_sha256=sealed_sha256)
+        with self._relay_lock:
+            self._relay_notices[(run_id, PURPOSES[purpose], index, receiver)] = [notice, 0.0]
+
+    def _send_relay_notices(self) -> None:
+        """Tell the receivers of relayed transfers that their envelope waits (``Peer.RelayReady``),
+        over their control stream or directly; again every ``RELAY_NOTICE_RETRY`` seconds (and at
+        once when a control stream reopens) until the receiver attests the transfer."""
+        now = time.monotonic()
+        with self._relay_lock:
+            due = [(k, e[0]) for k, e in self._relay_notices.items() if e[1] <= now]
+            for k, _ in due:
+                self._relay_notices[k][1] = now + RELAY_NOTICE_RETRY
+        for (run_id, purpose, index, receiver), notice in due:
+            run = self.ledger.run(run_id)
+            if run is None or run["status"] != "running":
+                with self._relay_lock:
+                    self._relay_notices.pop((run_id, purpose, index, receiver), None)
+                continue
+            try:
+                reply = self._peer({"name": receiver, "address": ""}).RelayReady(notice, timeout=5.0)
+                log.info("run %s: told %s that %s %d waits at the relay (%s)", run_id, receiver, purpose, index,
+                         reply.state)
+            except grpc.RpcError as exc:
+                log.info("run %s: relay notice not delivered to %s yet: %s", run_id, receiver, wire.status_message(exc))
+
+    def _drop_ended_relayed(self) -> None:
+        """Remove the envelopes the coordinator's relay holds for runs that have ended."""
+        if self.relay is None:
+            return
+        for run_id in self.relay.runs():
+            run = self.ledger.run(run_id)
+            if run is None or run["status"] in TERMINAL:
+                removed = self.relay.drop_run(run_id)
+                if removed:
+                    log.info("relay: removed %d bytes of run %s (ended)", removed, run_id)
 
     def _running_run(self, run_id: str, context) -> dict:
         run = self.ledger.run(run_id)
@@ -307,13 +444,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         new = self.ledger.record_hop(request.run_id, purpose, request.hop, request.sender, request.receiver,
                                      request.payload_bytes, request.wire_bytes, request.sha256,
                                      request.started, request.ended, request.attempts, request.resumed_from,
-                                     round=t.round, schema_sha256=request.schema_sha256)
+                                     round=t.round, schema_sha256=request.schema_sha256, route=request.route or "direct",
+                                     sealed_bytes=request.sealed_bytes, sealed_sha256=request.sealed_sha256,
+                                     relay=request.relay)
         if new:
             seconds = request.ended - request.started
             what = {"chain": f"hop {request.hop}" + (f" (round {t.round})" if run["rounds"] > 1 else ""),
                     "upload": f"upload {request.hop}"}.get(purpose, "final model")
             retried = (f", {request.attempts} attempts" if request.attempts > 1 else "") + (
-                f", resumed at byte {request.resumed_from}" if request.resumed_from else "")
+                f", resumed at byte {request.resumed_from}" if request.resumed_from else "") + (
+                f", through the relay ({request.sealed_bytes} sealed bytes)" if request.route == "relayed" else "")
             self.ledger.add_event(
                 request.run_id, {"chain": "hop", "upload": "upload"}.get(purpose, "final_copy"),
                 f"{what}: {request.sender} -> {request.receiver}, {request.payload_bytes} bytes, "
@@ -321,9 +461,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 site=request.sender, hop=request.hop, round=t.round, sender=request.sender,
                 receiver=request.receiver, payload_bytes=request.payload_bytes, wire_bytes=request.wire_bytes,
                 sha256=request.sha256, seconds=seconds, attempts=max(1, request.attempts),
-                resumed_from=request.resumed_from,
+                resumed_from=request.resumed_from, route=request.route or "direct",
             )
             self._settle(run, purpose, request.hop, request.receiver)
+            if request.route == "relayed" and self.ledger.transfer(request.run_id, purpose, request.hop,
+                                                                    request.receiver)["receipt"] is None:
+                self._owe_relay_notice(request.run_id, request.purpose, request.hop, request.sender, request.receiver,
+                                       request.relay, request.sealed_bytes, request.sealed_sha256)
         return new
 
     def ReportReceipt(self, request: cpb.ReceiptReport, context) -> cpb.ReportReply:
@@ -342,11 +486,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             with self.ledger.batch():  # the receipt and what it settles: one commit
                 new = self.ledger.record_receipt(request.run_id, purpose, request.hop, request.sender,
                                                  request.receiver, request.payload_bytes, request.sha256,
-                                                 request.schema_sha256, request.received)
+                                                 request.schema_sha256, request.received,
+                                                 route=request.route or "direct",
+                                                 relay_wire_bytes=request.relay_wire_bytes)
                 if new:
                     self._settle(run, purpose, request.hop, request.receiver)
         except LedgerConflict as exc:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        with self._relay_lock:
+            self._relay_notices.pop((request.run_id, purpose, request.hop, request.receiver), None)
+        with self._receipts:
+            self._receipts.notify_all()
         return cpb.ReportReply(duplicate=not new)
 
     def ReportProgress(self, request: cpb.ProgressReport, context) -> cpb.ReportReply:
@@ -459,7 +609,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     self.check_route(run_id)
                 except Exception:  # noqa: BLE001 - one bad run must not stop the others
                     log.exception("route check of run %s failed", run_id)
-            for step in (self._send_reroutes, self._send_end_notices):
+            for step in (self._send_reroutes, self._send_end_notices, self._send_relay_notices,
+                         self._drop_ended_relayed):
                 try:
                     step()
                 except Exception:  # noqa: BLE001 - tried again next tick
@@ -644,6 +795,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 picked.append(run_id)
                 self.ledger.add_event(run_id, "state", "coordinator restarted: run picked up from the ledger")
                 plans = self.ledger.plans(run_id)
+                for purpose in ("chain", "upload", "final"):
+                    for h in self.ledger.hops(run_id, purpose):
+                        if h["route"] == "relayed" and h["receipt"] is None:
+                            self._owe_relay_notice(run_id, PLAN_PURPOSE_WIRE[purpose], h["hop"], h["sender"],
+                                                   h["receiver"], h["relay"], h["sealed_bytes"], h["sealed_sha256"])
                 if run["final_sha256"]:
                     self._submit_evaluation(run_id)
                 elif len(plans) > 1:
@@ -663,6 +819,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
         self._eval_pool.submit(self._evaluate_run, run_id).add_done_callback(done)
 
+    def _wait_relayed_copy(self, run_id: str, site: str) -> None:
+        """A final copy that went through the relay is kept at its site only once the site fetched
+        and opened it: wait for its receipt (up to ``eval_retry`` seconds) before asking the site
+        to evaluate. Direct copies were kept before they were reported."""
+        deadline = time.monotonic() + self.eval_retry
+        with self._receipts:
+            while True:
+                row = self.ledger.transfer(run_id, "final", 0, site)
+                if row is None or row["route"] != "relayed" or row["receipt"] is not None:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return  # Evaluate says why the site cannot
+                self._receipts.wait(min(left, 5.0))
+
     def _evaluate_run(self, run_id: str) -> None:
         run = self.ledger.run(run_id)
         sha = run["final_sha256"]
@@ -670,6 +841,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
         def one(site: dict) -> None:
             try:
+                self._wait_relayed_copy(run_id, site["name"])
                 reply = self._call_peer(site, "Evaluate", peer_pb2.EvaluateRequest(run_id=run_id, sha256=sha),
                                         timeout=wire.EVALUATE_TIMEOUT)
                 results[site["name"]] = reply
@@ -845,7 +1017,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             out.peers.add(name=p["name"], address=p["address"], channels=p["channels"] or 0,
                           height=p["height"] or 0, width=p["width"] or 0, device=p["device"] or "",
                           last_seen=p["last_seen"] or 0,
-                          classes=[cpb.ClassCount(**c) for c in p["classes"]], **self._liveness(p))
+                          classes=[cpb.ClassCount(**c) for c in p["classes"]], **self._liveness(p),
+                          outbound_only=not p["address"],
+                          connected=not p["address"] and self.tunnels.get(p["name"]) is not None)
         return out
 
     def _liveness(self, peer: dict) -> dict:
@@ -969,7 +1143,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                           sha256=h["sha256"] or "", started=h["started"] or 0, ended=h["ended"] or 0,
                           attempts=h["attempts"], resumed_from=h["resumed_from"], round=h["round"] or 0,
                           status=h["status"], receiver_sha256=got.get("sha256", ""),
-                          receiver_bytes=got.get("payload_bytes", 0))
+                          receiver_bytes=got.get("payload_bytes", 0),
+                          route=h["route"] or got.get("route", ""), sealed_bytes=h["sealed_bytes"] or 0,
+                          relay_wire_bytes=got.get("relay_wire_bytes", 0), relay=h["relay"] or "")
         if plan is not None:
             s.plan.extend(t.to_pb() for t in plan.transfers)
             kept = {("chain", t.index, t.receiver) for t in plan.hops}
@@ -988,21 +1164,35 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
 def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: threading.Event | None = None,
           stop: threading.Event | None = None, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
-          web: str | None = None, metrics_listen: str | None = None) -> None:
+          web: str | None = None, metrics_listen: str | None = None, relay_dir: str | Path | None = None,
+          relay: str = "") -> None:
     """Run the coordinator until ``stop`` is set (or forever), with mutual TLS unless ``transport``
     is insecure (then every run it starts is recorded as insecure), the gRPC health service
     (``fedrelay.health``) and, with ``metrics_listen`` (``HOST:PORT``), Prometheus metrics over
     HTTP (``coordinator/monitoring.py``). ``web``: PORT or HOST:PORT of the live run page
     (``coordinator.web``; off when None). Raises ``RuntimeError`` if it cannot bind,
     ``ValueError`` if a TLS identity is not the coordinator's or ``web`` or ``metrics_listen``
-    is malformed."""
+    is malformed.
+
+    The relay (``coordinator/relay.py``) for sites that cannot be reached directly: under mutual
+    TLS the coordinator serves it, keeping envelopes in ``relay_dir`` (default: the folder
+    ``relay`` beside the ledger), unless ``relay`` names the operator's own relay (HOST:PORT,
+    told to every site at registration). A plaintext coordinator serves none (sealing needs
+    certificates)."""
     if transport.secure and transport.identity != wire.COORDINATOR_IDENTITY:
         raise ValueError(f"--tls {transport.source}: this is the identity {transport.identity!r}, "
                          f"not {wire.COORDINATOR_IDENTITY!r} (use PKI/coordinator from `coordinator init-ca`)")
+    if relay:
+        names.check_address(relay, "--relay")
     ledger = Ledger(db)
-    service = CoordinatorService(ledger, transport=transport, peer_timeout=peer_timeout)
+    if transport.secure and not relay and relay_dir is None:
+        relay_dir = Path(db).resolve().parent / "relay"
+    service = CoordinatorService(ledger, transport=transport, peer_timeout=peer_timeout,
+                                 relay_dir=relay_dir if transport.secure else None, relay=relay)
     server, port = wire.make_server(listen, transport=transport, guard=service.monitor.guard())
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+    if service.relay is not None:
+        relay_pb2_grpc.add_RelayServicer_to_server(service.relay, server)
     health = Health(server, COORDINATOR_SERVICE)
     if metrics_listen:
         service.monitor.serve_http(metrics_listen)

@@ -110,8 +110,12 @@ class LocalTrial:
 
     def __init__(self, workdir: Path, site_dirs: list[Path], *, device: str = "cpu", env: dict | None = None,
                  insecure: bool = False, peer_args: list[str] | None = None,
-                 coordinator_args: list[str] | None = None, start_concurrency: int = 8):
+                 coordinator_args: list[str] | None = None, start_concurrency: int = 8,
+                 outbound_only: list[str] | None = None):
         self.insecure = insecure
+        # Sites whose daemons accept no inbound connection (peer serve --outbound-only): they
+        # register no address, and their models come through the coordinator's relay.
+        self.outbound_only = set(outbound_only or [])
         self.peer_args = list(peer_args or [])
         self.coordinator_args = list(coordinator_args or [])
         # Peer daemons starting at once (each decodes its data and registers): at most this
@@ -216,16 +220,17 @@ class LocalTrial:
                     raise RuntimeError(f"{name} did not come up: " + "; ".join(self.dead()))
                 time.sleep(0.3)
 
-    def restart(self, name: str, listen: str | None = None) -> None:
+    def restart(self, name: str, listen: str | None = None, extra: list[str] | None = None) -> None:
         """Start a killed daemon again with the same command (same port, state dir, ledger), or
-        with ``--listen`` changed to ``listen`` (a peer that comes back on another address)."""
+        with ``--listen`` changed to ``listen`` (a peer that comes back on another address), and
+        ``extra`` arguments added (e.g. ``--outbound-only``)."""
         if self.procs[name].poll() is None:
             raise RuntimeError(f"{name} is still running")
         argv = self.argv[name][len(self.host_prefix(name)):]
         if listen is not None:
             argv[argv.index("--listen") + 1] = listen
             self.addresses[name] = listen
-        self._spawn(name, argv)
+        self._spawn(name, [*argv, *(extra or [])])
 
     def start(self, timeout: float = 180.0) -> None:
         for sub in ("state",):
@@ -255,7 +260,8 @@ class LocalTrial:
         return [_tool("peer"), "serve", "--data", str(site_dir), "--name", site_dir.name,
                 "--listen", self.addresses[site_dir.name], "--coordinator", self.coordinator,
                 "--state-dir", str(self.workdir / "state" / site_dir.name),
-                "--device", self.device, *security, *self.peer_args]
+                "--device", self.device, *security, *self.peer_args,
+                *(["--outbound-only"] if site_dir.name in self.outbound_only else [])]
 
     def wait_registered(self, timeout: float, names: list[str] | None = None, pending: int = 0) -> None:
         """Wait until at most ``pending`` of ``names`` (default: every site) are not registered
@@ -359,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the run summary as JSON")
     ap.add_argument("--start-concurrency", type=int, default=8,
                     help="peer daemons started at once, each waited for until it registers (default 8)")
+    ap.add_argument("--outbound-only", default="", metavar="SITES",
+                    help="comma-separated sites whose daemons accept no inbound connection (peer serve "
+                         "--outbound-only: their models come through the coordinator's relay, sealed)")
     ap.add_argument("--insecure", action="store_true",
                     help="plaintext gRPC everywhere instead of mutual TLS with a PKI made in <workdir>/pki")
     args = ap.parse_args(argv)
@@ -385,8 +394,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"starting a coordinator and {len(site_dirs)} peer daemons on loopback, {how} "
               f"(logs: {args.workdir / 'logs'}) ...", flush=True)
         raise_open_files_limit()
+        outbound = [n for n in args.outbound_only.split(",") if n]
+        unknown = sorted(set(outbound) - {d.name for d in site_dirs})
+        if unknown:
+            print(f"--outbound-only names no site of this trial: {', '.join(unknown)}", file=sys.stderr)
+            return 2
         with LocalTrial(args.workdir, site_dirs, device=args.device, insecure=args.insecure,
-                        start_concurrency=args.start_concurrency) as trial:
+                        start_concurrency=args.start_concurrency, outbound_only=outbound) as trial:
             print(f"all {len(site_dirs)} peers registered with the coordinator at {trial.coordinator}", flush=True)
             cmd = ["start-chain", "--seed", str(args.seed), "--wait", *chain_args]
             if args.json:

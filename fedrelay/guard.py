@@ -69,6 +69,10 @@ class Limits:
     privileged_per_caller: int = 16
     privileged_total: int = 32
     first_message_timeout: float = 10.0
+    # Long-lived calls (the control streams of sites that connect out only: one per such site,
+    # open for the daemon's life) count against their caller's bounds but not ``shared``; the
+    # server then needs a worker thread per stream on top of ``max_workers``' others.
+    long_lived: frozenset[str] = frozenset()
     log_lines: int = 10
     log_window: float = 60.0
 
@@ -282,8 +286,9 @@ class Guard(grpc.ServerInterceptor):
         elif who is not None:
             bounds = [(("method", who, method), lim.method_bounds.get(method, lim.per_method),
                        f"this identity's {_short(method)} calls"),
-                      (("caller", who), lim.per_caller, "this identity"),
-                      (("shared",), lim.shared, "all sites together")]
+                      (("caller", who), lim.per_caller, "this identity")]
+            if method not in lim.long_lived:
+                bounds.append((("shared",), lim.shared, "all sites together"))
         else:  # plaintext: no identities
             bounds = [(("shared",), lim.shared, "all callers together")]
         with self._lock:

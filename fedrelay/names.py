@@ -175,12 +175,13 @@ def check_class_names(names: Iterable[str], field: str = "class_index") -> list[
 
 
 def check_site_ref(ref, field: str, *, required: bool = False) -> None:
-    """A ``SiteRef`` (name and address); an unset one (empty name and address) passes unless
-    ``required``. Raises ``InvalidName``."""
+    """A ``SiteRef`` (a name, and an address unless the site connects out only: ""); an unset one
+    (empty name and address) passes unless ``required``. Raises ``InvalidName``."""
     if not required and not ref.name and not ref.address:
         return
     check_site_name(ref.name, f"{field}.name")
-    check_address(ref.address, f"{field}.address")
+    if ref.address:
+        check_address(ref.address, f"{field}.address")
 
 
 def _check_site_refs(refs, field: str) -> None:
@@ -267,9 +268,11 @@ def check_end_run(r) -> None:
 
 
 def check_registration(r) -> None:
-    """``Coordinator.Register``'s ``RegisterRequest``: name, address, class names, labels."""
+    """``Coordinator.Register``'s ``RegisterRequest``: name, address (none for a site that only
+    connects out), class names, labels."""
     check_site_name(r.name, "name")
-    check_address(r.address, "address")
+    if r.address or not getattr(r, "outbound_only", False):
+        check_address(r.address, "address")
     check_class_names([c.name for c in r.classes], "classes")
     check_label(r.device, "device")
     check_label(r.version, "version")

@@ -20,7 +20,8 @@ import grpc
 from fedrelay import __version__, names, wire
 from fedrelay.guard import Guard
 from fedrelay.health import PEER_SERVICE, Health
-from fedrelay.peer.node import DEFAULT_STALL_TIMEOUT, PeerNode
+from fedrelay.peer.control import ControlLink
+from fedrelay.peer.node import DEFAULT_RELAY_AFTER, DEFAULT_STALL_TIMEOUT, PeerNode
 from fedrelay.peer.scan import DataError, SiteSummary, scan_site
 from fedrelay.peer.slots import DEFAULT_SLOTS, HostSlots
 from fedrelay.peer.workers import WorkerDied, WorkerError, WorkerPool
@@ -51,6 +52,19 @@ def check_state_dir(state_dir: Path) -> None:
                          "every run's models there: pass a folder this user can write") from None
 
 
+def check_outbound(outbound_only: bool, advertise: str | None, transport: wire.Transport, relay_after: float) -> None:
+    """The options of a site that connects out only, and ``--relay-after``. Raises ``ValueError``."""
+    if relay_after < 0:
+        raise ValueError("--relay-after must be >= 0 seconds (0: never fall back to the relay)")
+    if not outbound_only:
+        return
+    if advertise:
+        raise ValueError("--outbound-only registers no address: drop --advertise")
+    if not transport.secure:
+        raise ValueError("--outbound-only needs mutual TLS (--tls): models reach this site through the relay, "
+                         "sealed to its certificate key")
+
+
 def check_site(pool: WorkerPool) -> dict:
     """Decode the site's every image and resolve the device once, in a short-lived worker of
     ``pool`` (its ``prepare``): the worker's answer (``device``, ``train``, ``test`` images).
@@ -69,10 +83,11 @@ def check_site(pool: WorkerPool) -> dict:
 
 
 def registration(name: str, address: str, data: SiteSummary, device: str, instance: str = "") -> cpb.RegisterRequest:
+    """The site's ``RegisterRequest``; ``address`` "" registers a site that only connects out."""
     c, h, w = data.image_shape
     return cpb.RegisterRequest(
         name=name, address=address, channels=c, height=h, width=w, device=device, version=__version__,
-        instance=instance,
+        instance=instance, outbound_only=not address,
         classes=[cpb.ClassCount(name=k, train=data.train_counts.get(k, 0), test=data.test_counts.get(k, 0))
                  for k in data.class_names])
 
@@ -90,8 +105,10 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
         try:
             reply = link.stub.Register(request, timeout=wire.CONTROL_TIMEOUT)
             link.last_registered, link.registration_error = time.time(), ""
+            link.relay = reply.relay
             if period is None:
-                log.info("registered with the coordinator at %s as %s (%s)", link.address, request.name, request.address)
+                log.info("registered with the coordinator at %s as %s (%s)", link.address, request.name,
+                         request.address or "connects out only")
             period = reply.heartbeat_seconds or 10
             delays = backoff_delays(cap=10.0)
             stop.wait(period)
@@ -134,7 +151,8 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
           transport: wire.Transport, advertise: str | None = None, stop: threading.Event | None = None,
           ready: threading.Event | None = None, stall_timeout: float = DEFAULT_STALL_TIMEOUT,
           deterministic: bool = True, weights_dir: Path | None = None, metrics_listen: str | None = None,
-          worker_slots: int = DEFAULT_SLOTS, slots_dir: Path | None = None) -> None:
+          worker_slots: int = DEFAULT_SLOTS, slots_dir: Path | None = None, outbound_only: bool = False,
+          relay_after: float = DEFAULT_RELAY_AFTER) -> None:
     """Run a peer daemon until ``stop`` is set (or forever), with mutual TLS on every channel
     unless ``transport`` is insecure. ``stall_timeout``: seconds a handoff may send nothing
     before it is dropped. ``deterministic``: on a CUDA device, use deterministic kernels
@@ -146,6 +164,15 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     ``peer.slots.default_folder()``). Serves the gRPC health service (``fedrelay.health``) and,
     with ``metrics_listen`` (``HOST:PORT``), Prometheus metrics over HTTP (``peer/monitoring.py``).
 
+    ``outbound_only``: the site accepts no inbound connection from other sites or the
+    coordinator (a hospital network's usual rule). It registers no address and keeps a control
+    stream open to the coordinator (``peer/control.py``), over which it gets its assignments,
+    reroutes, end notices, evaluation requests and relay notices; its models come through the
+    relay, sealed to its certificate key (``peer/relaying.py``). It still listens on ``listen``
+    for its own administrator (``peer status``, ``peer health``): bind that to 127.0.0.1. Needs
+    mutual TLS. ``relay_after``: seconds a receiver with an address may stay unreachable before
+    this site sends to it through the relay (0: never; TLS only).
+
     Raises ``DataError`` (bad data folder), ``ValueError`` (bad device or address, a name or class
     folder name that breaks its ``fedrelay.names`` rule, or a TLS identity that is not ``name``)
     or ``RuntimeError`` (cannot listen) before serving anything; ``RuntimeError`` also when the
@@ -156,6 +183,7 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
         raise ValueError(f"--tls {transport.source} holds the identity {transport.identity!r}, not --name {name!r}")
     if stall_timeout <= 0:
         raise ValueError("--stall-timeout must be > 0 seconds")
+    check_outbound(outbound_only, advertise, transport, relay_after)
     check_state_dir(Path(state_dir))
     if device not in ("auto", "cpu") and not device.startswith("cuda"):
         raise ValueError(f"--device must be auto, cpu or cuda:N, not {device!r}")
@@ -176,24 +204,29 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     log.info("site data checked by a worker in %.1f s (every image decoded); device %s", checked["seconds"], device)
     guard = Guard()
     server, port = wire.make_server(listen, transport=transport, guard=guard)
-    address = advertise or wire.with_port(listen, port)
-    names.check_address(address, "--advertise" if advertise else "--listen")
-    host, _ = wire.split_hostport(address)
-    if host in ("0.0.0.0", "::"):
-        raise ValueError(f"listening on {listen}: pass --advertise HOST:PORT, the address other sites can reach")
+    address = "" if outbound_only else advertise or wire.with_port(listen, port)
+    if address:
+        names.check_address(address, "--advertise" if advertise else "--listen")
+        host, _ = wire.split_hostport(address)
+        if host in ("0.0.0.0", "::"):
+            raise ValueError(f"listening on {listen}: pass --advertise HOST:PORT, the address other sites can reach")
     link = CoordinatorLink(coordinator, transport)
     node = PeerNode(name, address, data, Path(state_dir), device, link, transport=transport,
                     stall_timeout=stall_timeout, weights_dir=weights_dir, jobs=pool)
     node.instance = secrets.token_hex(8)  # this process's id: a second daemon under the same name is refused
+    node.relay_after = relay_after
     refused: list[str] = []
-    add_peer_servicer(PeerServicer(node), server)
+    servicer = PeerServicer(node)
+    add_peer_servicer(servicer, server)
     node.metrics.watch(guard)
     health = Health(server, PEER_SERVICE)
     if metrics_listen:
         node.metrics.serve_http(metrics_listen)
     server.start()
-    log.info("peer %s (%s) listening on %s (%s), state dir %s, device %s", name, __version__, address,
-             "mutual TLS" if transport.secure else "INSECURE plaintext", state_dir, device)
+    log.info("peer %s (%s) listening on %s (%s)%s, state dir %s, device %s", name, __version__,
+             wire.with_port(listen, port), "mutual TLS" if transport.secure else "INSECURE plaintext",
+             ", connects out only: no address registered" if outbound_only else f", dialled at {address}",
+             state_dir, device)
     node.stop = stop
     request = registration(name, address, data, device, node.instance)
     claim = _claim_name(link, request)
@@ -205,6 +238,7 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     hb = threading.Thread(target=_heartbeat, args=(link, request, stop, refused),
                           name="heartbeat", daemon=True)
     hb.start()
+    control = ControlLink(link, servicer, name, node.instance, stop).start() if outbound_only else None
     health.serving()
     if ready is not None:
         ready.set()
@@ -214,6 +248,8 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     finally:
         health.stopping()
         server.stop(grace=2).wait()
+        if control is not None:
+            control.close()
         pool.close()
         node.metrics.close()
         link.close()

@@ -27,14 +27,18 @@ from fedrelay.peer.monitoring import PeerMetrics
 from fedrelay.peer.reporting import RETRYABLE, CoordinatorLink, Reporter
 from fedrelay.wire import backoff_delays
 from fedrelay.peer.runs import ACTIVE, Run, sent_key
-from fedrelay.peer.transfer import (SendCancelled, TransferError, check_header_fields, held_bytes, receive_model,
+from fedrelay.peer import relaying
+from fedrelay.peer.relaying import RelayUnavailable
+from fedrelay.peer.transfer import (Sent, SendCancelled, TransferError, check_header_fields, held_bytes, receive_model,
                                     remove_partials, send_model)
+from fedrelay.sealing import SealError
 from fedrelay.peer.workers import InlineRunner, JobCancelled
-from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2
+from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2, relay_pb2
 
 log = logging.getLogger("fedrelay.peer")
 
 DEFAULT_STALL_TIMEOUT = 60.0  # seconds
+DEFAULT_RELAY_AFTER = 60.0  # seconds a receiver with an address may stay unreachable before the relay is used
 REROUTE_GRACE = 120.0  # seconds a final-model copy retries a refusal after a reroute (see _deliver)
 PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final model", common_pb2.UPLOAD: "upload"}
 
@@ -73,6 +77,8 @@ class PeerNode:
         self._schemas: dict[str, dict] = {}  # run's schema key -> payload schemas (see _schemas_of)
         self._schema_waits: dict[str, threading.Event] = {}  # schema keys a warm worker is asked for
         self._digests: dict[tuple, str] = {}
+        self.relay_after = DEFAULT_RELAY_AFTER  # seconds without reaching a receiver directly before the relay (0: never)
+        self._fetching: set[tuple[str, str]] = set()  # (run, transfer) downloads from a relay under way
         self.reporter = Reporter(coordinator, lambda: self.stop)
         self.stop = threading.Event()
         self.metrics = PeerMetrics(self)  # Prometheus metrics (peer/monitoring.py)
@@ -261,22 +267,28 @@ class PeerNode:
             watched.close()
             self.streams.release(mine)
         run, t, h = holder["run"], holder["transfer"], got.header
-        if h.purpose == common_pb2.CHAIN_HOP:
-            log.info("run %s: received hop %d (round %d) from %s (%d bytes, sha256 %s)", run.run_id, h.hop,
-                     t.round, h.sender, got.size, got.sha256[:12])
-        else:
-            run.final_sha256 = got.sha256
-        key = sent_key(t)
-        run.receipts[key] = {"reported": False, "report": {
-            "run_id": run.run_id, "purpose": int(h.purpose), "hop": h.hop, "sender": t.sender, "receiver": self.name,
-            "payload_bytes": got.size, "sha256": got.sha256, "schema_sha256": wire.schema_digest(got.path),
-            "received": time.time()}}
-        run.save()
-        self.metrics.kept(h.purpose, got.size)
-        self._send_receipt(run, key)
-        run.wake.set()
+        self._kept(run, t, got.path, got.size, got.sha256)
         return peer_pb2.HandoffReceipt(run_id=run.run_id, hop=h.hop, receiver=self.name,
                                        received_bytes=got.size, sha256=got.sha256)
+
+    def _kept(self, run: Run, t: common_pb2.PlannedTransfer, path: Path, size: int, sha: str,
+              route: str = "direct", relay_wire_bytes: int = 0) -> None:
+        """A payload of the planned transfer ``t`` is kept at ``path`` (checked): record the
+        receipt the ledger is owed, report it, and wake the run's worker."""
+        if t.purpose == common_pb2.CHAIN_HOP:
+            log.info("run %s: received hop %d (round %d) from %s (%d bytes, sha256 %s%s)", run.run_id, t.index,
+                     t.round, t.sender, size, sha[:12], ", through the relay" if route == "relayed" else "")
+        else:
+            run.final_sha256 = sha
+        key = sent_key(t)
+        run.receipts[key] = {"reported": False, "report": {
+            "run_id": run.run_id, "purpose": int(t.purpose), "hop": t.index, "sender": t.sender, "receiver": self.name,
+            "payload_bytes": size, "sha256": sha, "schema_sha256": wire.schema_digest(path),
+            "received": time.time(), "route": route, "relay_wire_bytes": relay_wire_bytes}}
+        run.save()
+        self.metrics.kept(t.purpose, size)
+        self._send_receipt(run, key)
+        run.wake.set()
 
     def _send_receipt(self, run: Run, key: str) -> None:
         def delivered() -> None:
@@ -719,6 +731,11 @@ class PeerNode:
         """Send ``path`` for the planned transfer ``t`` with retries (exponential backoff and
         jitter), then report it to the coordinator.
 
+        Direct first: the stream goes to the receiver's address. A receiver that only connects
+        out (no address), or one not reached directly for ``relay_after`` seconds (0: never),
+        gets the payload through the relay instead, sealed to its certificate key
+        (``peer/relaying.py``); the report then says ``route = "relayed"``.
+
         Returns False, having sent nothing, when a reroute took ``t`` off this site's part of the
         plan meanwhile; True once delivered (or delivered before)."""
         key = sent_key(t)
@@ -731,6 +748,7 @@ class PeerNode:
         started = time.monotonic()
         deadline = started + self.send_deadline
         counter, attempts = [0], 0  # bytes put on the wire by every attempt; streams begun
+        relayed = not to.address
         for delay in backoff_delays():
             if run.ended.is_set():
                 raise RunEnded(run.run_id)
@@ -739,24 +757,36 @@ class PeerNode:
                          PURPOSE_NAMES[t.purpose], t.receiver)
                 return False
             try:
-                # Under TLS the receiver's certificate must name the site we mean to reach.
                 attempts += 1
-                sent = send_model(to.address, header, path, transport=self.transport, expect=to.name,
-                                  counter=counter, cancelled=run.ended.is_set)
+                if relayed:
+                    sent = self._send_relayed(run, t, path, counter)
+                else:  # under TLS the receiver's certificate must name the site we mean to reach
+                    sent = send_model(to.address, header, path, transport=self.transport, expect=to.name,
+                                      counter=counter, cancelled=run.ended.is_set)
                 break
             except SendCancelled:  # the coordinator ended the run mid-stream
                 raise RunEnded(run.run_id) from None
+            except (RelayUnavailable, SealError) as exc:
+                raise RuntimeError(f"cannot send {PURPOSE_NAMES[t.purpose]} {t.index} to {to.name} through the "
+                                   f"relay: {exc}") from exc
             except grpc.RpcError as exc:
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not relayed:
                     to = self._resolve(to)
+                    waited = time.monotonic() - started
+                    if not to.address or (self.relay_after and waited >= self.relay_after and self.transport.secure):
+                        relayed = True
+                        log.warning("run %s: %s not reached directly%s; sending through the relay at %s", run.run_id,
+                                    to.name, f" for {waited:.0f} s" if to.address else " (it connects out only)",
+                                    self.relay_address)
                 # A receiver may not know yet that a reroute changed its plan (a final copy from a
                 # new final site, a hop from a new sender): its refusal is retried for a while (the
                 # route reaches it within seconds).
                 rerouting = (exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT)
                              and run.assignment.route_version > 0 and time.monotonic() - started < REROUTE_GRACE)
+                where = f"the relay at {self.relay_address}" if relayed else f"{to.name} at {to.address}"
                 if (exc.code() not in RETRYABLE and not rerouting) or time.monotonic() + delay > deadline:
-                    raise RuntimeError(f"cannot deliver to {to.name} at {to.address}: {wire.status_message(exc)}") from exc
-                log.warning("run %s: delivery to %s failed (%s); retrying in %.1f s", run.run_id, to.name,
+                    raise RuntimeError(f"cannot deliver to {where}: {wire.status_message(exc)}") from exc
+                log.warning("run %s: delivery to %s failed (%s); retrying in %.1f s", run.run_id, where,
                             wire.status_message(exc), delay)
                 self._pause(run, delay)
                 if self.stop.is_set():
@@ -765,19 +795,121 @@ class PeerNode:
         if run.run_status == "cancelled":  # stopped while the last chunks went out: report nothing more
             raise RunEnded(run.run_id)
         if sent.receipt.duplicate:  # a retry of a transfer that had arrived: acknowledged, no effect
-            log.info("run %s: %s already held this model (sha256 %s)", run.run_id, to.name, sha[:12])
+            log.info("run %s: %s already held this model (sha256 %s)", run.run_id,
+                     "the relay" if relayed else to.name, sha[:12])
         if sent.resumed_from:
-            log.info("run %s: resumed the transfer to %s at byte %d of %d", run.run_id, to.name,
-                     sent.resumed_from, sent.payload_bytes)
+            log.info("run %s: resumed the transfer to %s at byte %d of %d", run.run_id,
+                     "the relay" if relayed else to.name, sent.resumed_from, sent.payload_bytes)
         self._report("ReportHop", cpb.HopReport(
             run_id=run.run_id, hop=t.index, purpose=t.purpose, sender=self.name, receiver=to.name,
-            payload_bytes=sent.payload_bytes, wire_bytes=counter[0], sha256=sha, started=sent.started,
+            payload_bytes=size, wire_bytes=counter[0], sha256=sha, started=sent.started,
             ended=sent.ended, attempts=attempts, resumed_from=sent.resumed_from, round=t.round,
-            schema_sha256=wire.schema_digest(path)))
-        self.metrics.delivered(t.purpose, sent.payload_bytes, counter[0], attempts, sent.resumed_from)
+            schema_sha256=wire.schema_digest(path), route=sent.route, sealed_bytes=sent.sealed_bytes,
+            relay=sent.relay, sealed_sha256=sent.sealed_sha256))
+        self.metrics.delivered(t.purpose, size, counter[0], attempts, sent.resumed_from)
         run.sent.append(key)
         run.save()
         return True
+
+    def _send_relayed(self, run: Run, t: common_pb2.PlannedTransfer, path: Path, counter: list[int]) -> Sent:
+        """One attempt at sending ``path`` through the relay: sealed to the receiver's
+        certificate (asked of the coordinator), then streamed to the relay from the bytes it
+        holds. Raises ``grpc.RpcError``, ``RelayUnavailable`` or ``SealError``."""
+        if self.coordinator is None:
+            raise RelayUnavailable("no coordinator to ask for the receiver's certificate")
+        ref = self.coordinator.stub.ResolveSite(cpb.ResolveSiteRequest(name=t.receiver), timeout=wire.CONTROL_TIMEOUT)
+        sealed, sealed_bytes, sealed_sha = relaying.seal(self.transport, run.run_id, t, path, ref.certificate,
+                                                         run.path("sealed"))
+        relay = self.relay_address
+        sent = relaying.put(relay, self.transport, run.run_id, t, sealed, counter, cancelled=run.ended.is_set)
+        sent.route, sent.relay, sent.sealed_bytes, sent.sealed_sha256 = "relayed", relay, sealed_bytes, sealed_sha
+        return sent
+
+    @property
+    def relay_address(self) -> str:
+        """The relay this site sends sealed payloads to: the one the coordinator names in its
+        registration reply, else the coordinator itself."""
+        if self.coordinator is None:
+            return ""
+        return self.coordinator.relay or self.coordinator.address
+
+    # -- receiving through the relay ---------------------------------------------------------------
+    def relay_ready(self, notice: peer_pb2.RelayNotice) -> str:
+        """``Peer.RelayReady``: the envelope of a transfer into this site waits at a relay. Starts
+        fetching it in the background (once: a second notice while it runs, or after the payload
+        was kept, has no effect). Returns "fetching" or "held". Raises ``TransferError`` (no such
+        run, a transfer not planned into this site from that sender)."""
+        h = common_pb2.TransferHeader(run_id=notice.run_id, hop=notice.index, sender=notice.sender,
+                                      purpose=notice.purpose, total_bytes=max(1, notice.sealed_bytes),
+                                      sha256=notice.sealed_sha256)
+        check_header_fields(h)
+        try:
+            run, t, dest = self._check_transfer(h, None)
+        except _Duplicate:
+            return "held"
+        key = (run.run_id, sent_key(t))
+        with self._lock:
+            if key in self._fetching:
+                return "fetching"
+            self._fetching.add(key)
+        threading.Thread(target=self._fetch_relayed, args=(run, t, notice, key), daemon=True,
+                         name=f"fetch-{run.run_id}-{sent_key(t)}").start()
+        return "fetching"
+
+    def _fetch_relayed(self, run: Run, t: common_pb2.PlannedTransfer, notice: peer_pb2.RelayNotice, key) -> None:
+        """Download, open and keep a relayed payload; retried (the daemons' backoff) while the
+        relay cannot be reached, until the run ends or the daemon stops. A payload that fails
+        its checks (signature, decryption, digest, schema) is refused: logged, reported as the
+        run's failure at this site, and its envelope left at the relay."""
+        relay = notice.relay or self.relay_address
+        rkey = relay_pb2.RelayKey(run_id=run.run_id, purpose=t.purpose, index=t.index, receiver=self.name)
+        sealed = run.path("relay-in") / f"{sent_key(t).replace(':', '-')}.sealed"
+        dest = run.destination(t)
+        counter = [0]
+        try:
+            for delay in backoff_delays():
+                if run.ended.is_set() or self.stop.is_set() or dest.exists():
+                    return
+                try:
+                    if not (sealed.exists() and wire.sha256_file(sealed) == notice.sealed_sha256):
+                        relaying.fetch(relay, self.transport, rkey, t.sender, sealed, notice.sealed_bytes,
+                                       notice.sealed_sha256, counter)
+                    break
+                except (grpc.RpcError, TransferError) as exc:
+                    msg = wire.status_message(exc) if isinstance(exc, grpc.RpcError) else exc.message
+                    log.warning("run %s: fetching %s %d from the relay at %s failed (%s); retrying in %.1f s",
+                                run.run_id, PURPOSE_NAMES[t.purpose], t.index, relay, msg, delay)
+                    self.stop.wait(delay)
+            plain = dest.parent / f".{dest.name}.relayed.part"
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                relaying.open_envelope(self.transport, sealed, plain, run.run_id, t)
+                size, sha = plain.stat().st_size, wire.sha256_file(plain)
+                self._check_model_bytes(run.assignment, plain.read_bytes(), t.purpose)
+                if dest.exists():
+                    return
+                plain.replace(dest)
+            except (SealError, ValueError) as exc:
+                plain.unlink(missing_ok=True)
+                raise RuntimeError(f"refused the relayed {PURPOSE_NAMES[t.purpose]} {t.index} from {t.sender}: {exc}") from exc
+            self._kept(run, t, dest, size, sha, route="relayed", relay_wire_bytes=counter[0])
+            sealed.unlink(missing_ok=True)
+            try:
+                relaying.discard(relay, self.transport, rkey)
+            except grpc.RpcError as exc:  # the relay drops the run's envelopes when it ends anyway
+                log.info("run %s: the relay did not discard the envelope: %s", run.run_id, wire.status_message(exc))
+        except Exception as exc:  # noqa: BLE001 - a background thread says so and fails its run
+            log.error("run %s: %s", run.run_id, exc)
+            self._set_state(run, "failed", str(exc))
+            if self.coordinator is not None:
+                try:
+                    self.coordinator.call("ReportFailure", cpb.FailureReport(run_id=run.run_id, site=self.name,
+                                                                             error=str(exc)), retry_for=300, stop=self.stop)
+                except grpc.RpcError as rpc_exc:
+                    log.error("could not report the failure: %s", wire.status_message(rpc_exc))
+        finally:
+            with self._lock:
+                self._fetching.discard(key)
 
     def _pause(self, run: Run, seconds: float) -> None:
         """Wait up to ``seconds`` between delivery attempts; back early when the daemon stops,

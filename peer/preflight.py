@@ -36,7 +36,8 @@ def check_listen(listen: str) -> None:
 
 def check_serve_options(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir: Path, device: str,
                         transport: wire.Transport, advertise: str | None = None, stall_timeout: float = 60.0,
-                        weights_dir: Path | None = None) -> CheckResult:
+                        weights_dir: Path | None = None, outbound_only: bool = False,
+                        relay_after: float = 60.0) -> CheckResult:
     """Every check ``fedrelay.peer.daemon.serve`` makes before it serves, plus the coordinator's
     address: the name (a DNS label) and that the TLS identity is that name; ``stall_timeout`` > 0;
     the state dir is writable (it is created if missing, as the daemon does); the device exists
@@ -48,7 +49,7 @@ def check_serve_options(*, data_dir: Path, name: str, listen: str, coordinator: 
     Raises ``fedrelay.peer.data.DataError`` (a ``ValueError``) for the data folder and
     ``ValueError`` for everything else, with a message naming the option.
     """
-    from fedrelay.peer.daemon import check_state_dir
+    from fedrelay.peer.daemon import check_outbound, check_state_dir
     from fedrelay.peer.data import load_site
     from fedrelay.peer.worker import resolve_device
 
@@ -59,10 +60,11 @@ def check_serve_options(*, data_dir: Path, name: str, listen: str, coordinator: 
         if stall_timeout <= 0:
             raise ValueError("--stall-timeout must be > 0 seconds")
         check_listen(listen)
+        check_outbound(outbound_only, advertise, transport, relay_after)
         if advertise is not None:
             names.check_address(advertise, "--advertise")
         host, _ = wire.split_hostport(advertise or listen)
-        if host in ("0.0.0.0", "::"):
+        if host in ("0.0.0.0", "::") and not outbound_only:
             raise ValueError(f"listening on {listen}: pass --advertise HOST:PORT, the address other sites can reach")
         names.check_address(coordinator, "--coordinator")
         if weights_dir is not None and weights_dir.exists() and not weights_dir.is_dir():
@@ -77,4 +79,5 @@ def check_serve_options(*, data_dir: Path, name: str, listen: str, coordinator: 
     except names.InvalidName as exc:
         raise ValueError(str(exc)) from None
     images = sum(data.train_counts.values()) + sum(data.test_counts.values())
-    return CheckResult(device=resolved, address=advertise or listen, images=images, classes=list(data.class_names))
+    return CheckResult(device=resolved, address="" if outbound_only else advertise or listen, images=images,
+                       classes=list(data.class_names))

@@ -42,6 +42,7 @@ class CoordinatorLink:
         self.transport = transport
         self.last_registered = 0.0  # unix seconds the coordinator last took this site's registration
         self.registration_error = ""  # why the latest registration failed ("" after a success)
+        self.relay = ""  # the relay the coordinator names (RegisterReply.relay; "": the coordinator itself)
         self._channel = transport.channel(address, expect=wire.COORDINATOR_IDENTITY)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 

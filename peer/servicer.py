@@ -3,8 +3,9 @@
 Every refusal is a gRPC status with a one-line reason; an exception in one call never stops the
 daemon from serving the next.
 
-Authorization under mutual TLS (identity = the caller's certificate name): Assign, Evaluate
-and FetchModel only from the ``coordinator`` identity; GetStatus from the coordinator or the
+Authorization under mutual TLS (identity = the caller's certificate name): Assign, Evaluate,
+FetchModel, Reroute, EndRun and RelayReady only from the ``coordinator`` identity (also when they
+come over the control stream of a site that only connects out: ``peer/control.py``); GetStatus from the coordinator or the
 site's own identity (its administrator, with the folder ``coordinator enroll NAME`` wrote); Handoff only from the run's
 assigned predecessor or last site (checked in ``PeerNode.handoff``), TransferOffset and Prepare likewise. Refusals are
 PERMISSION_DENIED. A plaintext daemon has no identities (only the name checks apply).
@@ -108,6 +109,18 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         except LookupError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         return peer_pb2.EndRunReply(run_id=request.run_id, state=state, removed_bytes=removed)
+
+    def RelayReady(self, request: peer_pb2.RelayNotice, context) -> peer_pb2.RelayReadyReply:
+        names.check_run_id(request.run_id)
+        names.check_site_name(request.sender, "sender")
+        names.check_sha256(request.sealed_sha256, "sealed_sha256")
+        if request.relay:
+            names.check_address(request.relay, "relay")
+        self._from_coordinator(context)
+        try:
+            return peer_pb2.RelayReadyReply(state=self.node.relay_ready(request))
+        except TransferError as exc:
+            context.abort(exc.code, exc.message)
 
     def FetchModel(self, request: peer_pb2.FetchModelRequest, context):
         names.check_run_request(request)

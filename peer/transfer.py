@@ -134,6 +134,9 @@ def add_peer_servicer(servicer, server) -> None:
         "Prepare": grpc.unary_unary_rpc_method_handler(
             servicer.Prepare, request_deserializer=peer_pb2.PrepareRequest.FromString,
             response_serializer=peer_pb2.PrepareReply.SerializeToString),
+        "RelayReady": grpc.unary_unary_rpc_method_handler(
+            servicer.RelayReady, request_deserializer=peer_pb2.RelayNotice.FromString,
+            response_serializer=peer_pb2.RelayReadyReply.SerializeToString),
     }
     missing = set(peer_pb2.DESCRIPTOR.services_by_name["Peer"].methods_by_name) - set(handlers)
     if missing:  # the .proto grew a method: register it here too
@@ -370,11 +373,23 @@ class Sent:
     started: float  # unix seconds
     ended: float
     resumed_from: int = 0  # payload bytes the receiver already held: the stream began there
+    # How it went (peer/relaying.py): "direct", or "relayed" through the relay at ``relay`` as a
+    # sealed envelope of ``sealed_bytes`` bytes with SHA-256 ``sealed_sha256``.
+    route: str = "direct"
+    relay: str = ""
+    sealed_bytes: int = 0
+    sealed_sha256: str = ""
+
+
+# The calls a model stream makes: (offset query, stream, reply parser). A relay's Offset/Put have
+# the same shapes as a peer's TransferOffset/Handoff (peer/relaying.py).
+PEER_METHODS = (OFFSET_METHOD, HANDOFF_METHOD, peer_pb2.HandoffReceipt.FromString)
 
 
 def send_model(address: str, header: common_pb2.TransferHeader, path: Path, timeout: float | None = None,
                *, transport=None, expect: str | None = None, resume: bool = True,
-               counter: list[int] | None = None, cancelled: Callable[[], bool] | None = None) -> Sent:
+               counter: list[int] | None = None, cancelled: Callable[[], bool] | None = None,
+               methods: tuple = PEER_METHODS) -> Sent:
     """Stream the model file at ``path`` to the peer at ``address`` (Peer.Handoff).
 
     ``header.total_bytes`` and ``header.sha256`` must describe the file. ``transport`` (a
@@ -386,8 +401,10 @@ def send_model(address: str, header: common_pb2.TransferHeader, path: Path, time
     given, accumulates the bytes put on the wire, also by a call that fails. ``cancelled``,
     when given, is asked before each chunk; when it says True the stream ends there, short of the
     payload (the receiver refuses it as truncated), and :class:`SendCancelled` is raised. Raises ``grpc.RpcError``
-    when the receiver refuses or cannot be reached.
+    when the receiver refuses or cannot be reached. ``methods``: the (offset query, stream,
+    reply parser) to use, by default the Peer service's (a relay's: ``peer.relaying``).
     """
+    offset_method, stream_method, parse_reply = methods
     counter = counter if counter is not None else [0]
     before = counter[0]
     timeout = timeout if timeout is not None else wire.transfer_timeout(header.total_bytes)
@@ -396,7 +413,7 @@ def send_model(address: str, header: common_pb2.TransferHeader, path: Path, time
     with channel:
         offset = 0
         if resume:
-            query = channel.unary_unary(OFFSET_METHOD, request_serializer=common_pb2.TransferHeader.SerializeToString,
+            query = channel.unary_unary(offset_method, request_serializer=common_pb2.TransferHeader.SerializeToString,
                                         response_deserializer=peer_pb2.TransferOffsetReply.FromString)
             try:
                 held = query(header, timeout=wire.CONTROL_TIMEOUT)
@@ -414,8 +431,7 @@ def send_model(address: str, header: common_pb2.TransferHeader, path: Path, time
             resumed.CopyFrom(header)
             resumed.offset = offset
             header = resumed
-        handoff = channel.stream_unary(HANDOFF_METHOD, request_serializer=None,
-                                       response_deserializer=peer_pb2.HandoffReceipt.FromString)
+        handoff = channel.stream_unary(stream_method, request_serializer=None, response_deserializer=parse_reply)
         try:
             receipt = handoff(encoded_model_stream(header, path, counter, cancelled), timeout=timeout)
         except grpc.RpcError:

@@ -76,12 +76,14 @@ class TrainingParams(_message.Message):
     def __init__(self, strategy: _Optional[str] = ..., models_per_site: _Optional[int] = ..., local_epochs: _Optional[int] = ..., warmup_epochs: _Optional[int] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., lr: _Optional[float] = ..., batch_size: _Optional[int] = ..., weight_decay: _Optional[float] = ..., selection: _Optional[str] = ..., init: _Optional[str] = ..., init_sha256: _Optional[str] = ..., weighting: _Optional[str] = ..., maecho_tau: _Optional[int] = ..., maecho_eta: _Optional[float] = ..., maecho_alpha: _Optional[str] = ..., ofasd_mode: _Optional[str] = ..., ofasd_epochs: _Optional[int] = ..., ofasd_lr: _Optional[float] = ..., upload_timeout: _Optional[float] = ...) -> None: ...
 
 class SiteRef(_message.Message):
-    __slots__ = ("name", "address")
+    __slots__ = ("name", "address", "certificate")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    certificate: bytes
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., certificate: _Optional[bytes] = ...) -> None: ...
 
 class PlannedTransfer(_message.Message):
     __slots__ = ("purpose", "index", "round", "sender", "receiver")
@@ -98,7 +100,7 @@ class PlannedTransfer(_message.Message):
     def __init__(self, purpose: _Optional[_Union[Purpose, str]] = ..., index: _Optional[int] = ..., round: _Optional[int] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
-    __slots__ = ("run_id", "hop", "sender", "total_bytes", "sha256", "purpose", "offset")
+    __slots__ = ("run_id", "hop", "sender", "total_bytes", "sha256", "purpose", "offset", "receiver")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     HOP_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +108,7 @@ class TransferHeader(_message.Message):
     SHA256_FIELD_NUMBER: _ClassVar[int]
     PURPOSE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     hop: int
     sender: str
@@ -113,7 +116,8 @@ class TransferHeader(_message.Message):
     sha256: str
     purpose: Purpose
     offset: int
-    def __init__(self, run_id: _Optional[str] = ..., hop: _Optional[int] = ..., sender: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., purpose: _Optional[_Union[Purpose, str]] = ..., offset: _Optional[int] = ...) -> None: ...
+    receiver: str
+    def __init__(self, run_id: _Optional[str] = ..., hop: _Optional[int] = ..., sender: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., purpose: _Optional[_Union[Purpose, str]] = ..., offset: _Optional[int] = ..., receiver: _Optional[str] = ...) -> None: ...
 
 class ModelChunk(_message.Message):
     __slots__ = ("header", "data")

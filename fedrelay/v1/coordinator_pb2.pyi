@@ -19,7 +19,7 @@ class ClassCount(_message.Message):
     def __init__(self, name: _Optional[str] = ..., train: _Optional[int] = ..., test: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("name", "address", "classes", "channels", "height", "width", "device", "version", "instance")
+    __slots__ = ("name", "address", "classes", "channels", "height", "width", "device", "version", "instance", "outbound_only")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class RegisterRequest(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     classes: _containers.RepeatedCompositeFieldContainer[ClassCount]
@@ -38,15 +39,48 @@ class RegisterRequest(_message.Message):
     device: str
     version: str
     instance: str
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., classes: _Optional[_Iterable[_Union[ClassCount, _Mapping]]] = ..., channels: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
+    outbound_only: bool
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., classes: _Optional[_Iterable[_Union[ClassCount, _Mapping]]] = ..., channels: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., instance: _Optional[str] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("version", "heartbeat_seconds")
+    __slots__ = ("version", "heartbeat_seconds", "relay")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     version: str
     heartbeat_seconds: int
-    def __init__(self, version: _Optional[str] = ..., heartbeat_seconds: _Optional[int] = ...) -> None: ...
+    relay: str
+    def __init__(self, version: _Optional[str] = ..., heartbeat_seconds: _Optional[int] = ..., relay: _Optional[str] = ...) -> None: ...
+
+class ControlRequest(_message.Message):
+    __slots__ = ("id", "method", "request", "timeout")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    method: str
+    request: bytes
+    timeout: float
+    def __init__(self, id: _Optional[int] = ..., method: _Optional[str] = ..., request: _Optional[bytes] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class ControlReply(_message.Message):
+    __slots__ = ("id", "reply", "code", "details", "more", "site", "instance")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    reply: bytes
+    code: int
+    details: str
+    more: bool
+    site: str
+    instance: str
+    def __init__(self, id: _Optional[int] = ..., reply: _Optional[bytes] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., more: _Optional[bool] = ..., site: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class ResolveSiteRequest(_message.Message):
     __slots__ = ("name",)
@@ -55,7 +89,7 @@ class ResolveSiteRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class HopReport(_message.Message):
-    __slots__ = ("run_id", "hop", "purpose", "sender", "receiver", "payload_bytes", "wire_bytes", "sha256", "started", "ended", "attempts", "resumed_from", "round", "schema_sha256")
+    __slots__ = ("run_id", "hop", "purpose", "sender", "receiver", "payload_bytes", "wire_bytes", "sha256", "started", "ended", "attempts", "resumed_from", "round", "schema_sha256", "route", "sealed_bytes", "relay", "sealed_sha256")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     HOP_FIELD_NUMBER: _ClassVar[int]
     PURPOSE_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +104,10 @@ class HopReport(_message.Message):
     RESUMED_FROM_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_SHA256_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    SEALED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    SEALED_SHA256_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     hop: int
     purpose: _common_pb2.Purpose
@@ -84,10 +122,14 @@ class HopReport(_message.Message):
     resumed_from: int
     round: int
     schema_sha256: str
-    def __init__(self, run_id: _Optional[str] = ..., hop: _Optional[int] = ..., purpose: _Optional[_Union[_common_pb2.Purpose, str]] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., started: _Optional[float] = ..., ended: _Optional[float] = ..., attempts: _Optional[int] = ..., resumed_from: _Optional[int] = ..., round: _Optional[int] = ..., schema_sha256: _Optional[str] = ...) -> None: ...
+    route: str
+    sealed_bytes: int
+    relay: str
+    sealed_sha256: str
+    def __init__(self, run_id: _Optional[str] = ..., hop: _Optional[int] = ..., purpose: _Optional[_Union[_common_pb2.Purpose, str]] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., started: _Optional[float] = ..., ended: _Optional[float] = ..., attempts: _Optional[int] = ..., resumed_from: _Optional[int] = ..., round: _Optional[int] = ..., schema_sha256: _Optional[str] = ..., route: _Optional[str] = ..., sealed_bytes: _Optional[int] = ..., relay: _Optional[str] = ..., sealed_sha256: _Optional[str] = ...) -> None: ...
 
 class ReceiptReport(_message.Message):
-    __slots__ = ("run_id", "purpose", "hop", "sender", "receiver", "payload_bytes", "sha256", "schema_sha256", "received")
+    __slots__ = ("run_id", "purpose", "hop", "sender", "receiver", "payload_bytes", "sha256", "schema_sha256", "received", "route", "relay_wire_bytes")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PURPOSE_FIELD_NUMBER: _ClassVar[int]
     HOP_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +139,8 @@ class ReceiptReport(_message.Message):
     SHA256_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_SHA256_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    RELAY_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     purpose: _common_pb2.Purpose
     hop: int
@@ -106,7 +150,9 @@ class ReceiptReport(_message.Message):
     sha256: str
     schema_sha256: str
     received: float
-    def __init__(self, run_id: _Optional[str] = ..., purpose: _Optional[_Union[_common_pb2.Purpose, str]] = ..., hop: _Optional[int] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., schema_sha256: _Optional[str] = ..., received: _Optional[float] = ...) -> None: ...
+    route: str
+    relay_wire_bytes: int
+    def __init__(self, run_id: _Optional[str] = ..., purpose: _Optional[_Union[_common_pb2.Purpose, str]] = ..., hop: _Optional[int] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., schema_sha256: _Optional[str] = ..., received: _Optional[float] = ..., route: _Optional[str] = ..., relay_wire_bytes: _Optional[int] = ...) -> None: ...
 
 class ProgressReport(_message.Message):
     __slots__ = ("run_id", "site", "kind", "state", "detail", "stage", "model", "epoch", "epochs", "train_loss", "val_accuracy", "seconds")
@@ -227,7 +273,7 @@ class GetRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class HopRecord(_message.Message):
-    __slots__ = ("hop", "sender", "receiver", "payload_bytes", "wire_bytes", "sha256", "started", "ended", "attempts", "resumed_from", "round", "status", "receiver_sha256", "receiver_bytes")
+    __slots__ = ("hop", "sender", "receiver", "payload_bytes", "wire_bytes", "sha256", "started", "ended", "attempts", "resumed_from", "round", "status", "receiver_sha256", "receiver_bytes", "route", "sealed_bytes", "relay_wire_bytes", "relay")
     HOP_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +288,10 @@ class HopRecord(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_SHA256_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    SEALED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RELAY_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     hop: int
     sender: str
     receiver: str
@@ -256,7 +306,11 @@ class HopRecord(_message.Message):
     status: str
     receiver_sha256: str
     receiver_bytes: int
-    def __init__(self, hop: _Optional[int] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., started: _Optional[float] = ..., ended: _Optional[float] = ..., attempts: _Optional[int] = ..., resumed_from: _Optional[int] = ..., round: _Optional[int] = ..., status: _Optional[str] = ..., receiver_sha256: _Optional[str] = ..., receiver_bytes: _Optional[int] = ...) -> None: ...
+    route: str
+    sealed_bytes: int
+    relay_wire_bytes: int
+    relay: str
+    def __init__(self, hop: _Optional[int] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., started: _Optional[float] = ..., ended: _Optional[float] = ..., attempts: _Optional[int] = ..., resumed_from: _Optional[int] = ..., round: _Optional[int] = ..., status: _Optional[str] = ..., receiver_sha256: _Optional[str] = ..., receiver_bytes: _Optional[int] = ..., route: _Optional[str] = ..., sealed_bytes: _Optional[int] = ..., relay_wire_bytes: _Optional[int] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class SiteAccuracy(_message.Message):
     __slots__ = ("accuracy", "test_samples")
@@ -442,7 +496,7 @@ class ListPeersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PeerRecord(_message.Message):
-    __slots__ = ("name", "address", "classes", "channels", "height", "width", "device", "last_seen", "live", "age_seconds", "peer_timeout")
+    __slots__ = ("name", "address", "classes", "channels", "height", "width", "device", "last_seen", "live", "age_seconds", "peer_timeout", "outbound_only", "connected")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
@@ -454,6 +508,8 @@ class PeerRecord(_message.Message):
     LIVE_FIELD_NUMBER: _ClassVar[int]
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PEER_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     classes: _containers.RepeatedCompositeFieldContainer[ClassCount]
@@ -465,7 +521,9 @@ class PeerRecord(_message.Message):
     live: bool
     age_seconds: float
     peer_timeout: float
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., classes: _Optional[_Iterable[_Union[ClassCount, _Mapping]]] = ..., channels: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., device: _Optional[str] = ..., last_seen: _Optional[float] = ..., live: _Optional[bool] = ..., age_seconds: _Optional[float] = ..., peer_timeout: _Optional[float] = ...) -> None: ...
+    outbound_only: bool
+    connected: bool
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., classes: _Optional[_Iterable[_Union[ClassCount, _Mapping]]] = ..., channels: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., device: _Optional[str] = ..., last_seen: _Optional[float] = ..., live: _Optional[bool] = ..., age_seconds: _Optional[float] = ..., peer_timeout: _Optional[float] = ..., outbound_only: _Optional[bool] = ..., connected: _Optional[bool] = ...) -> None: ...
 
 class ListPeersReply(_message.Message):
     __slots__ = ("peers",)

@@ -71,6 +71,11 @@ class CoordinatorStub:
                 request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ResolveSiteRequest.SerializeToString,
                 response_deserializer=fedrelay_dot_v1_dot_common__pb2.SiteRef.FromString,
                 _registered_method=True)
+        self.Connect = channel.stream_stream(
+                '/fedrelay.v1.Coordinator/Connect',
+                request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ControlReply.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.ControlRequest.FromString,
+                _registered_method=True)
         self.StartChain = channel.unary_unary(
                 '/fedrelay.v1.Coordinator/StartChain',
                 request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.StartChainRequest.SerializeToString,
@@ -168,6 +173,17 @@ class CoordinatorServicer:
     def ResolveSite(self, request, context):
         """Where a site is now (its latest registration): a sender whose receiver stopped answering
         asks, in case the receiver came back on another address. Sites and the operator may ask.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Connect(self, request_iterator, context):
+        """A site that only connects out (RegisterRequest.outbound_only) keeps this stream open: its
+        first message is a hello (ControlReply with site and instance); then the coordinator sends
+        the Peer calls it has for the site (Assign, Reroute, EndRun, Evaluate, GetStatus,
+        FetchModel, RelayReady) as ControlRequests, and the site answers each with ControlReplies
+        of the same id. The site opens it again whenever it breaks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -273,6 +289,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ResolveSite,
                     request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.ResolveSiteRequest.FromString,
                     response_serializer=fedrelay_dot_v1_dot_common__pb2.SiteRef.SerializeToString,
+            ),
+            'Connect': grpc.stream_stream_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.ControlReply.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ControlRequest.SerializeToString,
             ),
             'StartChain': grpc.unary_unary_rpc_method_handler(
                     servicer.StartChain,
@@ -509,6 +530,33 @@ class Coordinator:
             '/fedrelay.v1.Coordinator/ResolveSite',
             fedrelay_dot_v1_dot_coordinator__pb2.ResolveSiteRequest.SerializeToString,
             fedrelay_dot_v1_dot_common__pb2.SiteRef.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Connect(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/fedrelay.v1.Coordinator/Connect',
+            fedrelay_dot_v1_dot_coordinator__pb2.ControlReply.SerializeToString,
+            fedrelay_dot_v1_dot_coordinator__pb2.ControlRequest.FromString,
             options,
             channel_credentials,
             insecure,

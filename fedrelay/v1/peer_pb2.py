@@ -25,45 +25,49 @@ _sym_db = _symbol_database.Default()
 from fedrelay.v1 import common_pb2 as fedrelay_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66\x65\x64relay/v1/peer.proto\x12\x0b\x66\x65\x64relay.v1\x1a\x18\x66\x65\x64relay/v1/common.proto\"0\n\x0ePrepareRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\"\x1f\n\x0cPrepareReply\x12\x0f\n\x07started\x18\x01 \x01(\x08\"U\n\rEndRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x14\n\x0c\x63\x61ncelled_by\x18\x04 \x01(\t\"C\n\x0b\x45ndRunReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x15\n\rremoved_bytes\x18\x03 \x01(\x04\"7\n\x13TransferOffsetReply\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\"\x91\x03\n\nAssignment\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x14\n\x0c\x63hain_length\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12+\n\x06params\x18\x08 \x01(\x0b\x32\x1b.fedrelay.v1.TrainingParams\x12%\n\x05model\x18\t \x01(\x0b\x32\x16.fedrelay.v1.ModelSpec\x12\x13\n\x0b\x63lass_index\x18\n \x03(\t\x12\x0c\n\x04site\x18\x0b \x01(\t\x12\r\n\x05order\x18\x0c \x03(\t\x12\x15\n\rroute_version\x18\x0e \x01(\r\x12\x0e\n\x06rounds\x18\x0f \x01(\r\x12/\n\ttransfers\x18\x10 \x03(\x0b\x32\x1c.fedrelay.v1.PlannedTransfer\x12#\n\x05peers\x18\x11 \x03(\x0b\x32\x14.fedrelay.v1.SiteRef\x12\x0e\n\x06visits\x18\x12 \x03(\r\x12\x12\n\naggregator\x18\x13 \x01(\tJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\r\x10\x0e\"\xc6\x01\n\x0eRerouteRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07skipped\x18\x06 \x03(\t\x12\x15\n\rroute_version\x18\x07 \x01(\r\x12/\n\ttransfers\x18\x08 \x03(\x0b\x32\x1c.fedrelay.v1.PlannedTransfer\x12#\n\x05peers\x18\t \x03(\x0b\x32\x14.fedrelay.v1.SiteRef\x12\x0e\n\x06visits\x18\n \x03(\rJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"-\n\x0cRerouteReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\",\n\x0b\x41ssignReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\"z\n\x0eHandoffReceipt\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0b\n\x03hop\x18\x02 \x01(\r\x12\x10\n\x08receiver\x18\x03 \x01(\t\x12\x16\n\x0ereceived_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x11\n\tduplicate\x18\x06 \x01(\x08\"\x0f\n\rStatusRequest\":\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\xdf\x01\n\nPeerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12$\n\x04runs\x18\x05 \x03(\x0b\x32\x16.fedrelay.v1.RunStatus\x12\x10\n\x08instance\x18\n \x01(\t\x12\x13\n\x0b\x63oordinator\x18\x14 \x01(\t\x12\x17\n\x0flast_registered\x18\x15 \x01(\x01\x12\x1a\n\x12registration_error\x18\x16 \x01(\t\x12\x0f\n\x07started\x18\x17 \x01(\x01\"1\n\x0f\x45valuateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"g\n\rEvaluateReply\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x0f\n\x07\x63orrect\x18\x02 \x01(\x04\x12\x14\n\x0ctest_samples\x18\x03 \x01(\x04\x12\x10\n\x08\x61\x63\x63uracy\x18\x04 \x01(\x01\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"3\n\x11\x46\x65tchModelRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t2\xee\x04\n\x04Peer\x12;\n\x06\x41ssign\x12\x17.fedrelay.v1.Assignment\x1a\x18.fedrelay.v1.AssignReply\x12\x41\n\x07Handoff\x12\x17.fedrelay.v1.ModelChunk\x1a\x1b.fedrelay.v1.HandoffReceipt(\x01\x12@\n\tGetStatus\x12\x1a.fedrelay.v1.StatusRequest\x1a\x17.fedrelay.v1.PeerStatus\x12\x44\n\x08\x45valuate\x12\x1c.fedrelay.v1.EvaluateRequest\x1a\x1a.fedrelay.v1.EvaluateReply\x12G\n\nFetchModel\x12\x1e.fedrelay.v1.FetchModelRequest\x1a\x17.fedrelay.v1.ModelChunk0\x01\x12\x41\n\x07Reroute\x12\x1b.fedrelay.v1.RerouteRequest\x1a\x19.fedrelay.v1.RerouteReply\x12O\n\x0eTransferOffset\x12\x1b.fedrelay.v1.TransferHeader\x1a .fedrelay.v1.TransferOffsetReply\x12>\n\x06\x45ndRun\x12\x1a.fedrelay.v1.EndRunRequest\x1a\x18.fedrelay.v1.EndRunReply\x12\x41\n\x07Prepare\x12\x1b.fedrelay.v1.PrepareRequest\x1a\x19.fedrelay.v1.PrepareReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66\x65\x64relay/v1/peer.proto\x12\x0b\x66\x65\x64relay.v1\x1a\x18\x66\x65\x64relay/v1/common.proto\"\x9f\x01\n\x0bRelayNotice\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12%\n\x07purpose\x18\x02 \x01(\x0e\x32\x14.fedrelay.v1.Purpose\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0e\n\x06sender\x18\x04 \x01(\t\x12\r\n\x05relay\x18\x05 \x01(\t\x12\x14\n\x0csealed_bytes\x18\x06 \x01(\x04\x12\x15\n\rsealed_sha256\x18\x07 \x01(\t\" \n\x0fRelayReadyReply\x12\r\n\x05state\x18\x01 \x01(\t\"0\n\x0ePrepareRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\"\x1f\n\x0cPrepareReply\x12\x0f\n\x07started\x18\x01 \x01(\x08\"U\n\rEndRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x14\n\x0c\x63\x61ncelled_by\x18\x04 \x01(\t\"C\n\x0b\x45ndRunReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x15\n\rremoved_bytes\x18\x03 \x01(\x04\"7\n\x13TransferOffsetReply\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\"\x91\x03\n\nAssignment\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x14\n\x0c\x63hain_length\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12+\n\x06params\x18\x08 \x01(\x0b\x32\x1b.fedrelay.v1.TrainingParams\x12%\n\x05model\x18\t \x01(\x0b\x32\x16.fedrelay.v1.ModelSpec\x12\x13\n\x0b\x63lass_index\x18\n \x03(\t\x12\x0c\n\x04site\x18\x0b \x01(\t\x12\r\n\x05order\x18\x0c \x03(\t\x12\x15\n\rroute_version\x18\x0e \x01(\r\x12\x0e\n\x06rounds\x18\x0f \x01(\r\x12/\n\ttransfers\x18\x10 \x03(\x0b\x32\x1c.fedrelay.v1.PlannedTransfer\x12#\n\x05peers\x18\x11 \x03(\x0b\x32\x14.fedrelay.v1.SiteRef\x12\x0e\n\x06visits\x18\x12 \x03(\r\x12\x12\n\naggregator\x18\x13 \x01(\tJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\r\x10\x0e\"\xc6\x01\n\x0eRerouteRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07skipped\x18\x06 \x03(\t\x12\x15\n\rroute_version\x18\x07 \x01(\r\x12/\n\ttransfers\x18\x08 \x03(\x0b\x32\x1c.fedrelay.v1.PlannedTransfer\x12#\n\x05peers\x18\t \x03(\x0b\x32\x14.fedrelay.v1.SiteRef\x12\x0e\n\x06visits\x18\n \x03(\rJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"-\n\x0cRerouteReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\",\n\x0b\x41ssignReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\"z\n\x0eHandoffReceipt\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0b\n\x03hop\x18\x02 \x01(\r\x12\x10\n\x08receiver\x18\x03 \x01(\t\x12\x16\n\x0ereceived_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x11\n\tduplicate\x18\x06 \x01(\x08\"\x0f\n\rStatusRequest\":\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\xdf\x01\n\nPeerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12$\n\x04runs\x18\x05 \x03(\x0b\x32\x16.fedrelay.v1.RunStatus\x12\x10\n\x08instance\x18\n \x01(\t\x12\x13\n\x0b\x63oordinator\x18\x14 \x01(\t\x12\x17\n\x0flast_registered\x18\x15 \x01(\x01\x12\x1a\n\x12registration_error\x18\x16 \x01(\t\x12\x0f\n\x07started\x18\x17 \x01(\x01\"1\n\x0f\x45valuateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"g\n\rEvaluateReply\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x0f\n\x07\x63orrect\x18\x02 \x01(\x04\x12\x14\n\x0ctest_samples\x18\x03 \x01(\x04\x12\x10\n\x08\x61\x63\x63uracy\x18\x04 \x01(\x01\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"3\n\x11\x46\x65tchModelRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t2\xb4\x05\n\x04Peer\x12;\n\x06\x41ssign\x12\x17.fedrelay.v1.Assignment\x1a\x18.fedrelay.v1.AssignReply\x12\x41\n\x07Handoff\x12\x17.fedrelay.v1.ModelChunk\x1a\x1b.fedrelay.v1.HandoffReceipt(\x01\x12@\n\tGetStatus\x12\x1a.fedrelay.v1.StatusRequest\x1a\x17.fedrelay.v1.PeerStatus\x12\x44\n\x08\x45valuate\x12\x1c.fedrelay.v1.EvaluateRequest\x1a\x1a.fedrelay.v1.EvaluateReply\x12G\n\nFetchModel\x12\x1e.fedrelay.v1.FetchModelRequest\x1a\x17.fedrelay.v1.ModelChunk0\x01\x12\x41\n\x07Reroute\x12\x1b.fedrelay.v1.RerouteRequest\x1a\x19.fedrelay.v1.RerouteReply\x12O\n\x0eTransferOffset\x12\x1b.fedrelay.v1.TransferHeader\x1a .fedrelay.v1.TransferOffsetReply\x12>\n\x06\x45ndRun\x12\x1a.fedrelay.v1.EndRunRequest\x1a\x18.fedrelay.v1.EndRunReply\x12\x41\n\x07Prepare\x12\x1b.fedrelay.v1.PrepareRequest\x1a\x19.fedrelay.v1.PrepareReply\x12\x44\n\nRelayReady\x12\x18.fedrelay.v1.RelayNotice\x1a\x1c.fedrelay.v1.RelayReadyReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedrelay.v1.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREPAREREQUEST']._serialized_start=65
-  _globals['_PREPAREREQUEST']._serialized_end=113
-  _globals['_PREPAREREPLY']._serialized_start=115
-  _globals['_PREPAREREPLY']._serialized_end=146
-  _globals['_ENDRUNREQUEST']._serialized_start=148
-  _globals['_ENDRUNREQUEST']._serialized_end=233
-  _globals['_ENDRUNREPLY']._serialized_start=235
-  _globals['_ENDRUNREPLY']._serialized_end=302
-  _globals['_TRANSFEROFFSETREPLY']._serialized_start=304
-  _globals['_TRANSFEROFFSETREPLY']._serialized_end=359
-  _globals['_ASSIGNMENT']._serialized_start=362
-  _globals['_ASSIGNMENT']._serialized_end=763
-  _globals['_REROUTEREQUEST']._serialized_start=766
-  _globals['_REROUTEREQUEST']._serialized_end=964
-  _globals['_REROUTEREPLY']._serialized_start=966
-  _globals['_REROUTEREPLY']._serialized_end=1011
-  _globals['_ASSIGNREPLY']._serialized_start=1013
-  _globals['_ASSIGNREPLY']._serialized_end=1057
-  _globals['_HANDOFFRECEIPT']._serialized_start=1059
-  _globals['_HANDOFFRECEIPT']._serialized_end=1181
-  _globals['_STATUSREQUEST']._serialized_start=1183
-  _globals['_STATUSREQUEST']._serialized_end=1198
-  _globals['_RUNSTATUS']._serialized_start=1200
-  _globals['_RUNSTATUS']._serialized_end=1258
-  _globals['_PEERSTATUS']._serialized_start=1261
-  _globals['_PEERSTATUS']._serialized_end=1484
-  _globals['_EVALUATEREQUEST']._serialized_start=1486
-  _globals['_EVALUATEREQUEST']._serialized_end=1535
-  _globals['_EVALUATEREPLY']._serialized_start=1537
-  _globals['_EVALUATEREPLY']._serialized_end=1640
-  _globals['_FETCHMODELREQUEST']._serialized_start=1642
-  _globals['_FETCHMODELREQUEST']._serialized_end=1693
-  _globals['_PEER']._serialized_start=1696
-  _globals['_PEER']._serialized_end=2318
+  _globals['_RELAYNOTICE']._serialized_start=66
+  _globals['_RELAYNOTICE']._serialized_end=225
+  _globals['_RELAYREADYREPLY']._serialized_start=227
+  _globals['_RELAYREADYREPLY']._serialized_end=259
+  _globals['_PREPAREREQUEST']._serialized_start=261
+  _globals['_PREPAREREQUEST']._serialized_end=309
+  _globals['_PREPAREREPLY']._serialized_start=311
+  _globals['_PREPAREREPLY']._serialized_end=342
+  _globals['_ENDRUNREQUEST']._serialized_start=344
+  _globals['_ENDRUNREQUEST']._serialized_end=429
+  _globals['_ENDRUNREPLY']._serialized_start=431
+  _globals['_ENDRUNREPLY']._serialized_end=498
+  _globals['_TRANSFEROFFSETREPLY']._serialized_start=500
+  _globals['_TRANSFEROFFSETREPLY']._serialized_end=555
+  _globals['_ASSIGNMENT']._serialized_start=558
+  _globals['_ASSIGNMENT']._serialized_end=959
+  _globals['_REROUTEREQUEST']._serialized_start=962
+  _globals['_REROUTEREQUEST']._serialized_end=1160
+  _globals['_REROUTEREPLY']._serialized_start=1162
+  _globals['_REROUTEREPLY']._serialized_end=1207
+  _globals['_ASSIGNREPLY']._serialized_start=1209
+  _globals['_ASSIGNREPLY']._serialized_end=1253
+  _globals['_HANDOFFRECEIPT']._serialized_start=1255
+  _globals['_HANDOFFRECEIPT']._serialized_end=1377
+  _globals['_STATUSREQUEST']._serialized_start=1379
+  _globals['_STATUSREQUEST']._serialized_end=1394
+  _globals['_RUNSTATUS']._serialized_start=1396
+  _globals['_RUNSTATUS']._serialized_end=1454
+  _globals['_PEERSTATUS']._serialized_start=1457
+  _globals['_PEERSTATUS']._serialized_end=1680
+  _globals['_EVALUATEREQUEST']._serialized_start=1682
+  _globals['_EVALUATEREQUEST']._serialized_end=1731
+  _globals['_EVALUATEREPLY']._serialized_start=1733
+  _globals['_EVALUATEREPLY']._serialized_end=1836
+  _globals['_FETCHMODELREQUEST']._serialized_start=1838
+  _globals['_FETCHMODELREQUEST']._serialized_end=1889
+  _globals['_PEER']._serialized_start=1892
+  _globals['_PEER']._serialized_end=2584
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RelayNotice(_message.Message):
+    __slots__ = ("run_id", "purpose", "index", "sender", "relay", "sealed_bytes", "sealed_sha256")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PURPOSE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    SEALED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEALED_SHA256_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    purpose: _common_pb2.Purpose
+    index: int
+    sender: str
+    relay: str
+    sealed_bytes: int
+    sealed_sha256: str
+    def __init__(self, run_id: _Optional[str] = ..., purpose: _Optional[_Union[_common_pb2.Purpose, str]] = ..., index: _Optional[int] = ..., sender: _Optional[str] = ..., relay: _Optional[str] = ..., sealed_bytes: _Optional[int] = ..., sealed_sha256: _Optional[str] = ...) -> None: ...
+
+class RelayReadyReply(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    def __init__(self, state: _Optional[str] = ...) -> None: ...
+
 class PrepareRequest(_message.Message):
     __slots__ = ("run_id", "sender")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

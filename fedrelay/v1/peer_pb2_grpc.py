@@ -80,6 +80,11 @@ class PeerStub:
                 request_serializer=fedrelay_dot_v1_dot_peer__pb2.PrepareRequest.SerializeToString,
                 response_deserializer=fedrelay_dot_v1_dot_peer__pb2.PrepareReply.FromString,
                 _registered_method=True)
+        self.RelayReady = channel.unary_unary(
+                '/fedrelay.v1.Peer/RelayReady',
+                request_serializer=fedrelay_dot_v1_dot_peer__pb2.RelayNotice.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_peer__pb2.RelayReadyReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -159,6 +164,17 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RelayReady(self, request, context):
+        """The coordinator tells the receiver of a transfer that its sender could not reach it directly
+        and left the payload, sealed to this site's certificate key, at a relay: the site fetches
+        it (resuming at the bytes it holds), verifies the sender's signature, decrypts it and checks
+        it as a direct Handoff. Only from the coordinator; idempotent (a second notice while the
+        fetch runs, or after the payload was kept, has no effect).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -206,6 +222,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Prepare,
                     request_deserializer=fedrelay_dot_v1_dot_peer__pb2.PrepareRequest.FromString,
                     response_serializer=fedrelay_dot_v1_dot_peer__pb2.PrepareReply.SerializeToString,
+            ),
+            'RelayReady': grpc.unary_unary_rpc_method_handler(
+                    servicer.RelayReady,
+                    request_deserializer=fedrelay_dot_v1_dot_peer__pb2.RelayNotice.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_peer__pb2.RelayReadyReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -451,6 +472,33 @@ class Peer:
             '/fedrelay.v1.Peer/Prepare',
             fedrelay_dot_v1_dot_peer__pb2.PrepareRequest.SerializeToString,
             fedrelay_dot_v1_dot_peer__pb2.PrepareReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RelayReady(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Peer/RelayReady',
+            fedrelay_dot_v1_dot_peer__pb2.RelayNotice.SerializeToString,
+            fedrelay_dot_v1_dot_peer__pb2.RelayReadyReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,224 @@
+"""The relay: where a sender leaves a sealed payload for a site it cannot reach directly.
+
+A site that only connects out (``peer serve --outbound-only``), or one its sender could not reach
+for a while, gets its models through a relay: the sender seals the payload to the receiver's
+certificate key and signs it (``fedrelay/sealing.py``), streams the envelope here
+(``Relay.Put``, resumable with ``Relay.Offset``), and the receiver, told by the coordinator
+(``Peer.RelayReady``), streams it back (``Relay.Get``, from the bytes it holds) and asks the relay
+to delete it (``Relay.Discard``). The relay never holds plaintext: it can read the envelope's
+header (who sends what to whom) but not the model.
+
+The coordinator serves this service itself (``coordinator serve``: envelopes under
+``--relay-dir``, by default the folder ``relay`` beside the ledger, and only for transfers of a
+run's plan), or the operator runs it alone (``coordinator relay``; then any two sites of the
+federation's CA may use it) and points the sites to it (``coordinator serve --relay HOST:PORT``).
+
+Rules (mutual TLS only: a plaintext relay refuses every call, FAILED_PRECONDITION): a Put's
+``header.sender`` must be the caller's certificate name; Get and Discard only by the receiver the
+envelope is for; at most ``max_bytes`` per envelope (RESOURCE_EXHAUSTED). A second envelope for
+the same transfer from the same sender replaces the first (a resealed payload); from another
+sender it is refused (ALREADY_EXISTS). Envelopes live at ``DIR/<run>/<purpose>-<index>-<receiver>
+.sealed``; :meth:`RelayService.drop_run` removes a run's folder once the run has ended.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+from pathlib import Path
+from typing import Callable
+
+import grpc
+
+from fedrelay import names, wire
+from fedrelay.peer.transfer import TransferError, check_header_fields, held_bytes, receive_model
+from fedrelay.v1 import common_pb2, peer_pb2, relay_pb2, relay_pb2_grpc
+
+log = logging.getLogger("fedrelay.relay")
+
+DEFAULT_MAX_BYTES = 2 << 30  # 2 GiB per envelope
+PURPOSE_WORDS = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}
+
+
+class _Held(Exception):
+    """This exact envelope is already held."""
+
+
+class RelayService(relay_pb2_grpc.RelayServicer):
+    """Store-and-forward of sealed envelopes in ``folder``.
+
+    ``authorize(run_id, purpose, index, sender, receiver)``, when given, raises
+    ``PermissionError`` for a transfer the relay must not carry (the coordinator's: not in the
+    run's plan, or the run is not running). ``on_stored(path)``, when given, is called with each
+    envelope once it is complete (tests look at what the relay holds)."""
+
+    def __init__(self, folder: str | Path, *, authorize: Callable | None = None,
+                 max_bytes: int = DEFAULT_MAX_BYTES, on_stored: Callable[[Path], None] | None = None):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.authorize = authorize
+        self.max_bytes = max_bytes
+        self.on_stored = on_stored
+        self._lock = threading.Lock()
+
+    # -- where things are -------------------------------------------------------------------------
+    def path(self, run_id: str, purpose: int, index: int, receiver: str) -> Path:
+        return self.folder / run_id / f"{PURPOSE_WORDS[purpose]}-{index}-{receiver}.sealed"
+
+    @staticmethod
+    def _meta(path: Path) -> dict | None:
+        try:
+            return json.loads(path.with_suffix(".json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _caller(self, context) -> str:
+        who = wire.caller_identity(context)
+        if who is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "the relay needs mutual TLS: payloads are sealed to the receiver's certificate key")
+        return who
+
+    def _check(self, h: common_pb2.TransferHeader, caller: str) -> Path:
+        """The checks of a Put or Offset header. Raises ``TransferError``."""
+        check_header_fields(h)
+        try:
+            names.check_site_name(h.receiver, "header.receiver")
+        except names.InvalidName as exc:
+            raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if h.purpose not in PURPOSE_WORDS:
+            raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "unknown transfer purpose")
+        if h.sender != caller:
+            raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
+                                f"header.sender {h.sender!r} is not the certificate identity {caller!r}")
+        if h.total_bytes > self.max_bytes:
+            raise TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"an envelope of {h.total_bytes} bytes exceeds this relay's cap of {self.max_bytes} bytes")
+        if self.authorize is not None:
+            try:
+                self.authorize(h.run_id, h.purpose, h.hop, h.sender, h.receiver)
+            except PermissionError as exc:
+                raise TransferError(grpc.StatusCode.PERMISSION_DENIED, str(exc)) from None
+        dest = self.path(h.run_id, h.purpose, h.hop, h.receiver)
+        meta = self._meta(dest) if dest.exists() else None
+        if meta is not None:
+            if meta["sender"] != h.sender:
+                raise TransferError(grpc.StatusCode.ALREADY_EXISTS,
+                                    f"the relay holds this transfer's envelope from {meta['sender']!r}")
+            if meta["sha256"] == h.sha256:
+                raise _Held()
+        return dest
+
+    # -- the calls --------------------------------------------------------------------------------
+    def Put(self, request_iterator, context) -> relay_pb2.RelayReceipt:
+        caller = self._caller(context)
+        holder: dict = {}
+
+        def check_header(h: common_pb2.TransferHeader) -> Path:
+            holder["dest"] = self._check(h, caller)
+            return holder["dest"]
+
+        try:
+            got = receive_model(request_iterator, Path("/nonexistent"), check_header, lambda data: None, resumable=True)
+        except _Held:
+            return relay_pb2.RelayReceipt(duplicate=True)
+        except TransferError as exc:
+            context.abort(exc.code, exc.message)
+        except OSError as exc:
+            log.error("relay: cannot store an envelope: %s", exc)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the relay cannot store the envelope: {exc}")
+        h = got.header
+        wire.atomic_write(got.path.with_suffix(".json"), json.dumps(
+            {"sender": h.sender, "receiver": h.receiver, "sha256": got.sha256, "bytes": got.size}).encode())
+        log.info("relay: holds run %s %s %d for %s from %s (%d sealed bytes)", h.run_id, PURPOSE_WORDS[h.purpose],
+                 h.hop, h.receiver, h.sender, got.size)
+        if self.on_stored is not None:
+            self.on_stored(got.path)
+        return relay_pb2.RelayReceipt(stored_bytes=got.size, sha256=got.sha256)
+
+    def Offset(self, request: common_pb2.TransferHeader, context) -> peer_pb2.TransferOffsetReply:
+        caller = self._caller(context)
+        try:
+            dest = self._check(request, caller)
+        except _Held:
+            return peer_pb2.TransferOffsetReply(offset=request.total_bytes, complete=True)
+        except TransferError as exc:
+            context.abort(exc.code, exc.message)
+        return peer_pb2.TransferOffsetReply(offset=min(held_bytes(dest, request.sha256), request.total_bytes))
+
+    def _held(self, key: relay_pb2.RelayKey, context, missing_ok: bool = False) -> tuple[Path, dict | None]:
+        caller = self._caller(context)
+        names.check_run_id(key.run_id)
+        names.check_site_name(key.receiver, "key.receiver")
+        if key.purpose not in PURPOSE_WORDS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unknown transfer purpose")
+        if caller != key.receiver:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"only {key.receiver!r} may fetch its envelopes; the caller's certificate names {caller!r}")
+        path = self.path(key.run_id, key.purpose, key.index, key.receiver)
+        meta = self._meta(path) if path.exists() else None
+        if meta is None and not missing_ok:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"the relay holds no envelope of run {key.run_id} {PURPOSE_WORDS[key.purpose]} {key.index} "
+                          f"for {key.receiver}")
+        return path, meta
+
+    def Get(self, request: relay_pb2.RelayGetRequest, context):
+        path, meta = self._held(request.key, context)
+        if request.offset > meta["bytes"]:
+            context.abort(grpc.StatusCode.OUT_OF_RANGE, f"offset {request.offset} is beyond the envelope's "
+                          f"{meta['bytes']} bytes")
+        k = request.key
+        yield common_pb2.ModelChunk(header=common_pb2.TransferHeader(
+            run_id=k.run_id, hop=k.index, purpose=k.purpose, sender=meta["sender"], receiver=k.receiver,
+            total_bytes=meta["bytes"], sha256=meta["sha256"], offset=request.offset))
+        for block in wire.iter_file_chunks(path, start=request.offset):
+            yield common_pb2.ModelChunk(data=block)
+
+    def Discard(self, request: relay_pb2.RelayKey, context) -> relay_pb2.RelayDiscardReply:
+        path, meta = self._held(request, context, missing_ok=True)
+        path.unlink(missing_ok=True)
+        path.with_suffix(".json").unlink(missing_ok=True)
+        return relay_pb2.RelayDiscardReply(removed_bytes=meta["bytes"] if meta else 0)
+
+    def drop_run(self, run_id: str) -> int:
+        """Remove every envelope and partial upload of ``run_id`` (the run has ended). Returns
+        the bytes removed."""
+        folder = self.folder / run_id
+        if not folder.is_dir():
+            return 0
+        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        shutil.rmtree(folder, ignore_errors=True)
+        return size
+
+    def runs(self) -> list[str]:
+        """The runs the relay holds anything of."""
+        return sorted(p.name for p in self.folder.iterdir() if p.is_dir()) if self.folder.is_dir() else []
+
+
+def serve_relay(listen: str, folder: str | Path, *, transport: wire.Transport, stop: threading.Event | None = None,
+                ready: threading.Event | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    """``coordinator relay``: the Relay service alone, until ``stop`` is set (or forever). Needs
+    mutual TLS (``transport`` secure; sites dial it expecting the certificate name
+    ``coordinator``, so run it with the coordinator's identity folder). Raises ``ValueError``
+    (plaintext, or another identity) or ``RuntimeError`` (cannot listen)."""
+    if not transport.secure:
+        raise ValueError("the relay needs mutual TLS (--tls PKI/coordinator): payloads are sealed to certificate keys")
+    if transport.identity != wire.COORDINATOR_IDENTITY:
+        raise ValueError(f"--tls {transport.source}: the relay runs with the coordinator's identity (PKI/coordinator), "
+                         f"not {transport.identity!r}")
+    service = RelayService(folder, max_bytes=max_bytes)
+    server, port = wire.make_server(listen, transport=transport)
+    relay_pb2_grpc.add_RelayServicer_to_server(service, server)
+    server.start()
+    log.info("relay listening on %s (mutual TLS), envelopes in %s", wire.with_port(listen, port), folder)
+    if ready is not None:
+        ready.set()
+    stop = stop or threading.Event()
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.stop(grace=2).wait()

@@ -1,0 +1,126 @@
+"""Transfers through a relay, for a receiver that cannot be reached directly.
+
+Direct transfer (``peer/transfer.py``) is the default and is tried first. A sender goes through
+the relay (``coordinator/relay.py``) when the receiver only connects out (it registered no
+address), or when it could not reach the receiver directly for ``--relay-after`` seconds. Then:
+
+1. :func:`seal`: the payload is sealed to the receiver's certificate key and signed with this
+   site's (``fedrelay.sealing``: ECDH P-256 + HKDF-SHA256 + AES-256-GCM, ECDSA P-256 signature),
+   once: the envelope is kept in the run folder (``sealed/``), so a resumed upload sends the
+   same bytes. The receiver's certificate comes from the coordinator (``ResolveSite``) and must
+   be signed by the federation's CA for the receiver's name: the coordinator cannot substitute
+   a key of its own making without the CA's.
+2. :func:`put`: the envelope is streamed to the relay (``Relay.Put``), resuming at the bytes the
+   relay holds (``Relay.Offset``), exactly as a direct stream resumes at the receiver's.
+3. The sender reports the transfer with ``route = "relayed"``; the coordinator tells the
+   receiver (``Peer.RelayReady``), which :func:`fetch` es the envelope (``Relay.Get`` from the
+   bytes it already holds; a broken download resumes), opens it (signature, decryption, digest),
+   and keeps the model after the same checks as a direct Handoff.
+
+Needs mutual TLS: without certificates there is no key to seal to (``RelayUnavailable``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+
+from fedrelay import sealing, wire
+from fedrelay.peer.transfer import Received, Sent, TransferError, held_bytes, receive_model, send_model
+from fedrelay.v1 import common_pb2, relay_pb2
+
+RELAY_METHODS = ("/fedrelay.v1.Relay/Offset", "/fedrelay.v1.Relay/Put", relay_pb2.RelayReceipt.FromString)
+GET_METHOD = "/fedrelay.v1.Relay/Get"
+DISCARD_METHOD = "/fedrelay.v1.Relay/Discard"
+PURPOSE_WORDS = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}
+
+
+class RelayUnavailable(RuntimeError):
+    """The relay cannot be used for this transfer (no TLS identity, no certificate for the receiver)."""
+
+
+def envelope_header(run_id: str, t: common_pb2.PlannedTransfer) -> dict:
+    """The transfer's identity as the envelope states it (signed by the sender)."""
+    return {"run_id": run_id, "purpose": PURPOSE_WORDS[t.purpose], "index": int(t.index), "round": int(t.round),
+            "sender": t.sender, "receiver": t.receiver}
+
+
+def seal(transport: wire.Transport, run_id: str, t: common_pb2.PlannedTransfer, payload: Path,
+         receiver_cert: bytes, folder: Path) -> tuple[Path, int, str]:
+    """The sealed envelope of ``payload`` for the planned transfer ``t``, written once to
+    ``folder`` and reused afterwards. Returns (path, envelope bytes, envelope SHA-256). Raises
+    ``RelayUnavailable`` (plaintext daemon, no certificate) or ``sealing.SealError`` (the
+    certificate is not the CA's for ``t.receiver``)."""
+    if not transport.secure:
+        raise RelayUnavailable("a relayed transfer needs mutual TLS (--tls): the payload is sealed to the "
+                               "receiver's certificate key")
+    if not receiver_cert:
+        raise RelayUnavailable(f"the coordinator has no certificate of {t.receiver} yet (it has not registered "
+                               "over mutual TLS since the coordinator started)")
+    word = PURPOSE_WORDS[t.purpose]
+    path = folder / f"{word}-{t.index}-{t.receiver}-{wire.sha256_file(payload)[:16]}.sealed"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        sealing.seal_file(payload, path, header=envelope_header(run_id, t), recipient_cert_pem=receiver_cert,
+                          sender_key_pem=transport.key, sender_cert_pem=transport.cert, ca_pem=transport.ca)
+    return path, path.stat().st_size, wire.sha256_file(path)
+
+
+def put(relay: str, transport: wire.Transport, run_id: str, t: common_pb2.PlannedTransfer, sealed: Path,
+        counter: list[int], cancelled=None) -> Sent:
+    """Stream the envelope ``sealed`` to the relay at ``relay`` (whose certificate must name
+    ``coordinator``), from the bytes it already holds. ``counter[0]`` accumulates the wire
+    bytes. Raises ``grpc.RpcError`` (and ``transfer.SendCancelled``) as ``send_model``."""
+    header = common_pb2.TransferHeader(run_id=run_id, hop=t.index, purpose=t.purpose, sender=t.sender,
+                                       receiver=t.receiver, total_bytes=sealed.stat().st_size,
+                                       sha256=wire.sha256_file(sealed))
+    return send_model(relay, header, sealed, transport=transport, expect=wire.COORDINATOR_IDENTITY,
+                      counter=counter, cancelled=cancelled, methods=RELAY_METHODS)
+
+
+def fetch(relay: str, transport: wire.Transport, key: relay_pb2.RelayKey, sender: str, sealed: Path,
+          total: int, sha256: str, counter: list[int]) -> Received:
+    """Download the envelope of ``key`` from the relay into ``sealed``, resuming at the bytes a
+    broken earlier download left (``transfer.partial_path``); its size and SHA-256 must be
+    ``total`` and ``sha256`` (what the sender reported) and its sender ``sender``.
+    ``counter[0]`` accumulates the wire bytes (each message plus gRPC's framing). Raises
+    ``grpc.RpcError`` or ``TransferError``."""
+    offset = held_bytes(sealed, sha256)
+
+    def check_header(h: common_pb2.TransferHeader) -> None:
+        if (h.run_id, h.hop, h.purpose, h.receiver) != (key.run_id, key.index, key.purpose, key.receiver):
+            raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "the relay sent another transfer's envelope")
+        if h.sender != sender or h.total_bytes != total or h.sha256 != sha256:
+            raise TransferError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"the relay holds an envelope from {h.sender} of {h.total_bytes} bytes, sha256 "
+                                f"{h.sha256[:12]}, not the one reported ({sender}, {total} bytes, {sha256[:12]})")
+
+    def counted(stream):
+        for msg in stream:
+            counter[0] += msg.ByteSize() + 5
+            yield msg
+
+    with transport.channel(relay, expect=wire.COORDINATOR_IDENTITY) as channel:
+        get = channel.unary_stream(GET_METHOD, request_serializer=relay_pb2.RelayGetRequest.SerializeToString,
+                                   response_deserializer=common_pb2.ModelChunk.FromString)
+        stream = get(relay_pb2.RelayGetRequest(key=key, offset=offset), timeout=wire.transfer_timeout(total))
+        return receive_model(counted(stream), sealed, check_header, lambda data: None, resumable=True)
+
+
+def discard(relay: str, transport: wire.Transport, key: relay_pb2.RelayKey) -> None:
+    """Ask the relay to delete the envelope of ``key`` (this site has kept the payload). Raises
+    ``grpc.RpcError``."""
+    with transport.channel(relay, expect=wire.COORDINATOR_IDENTITY) as channel:
+        channel.unary_unary(DISCARD_METHOD, request_serializer=relay_pb2.RelayKey.SerializeToString,
+                            response_deserializer=relay_pb2.RelayDiscardReply.FromString)(key, timeout=wire.CONTROL_TIMEOUT)
+
+
+def open_envelope(transport: wire.Transport, sealed: Path, out: Path, run_id: str,
+                  t: common_pb2.PlannedTransfer) -> dict:
+    """Verify and decrypt the envelope ``sealed`` of the planned transfer ``t`` (into this
+    site) into ``out``: the sender's certificate must be the CA's for ``t.sender``, its signature
+    must hold, and the plaintext's size and SHA-256 must be the signed ones
+    (``sealing.open_file``). Returns the envelope's header. Raises ``sealing.SealError``."""
+    return sealing.open_file(sealed, out, recipient_key_pem=transport.key, recipient_cert_pem=transport.cert,
+                             ca_pem=transport.ca, expect=envelope_header(run_id, t))

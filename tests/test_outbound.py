@@ -1,0 +1,183 @@
+"""Sites that only connect out (issue 14): the relay (sealed envelopes, who may put and get,
+resume through it) and a real trial whose outbound-only sites get their models through it with
+the same final digest as the direct run."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+
+from fedrelay import sealing, wire
+from fedrelay.coordinator import pki
+from fedrelay.coordinator.relay import RelayService
+from fedrelay.peer import relaying
+from fedrelay.peer.transfer import TransferError, partial_path
+from fedrelay.v1 import common_pb2, relay_pb2, relay_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    """A CA, the coordinator's identity and three sites'."""
+    root = tmp_path_factory.mktemp("pki")
+    pki.init_ca(root / "pki")
+    ids = {"coordinator": wire.Transport.from_dir(root / "pki" / "coordinator")}
+    for name in ("site-a", "site-b", "site-c"):
+        ids[name] = wire.Transport.from_dir(pki.enroll(name, root / "pki", root / name))
+    return ids
+
+
+@pytest.fixture
+def relay(federation, tmp_path):
+    """The Relay service alone on loopback (mutual TLS), keeping a copy of every envelope it held."""
+    held: list[bytes] = []
+    service = RelayService(tmp_path / "relay", on_stored=lambda p: held.append(p.read_bytes()))
+    server, port = wire.make_server("127.0.0.1:0", transport=federation["coordinator"])
+    relay_pb2_grpc.add_RelayServicer_to_server(service, server)
+    server.start()
+    yield f"127.0.0.1:{port}", service, held
+    server.stop(grace=None).wait()
+
+
+def _transfer(sender="site-a", receiver="site-b") -> common_pb2.PlannedTransfer:
+    return common_pb2.PlannedTransfer(purpose=common_pb2.CHAIN_HOP, index=1, round=1, sender=sender, receiver=receiver)
+
+
+def test_the_relay_holds_only_ciphertext_and_gives_it_to_its_receiver_only(federation, relay, tmp_path):
+    address, service, held = relay
+    a, b, c = federation["site-a"], federation["site-b"], federation["site-c"]
+    payload = tmp_path / "model.safetensors"
+    payload.write_bytes(os.urandom(300_000))
+    t = _transfer()
+    sealed, size, sha = relaying.seal(a, "run-1", t, payload, b.cert, tmp_path / "out")
+    sent = relaying.put(address, a, "run-1", t, sealed, counter := [0])
+    assert sent.receipt.stored_bytes == size and sent.receipt.sha256 == sha and counter[0] > size
+    # What the relay holds shares no 64-byte window with the model (it cannot read it).
+    plain = payload.read_bytes()
+    assert len(held) == 1 and held[0] == sealed.read_bytes()
+    assert not any(plain[i:i + 64] in held[0] for i in range(0, len(plain) - 64, 997))
+    # Only the receiver gets it; another site of the federation is refused.
+    key = relay_pb2.RelayKey(run_id="run-1", purpose=common_pb2.CHAIN_HOP, index=1, receiver="site-b")
+    with pytest.raises(grpc.RpcError) as err:
+        relaying.fetch(address, c, key, "site-a", tmp_path / "c.sealed", size, sha, [0])
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "site-b" in err.value.details()
+    got = relaying.fetch(address, b, key, "site-a", tmp_path / "b.sealed", size, sha, down := [0])
+    assert got.sha256 == sha and down[0] > size
+    # The wrong key cannot open it; the receiver's can, and gets the model back bit for bit.
+    with pytest.raises(sealing.SealError):
+        relaying.open_envelope(c, got.path, tmp_path / "c.bin", "run-1", _transfer(receiver="site-c"))
+    relaying.open_envelope(b, got.path, tmp_path / "b.bin", "run-1", t)
+    assert (tmp_path / "b.bin").read_bytes() == plain
+    relaying.discard(address, b, key)
+    assert not service.path("run-1", common_pb2.CHAIN_HOP, 1, "site-b").exists()
+
+
+def test_the_relay_refuses_a_sender_that_is_not_the_caller_and_plaintext(federation, relay, tmp_path):
+    address, _, _ = relay
+    payload = tmp_path / "model.bin"
+    payload.write_bytes(b"x" * 1000)
+    sealed, _, _ = relaying.seal(federation["site-a"], "run-1", _transfer(), payload, federation["site-b"].cert,
+                                 tmp_path / "out")
+    # site-c sends an envelope whose header says site-a: refused before any byte is kept.
+    with pytest.raises(grpc.RpcError) as err:
+        relaying.put(address, federation["site-c"], "run-1", _transfer(), sealed, [0])
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(relaying.RelayUnavailable, match="mutual TLS"):
+        relaying.seal(wire.INSECURE, "run-1", _transfer(), payload, b"", tmp_path / "out2")
+
+
+def test_a_broken_upload_and_a_broken_download_resume_through_the_relay(federation, relay, tmp_path):
+    address, service, _ = relay
+    a, b = federation["site-a"], federation["site-b"]
+    payload = tmp_path / "model.bin"
+    payload.write_bytes(os.urandom(3 * wire.CHUNK_BYTES + 123))
+    t = _transfer()
+    sealed, size, sha = relaying.seal(a, "run-2", t, payload, b.cert, tmp_path / "out")
+    # The sender's stream is cut after its first chunk: the relay keeps those bytes ...
+    chunks = iter([0])
+    with pytest.raises(Exception):
+        relaying.put(address, a, "run-2", t, sealed, [0], cancelled=lambda: next(chunks, 1) == 1)
+    dest = service.path("run-2", common_pb2.CHAIN_HOP, 1, "site-b")
+    assert partial_path(dest, sha).stat().st_size == wire.CHUNK_BYTES
+    # ... and the next attempt sends only the rest.
+    sent = relaying.put(address, a, "run-2", t, sealed, [0])
+    assert sent.resumed_from == wire.CHUNK_BYTES and sent.receipt.stored_bytes == size
+    # A download that broke after 1 MiB carries on from there.
+    key = relay_pb2.RelayKey(run_id="run-2", purpose=common_pb2.CHAIN_HOP, index=1, receiver="site-b")
+    mine = tmp_path / "in" / "hop.sealed"
+    mine.parent.mkdir()
+    partial_path(mine, sha).write_bytes(sealed.read_bytes()[:wire.CHUNK_BYTES])
+    got = relaying.fetch(address, b, key, "site-a", mine, size, sha, down := [0])
+    assert got.path.read_bytes() == sealed.read_bytes()
+    assert down[0] < size  # only the rest came over the wire
+    # An envelope other than the one reported is refused.
+    with pytest.raises(TransferError, match="not the one reported"):
+        relaying.fetch(address, b, key, "site-a", tmp_path / "other.sealed", size, "0" * 64, [0])
+
+
+# -- a real trial ----------------------------------------------------------------------------------
+CHAIN = ["--models-per-site", "2", "--local-epochs", "1", "--warmup-epochs", "1", "--batch-size", "32"]
+
+
+def test_outbound_only_sites_get_their_models_through_the_relay_with_the_same_digest(three_sites, tmp_path):
+    import time
+
+    from bench.common import deploy_script
+    from fedrelay.coordinator.client import OperatorClient
+
+    local_trial = deploy_script("local_trial")
+    with local_trial.LocalTrial(tmp_path, three_sites) as trial:
+        def run(seed: int) -> dict:
+            res = trial.cli("start-chain", "--seed", str(seed), "--wait", "--json", *CHAIN, capture_output=True,
+                            text=True, timeout=600)
+            assert res.returncode == 0, res.stderr[-3000:]
+            return json.loads(res.stdout)
+
+        direct = run(4)
+        assert {h["route"] for h in direct["hops"] + direct["final_transfers"]} == {"direct"}
+        # Two sites come back accepting no inbound connection (a hospital's firewall).
+        outbound = [n for n in direct["order"][1:]]
+        for name in outbound:
+            trial.kill(name)
+            trial.restart(name, extra=["--outbound-only"])
+        deadline = time.monotonic() + 120
+        while True:  # until both registered anew, with no address, and opened their control streams
+            assert not trial.dead() and time.monotonic() < deadline
+            with OperatorClient(trial.coordinator, trial.transport()) as c:
+                peers = {p.name: p for p in c.peers()}
+            if all(peers[n].outbound_only and peers[n].connected and not peers[n].address for n in outbound):
+                break
+            time.sleep(0.5)
+        relayed = run(4)
+        assert relayed["order"] == direct["order"]
+        assert relayed["final"]["sha256"] == direct["final"]["sha256"]
+        # The ledger says which transfers went through the relay, and the bytes of both legs.
+        for h in relayed["hops"] + relayed["final_transfers"]:
+            assert h["status"] == "done"
+            assert h["route"] == ("relayed" if h["receiver"] in outbound else "direct")
+            if h["route"] == "relayed":
+                assert h["sealed_bytes"] > h["payload_bytes"] and h["wire_bytes"] >= h["sealed_bytes"]
+                assert h["relay_wire_bytes"] >= h["sealed_bytes"]
+        assert relayed["total_bytes"] == relayed["expected_total_bytes"]
+        assert set(relayed["final"]["per_site"]) == set(trial.names)  # evaluated over the control streams
+        shown = trial.cli("show", relayed["run_id"], capture_output=True, text=True).stdout
+        assert "through the relay" in shown and "via" in shown
+        # The relay kept nothing once the receivers had their models.
+        assert not [p for p in (tmp_path / "relay").rglob("*.sealed")]
+        out = tmp_path / "final.safetensors"  # fetched from an outbound-only final site, over its stream
+        assert trial.cli("fetch-model", relayed["run_id"], "-o", str(out), capture_output=True).returncode == 0
+
+
+def test_outbound_only_needs_tls_and_no_advertised_address(three_sites, tmp_path):
+    import subprocess
+
+    from bench.common import deploy_script
+
+    peer = deploy_script("local_trial")._tool("peer")
+    base = [peer, "serve", "--data", str(three_sites[0]), "--name", "site-00", "--outbound-only", "--check",
+            "--state-dir", str(tmp_path / "state")]
+    res = subprocess.run([*base, "--insecure"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "needs mutual TLS" in res.stderr and "Traceback" not in res.stderr
