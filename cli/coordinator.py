@@ -673,6 +673,9 @@ def enroll(
                              "start-peer.sh and a README.md with ports, install steps and checks."),
     kit_coordinator: str = typer.Option(None, "--coordinator", help="--kit: the coordinator's HOST:PORT, written "
                                         "into peer.env \\[default: a placeholder to edit]."),
+    kit_outbound: bool = typer.Option(False, "--outbound-only", help="--kit: a site that accepts no inbound "
+                                      "connection (its peer.env sets FEDRELAY_OUTBOUND_ONLY=1; its models come "
+                                      "through the relay)."),
     kit_port: int = typer.Option(50071, "--port", help="--kit: the port the site's daemon listens on; it is "
                                  "advertised at the first --host."),
 ) -> None:
@@ -682,8 +685,8 @@ def enroll(
 
     if days < 1:
         fail("--days must be >= 1")
-    if not kit and (kit_coordinator is not None or kit_port != 50071):
-        fail("--coordinator and --port only go with --kit")
+    if not kit and (kit_coordinator is not None or kit_port != 50071 or kit_outbound):
+        fail("--coordinator, --port and --outbound-only only go with --kit")
     if kit:
         from fedrelay.coordinator.kit import write_kit
         from fedrelay.names import InvalidName, check_address
@@ -703,7 +706,8 @@ def enroll(
     try:
         do_enroll(name, ca, out, hosts=host or DEFAULT_HOSTS, days=days)
         if kit:
-            write_kit(out, name, hosts=host or DEFAULT_HOSTS, coordinator=kit_coordinator, port=kit_port)
+            write_kit(out, name, hosts=host or DEFAULT_HOSTS, coordinator=kit_coordinator, port=kit_port,
+                      outbound_only=kit_outbound)
     except (PKIError, OSError, ValueError) as exc:
         fail(str(exc))
     console.print(f"enrolled {name}: {out} (key.pem, cert.pem, ca.pem)", highlight=False)

@@ -47,7 +47,7 @@ def serve(
     worker_slots: int = typer.Option(3, "--worker-slots", min=1, max=64,
                                      help="At most this many worker processes (training, evaluation) at once on "
                                           "this host, shared by every site daemon of this user here."),
-    outbound_only: bool = typer.Option(False, "--outbound-only",
+    outbound_only: bool = typer.Option(False, "--outbound-only", envvar="FEDRELAY_OUTBOUND_ONLY",
                                        help="This site accepts no inbound connection: it registers no address, "
                                             "keeps a control stream open to the coordinator, and receives models "
                                             "through the relay, sealed to its certificate key (needs --tls; "

@@ -102,22 +102,48 @@ ENV_VARS = ("FEDRELAY_NAME", "FEDRELAY_DATA", "FEDRELAY_LISTEN", "FEDRELAY_ADVER
 PLACEHOLDER_COORDINATOR = "coordinator.example.org:50070"
 
 
+#: Read by ``peer serve`` from its environment (``--outbound-only``), not passed by the unit.
+OUTBOUND_VAR = "FEDRELAY_OUTBOUND_ONLY"
+
+
 def env_text(name: str, *, advertise: str, listen: str, coordinator: str | None, data: str = "/srv/fedrelay/site",
-             device: str = "auto", state_dir: str = "/var/lib/fedrelay/peer", tls: str = "/etc/fedrelay/tls") -> str:
+             device: str = "auto", state_dir: str = "/var/lib/fedrelay/peer", tls: str = "/etc/fedrelay/tls",
+             outbound_only: bool = False) -> str:
     """The kit's ``peer.env``: systemd EnvironmentFile syntax, one ``KEY=VALUE`` per line, comments
     only on lines of their own, no quotes or backslashes needed (values are checked to hold no
-    whitespace, quote, backslash, ``#``, ``;`` or ``$``). Raises ``ValueError`` for such a value."""
+    whitespace, quote, backslash, ``#``, ``;`` or ``$``). ``outbound_only``: the site accepts no
+    inbound connection (``FEDRELAY_OUTBOUND_ONLY=1``, no advertised address, listening on
+    loopback for its own administrator only). Raises ``ValueError`` for a bad value."""
     coord = coordinator or PLACEHOLDER_COORDINATOR
     values = {"FEDRELAY_NAME": name, "FEDRELAY_DATA": data, "FEDRELAY_LISTEN": listen,
               "FEDRELAY_ADVERTISE": advertise, "FEDRELAY_COORDINATOR": coord, "FEDRELAY_DEVICE": device,
               "FEDRELAY_STATE_DIR": state_dir, "FEDRELAY_TLS": tls}
     for key, value in values.items():
+        if key == "FEDRELAY_ADVERTISE" and outbound_only and not value:
+            continue
         if not value or any(c in value for c in " \t\n\"'\\#;$"):
             raise ValueError(f"{key}={value!r}: a kit value must not be empty or hold spaces, quotes, "
                              "backslashes, '#', ';' or '$'")
     coord_note = ("# The coordinator's HOST:PORT." if coordinator else
                   "# The coordinator's HOST:PORT: a PLACEHOLDER, replace it with the address your coordinator's\n"
                   "# operator gave you (enroll --kit --coordinator HOST:PORT fills it in).")
+    if outbound_only:
+        reach = f"""# This site accepts no inbound connection: it keeps a control stream open to the coordinator
+# and receives its models through the coordinator's relay, sealed to its certificate key.
+{OUTBOUND_VAR}=1
+# Where the daemon listens for this host's own administrator only (peer status, peer health).
+FEDRELAY_LISTEN={listen}
+# Empty: other sites and the coordinator never dial this site.
+FEDRELAY_ADVERTISE=
+"""
+    else:
+        reach = f"""# 0: other sites and the coordinator dial this site (1: it connects out only; see the kit's README).
+{OUTBOUND_VAR}=0
+# Where the daemon listens (inbound: from the predecessor site(s) and the coordinator).
+FEDRELAY_LISTEN={listen}
+# What the other sites and the coordinator dial to reach this site.
+FEDRELAY_ADVERTISE={advertise}
+"""
     return f"""# /etc/fedrelay/peer.env: site {name}'s settings for fedrelay-peer.service and start-peer.sh.
 # systemd's rules: KEY=VALUE, comments only on lines of their own (a "#" after a value becomes
 # part of the value). After an edit, check with the command in README.md ("Check it").
@@ -126,11 +152,7 @@ def env_text(name: str, *, advertise: str, listen: str, coordinator: str | None,
 FEDRELAY_NAME={name}
 # The site folder: train/<class>/*.png|jpg and optionally test/<class>/*; readable by user fedrelay.
 FEDRELAY_DATA={data}
-# Where the daemon listens (inbound: from the predecessor site(s) and the coordinator).
-FEDRELAY_LISTEN={listen}
-# What the other sites and the coordinator dial to reach this site.
-FEDRELAY_ADVERTISE={advertise}
-{coord_note}
+{reach}{coord_note}
 FEDRELAY_COORDINATOR={coord}
 # auto (a GPU when one is usable), cpu or cuda:N.
 FEDRELAY_DEVICE={device}
@@ -158,10 +180,34 @@ exec "$peer" serve --data "$FEDRELAY_DATA" --name "$FEDRELAY_NAME"     --listen 
 """
 
 
-def readme_text(name: str, *, port: int, advertise: str, coordinator: str | None) -> str:
-    """The kit's README.md: ports and directions, install steps (systemd or the start script),
-    how to check the daemon."""
+def readme_text(name: str, *, port: int, advertise: str, coordinator: str | None, outbound_only: bool = False) -> str:
+    """The kit's README.md: ports and directions (none inbound for a site that connects out only),
+    install steps (systemd or the start script), how to check the daemon."""
     coord = coordinator or "the coordinator (see peer.env)"
+    if outbound_only:
+        network = f"""| direction | from / to | port | why |
+|---|---|---|---|
+| inbound | nobody | none | this site connects out only (`FEDRELAY_OUTBOUND_ONLY=1`) |
+| outbound | the coordinator ({coord}) | its port | registration, heartbeats, reports; the control stream over which the coordinator's calls come; the relay, where models for this site wait sealed to its key |
+| outbound | the successor site(s) (any site of the federation) | their listen port | models leave (a successor that cannot be reached directly gets them through the relay) |
+
+Every connection is mutual TLS with this kit's certificate. The daemon listens on
+`{advertise}` for this host's administrator only (`peer status`, `peer health`): keep that port
+closed to the outside. A model for this site never lies readable at the relay: the sender seals
+it to this site's key and signs it; this site checks the signature and the model as it would a
+direct transfer."""
+    else:
+        network = f"""| direction | from / to | port | why |
+|---|---|---|---|
+| inbound | the predecessor site(s) in a chain, and the aggregating site of a star run | TCP {port} | models arrive |
+| inbound | the coordinator ({coord}) | TCP {port} | assignments, evaluation, status |
+| outbound | the coordinator ({coord}) | its port | registration, heartbeats, reports |
+| outbound | the successor site(s) (any site of the federation) | their listen port | models leave |
+
+Every connection is mutual TLS with this kit's certificate. Other sites and the coordinator
+dial this site at `{advertise}` (`FEDRELAY_ADVERTISE`). Where the site's IT allows no inbound
+connection, enrol it with `--kit --outbound-only` (or set `FEDRELAY_OUTBOUND_ONLY=1`, empty
+`FEDRELAY_ADVERTISE` and a loopback `FEDRELAY_LISTEN`): it then connects out only."""
     return f"""# Site kit for `{name}` (fedrelay)
 
 This folder holds what site `{name}` needs to run its fedrelay peer daemon:
@@ -176,16 +222,7 @@ This folder holds what site `{name}` needs to run its fedrelay peer daemon:
 
 ## Network: ports and directions
 
-| direction | from / to | port | why |
-|---|---|---|---|
-| inbound | the predecessor site(s) in a chain, and the aggregating site of a star run | TCP {port} | models arrive |
-| inbound | the coordinator ({coord}) | TCP {port} | assignments, evaluation, status |
-| outbound | the coordinator ({coord}) | its port | registration, heartbeats, reports |
-| outbound | the successor site(s) (any site of the federation) | their listen port | models leave |
-
-Every connection is mutual TLS with this kit's certificate. Other sites and the coordinator
-dial this site at `{advertise}` (`FEDRELAY_ADVERTISE`). For now a site needs these inbound ports:
-sites that only connect out are not supported by this kit.
+{network}
 
 ## Install with systemd (as root)
 
@@ -227,10 +264,11 @@ While it runs, with the site's own identity (the daemon answers its own site and
 
 
 def write_kit(out: Path, name: str, *, hosts: tuple[str, ...] | list[str], coordinator: str | None,
-              port: int = 50071) -> list[Path]:
+              port: int = 50071, outbound_only: bool = False) -> list[Path]:
     """Write the kit's files (all but the identity, which ``enroll`` writes) into ``out``.
-    The advertised host is the first of ``hosts`` (the certificate's SAN names). Returns the
-    paths written. Raises ``ValueError`` for a bad coordinator address or port."""
+    The advertised host is the first of ``hosts`` (the certificate's SAN names); a site that
+    connects out only (``outbound_only``) advertises nothing and listens on 127.0.0.1:``port``.
+    Returns the paths written. Raises ``ValueError`` for a bad coordinator address or port."""
     if not 1 <= port <= 65535:
         raise ValueError(f"--port must be 1-65535, not {port}")
     if coordinator is not None:
@@ -238,10 +276,13 @@ def write_kit(out: Path, name: str, *, hosts: tuple[str, ...] | list[str], coord
     host = hosts[0]
     advertise = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     names.check_address(advertise, "--advertise (first --host and --port)")
-    files = {"peer.env": (env_text(name, advertise=advertise, listen=f"0.0.0.0:{port}", coordinator=coordinator), 0o640),
-             "fedrelay-peer.service": (PEER_UNIT, 0o644),
-             "start-peer.sh": (START_SCRIPT, 0o755),
-             "README.md": (readme_text(name, port=port, advertise=advertise, coordinator=coordinator), 0o644)}
+    listen = f"127.0.0.1:{port}" if outbound_only else f"0.0.0.0:{port}"
+    env = env_text(name, advertise="" if outbound_only else advertise, listen=listen, coordinator=coordinator,
+                   outbound_only=outbound_only)
+    readme = readme_text(name, port=port, advertise=listen if outbound_only else advertise, coordinator=coordinator,
+                         outbound_only=outbound_only)
+    files = {"peer.env": (env, 0o640), "fedrelay-peer.service": (PEER_UNIT, 0o644),
+             "start-peer.sh": (START_SCRIPT, 0o755), "README.md": (readme, 0o644)}
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for fname, (text, mode) in files.items():

@@ -276,7 +276,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             for key, entry in self._relay_notices.items():
                 if key[3] == site:
                     entry[1] = 0.0
-        for key in [k for k in self._end_retry if k[1] == site]:
+        for key in [k for k in list(self._end_retry) if k[1] == site]:
             self._end_retry.pop(key, None)
 
     # -- the relay --------------------------------------------------------------------------------
@@ -468,6 +468,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                                                     request.receiver)["receipt"] is None:
                 self._owe_relay_notice(request.run_id, request.purpose, request.hop, request.sender, request.receiver,
                                        request.relay, request.sealed_bytes, request.sealed_sha256)
+                # at once, not at the monitor's next tick (the receiver waits for it)
+                threading.Thread(target=self._send_relay_notices, name="relay-notice", daemon=True).start()
         return new
 
     def ReportReceipt(self, request: cpb.ReceiptReport, context) -> cpb.ReportReply:

@@ -3,7 +3,7 @@
 with its own address), joined by veth links to a switch (a bridge in a namespace of its own),
 with faults injected on purpose. Needs root and iproute2 (``ip netns``).
 
-    sudo python deploy/netns_trial.py --sites 5 --faults kill-peer,link-down,kill-coordinator,cut-transfer
+    sudo python deploy/netns_trial.py --sites 5 --faults kill-peer,link-down,kill-coordinator,cut-transfer,firewall
 
 For each run it prints and records (``--report``, default deploy/FAULTS.md) the faults
 injected, whether the run completed, its final model SHA-256 against the undisturbed run with
@@ -21,6 +21,14 @@ the same seed, and the time each fault cost. Faults:
   it back: the sender resumes at the receiver's offset. Its chain (two of the sites) trains
   ``--cut-model`` (a model of many 1 MiB chunks; the small CNN fits in one) for one epoch per
   site and is compared with an undisturbed run of the same chain.
+- ``firewall``: the hosts of the chain's last ``--firewalled`` sites drop every inbound TCP
+  connection (an nftables rule in their namespace: new TCP connections in are dropped, loopback
+  and replies to their own connections pass), as a hospital's firewall does; their daemons are
+  started again with ``--outbound-only`` (no address, a control stream to the coordinator).
+  Their models come through the coordinator's relay, sealed to their keys. The report shows
+  which transfers were relayed and the bytes of each leg; while the run lasts, every envelope
+  the relay holds is copied aside and searched for the models those sites kept (no 64-byte
+  window of a model may appear in an envelope). Needs ``nft`` (Debian's ``nftables``).
 
 Addresses: 10.77.<n>.0/24 (``--subnet``), coordinator .1, sites .11 on; the machine itself
 gets .254 on the switch so that the operator's CLI reaches the coordinator. Every namespace,
@@ -120,6 +128,29 @@ class NetnsTrial(LocalTrial):
         """Take ``name``'s link to the switch down or up."""
         ip("netns", "exec", self.switch, "ip", "link", "set", self.links[name], "up" if up else "down")
 
+    def firewall(self, name: str, on: bool) -> None:
+        """Make ``name``'s host drop (``on``) or accept again every inbound TCP connection: an
+        nftables table in its namespace whose input chain drops new TCP connections that do not
+        come in over loopback (replies to the host's own outbound connections still pass)."""
+        ns = ["netns", "exec", self.hosts[name], "nft"]
+        ip(*ns, "delete", "table", "inet", "fedrelay_fw", check=False)
+        if on:
+            ip(*ns, "add", "table", "inet", "fedrelay_fw")
+            ip(*ns, "add", "chain", "inet", "fedrelay_fw", "input",
+               "{ type filter hook input priority 0; policy accept; }")
+            ip(*ns, "add", "rule", "inet", "fedrelay_fw", "input", "iifname", "lo", "accept")
+            ip(*ns, "add", "rule", "inet", "fedrelay_fw", "input", "meta", "l4proto", "tcp", "ct", "state", "new", "drop")
+
+    def refuses_connections(self, name: str, timeout: float = 2.0) -> bool:
+        """True when a TCP connection from the coordinator's host to ``name``'s port does not get
+        through within ``timeout`` seconds (its firewall drops it)."""
+        host, port = self.addresses[name].rsplit(":", 1)
+        probe = ("import socket,sys\ntry:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), "
+                 f"timeout={timeout})\nexcept OSError:\n sys.exit(1)")
+        res = subprocess.run([*self.host_prefix("coordinator"), sys.executable, "-c", probe, host, port],
+                             capture_output=True)
+        return res.returncode == 1
+
     def throttle(self, name: str, rate: str | None) -> None:
         """Limit the traffic towards ``name`` to ``rate`` (tc's token bucket, e.g. ``80mbit``);
         ``None`` lifts the limit."""
@@ -150,6 +181,21 @@ def run_chain(trial: NetnsTrial, seed: int, chain_args: list[str], faults: list[
     ``cut``: (link rate, seconds down) of the ``cut-transfer`` fault."""
     from fedrelay.coordinator.client import OperatorClient
 
+    envelopes: dict[str, bytes] = {}
+    stop_copying = None
+    if "firewall" in faults:  # copy aside every envelope the relay holds while the run lasts
+        import threading
+
+        stop_copying = threading.Event()
+
+        def copy_envelopes() -> None:
+            while not stop_copying.wait(0.05):
+                for f in (trial.workdir / "relay").rglob("*.sealed"):
+                    try:
+                        envelopes.setdefault(str(f.relative_to(trial.workdir)), f.read_bytes())
+                    except OSError:
+                        pass
+        threading.Thread(target=copy_envelopes, daemon=True).start()
     res = trial.cli("start-chain", "--seed", str(seed), "--json", *chain_args, capture_output=True, text=True,
                     timeout=120)
     if res.returncode != 0:
@@ -206,7 +252,42 @@ def run_chain(trial: NetnsTrial, seed: int, chain_args: list[str], faults: list[
         finally:
             trial.throttle(victim, None)
     final = wait_until(lambda: (s := summary())["status"] != "running" and s, 3600, "the run to end")
-    return {**final, "faults": done, "wall_seconds": time.monotonic() - started}
+    out = {**final, "faults": done, "wall_seconds": time.monotonic() - started}
+    if stop_copying is not None:
+        stop_copying.set()
+        relayed = {h["receiver"] for h in final["hops"] + final["final_transfers"] if h["route"] == "relayed"}
+        kept = [p.read_bytes() for site in relayed for p in (state(site).glob("*.safetensors"))]
+        leaked = [name for name, blob in envelopes.items()
+                  if any(m[i:i + 64] in blob for m in kept for i in range(0, len(m) - 64, 4093))]
+        done.append(f"hosts of {', '.join(sorted(relayed))} drop every inbound TCP connection (nftables); "
+                    f"{len(envelopes)} envelopes seen at the relay, {len(leaked)} holding model bytes")
+        out["envelopes"], out["leaked"] = len(envelopes), leaked
+    return out
+
+
+def firewall_sites(trial: NetnsTrial, sites: list[str], on: bool, timeout: float = 120.0) -> None:
+    """Put ``sites`` behind a firewall that drops every inbound TCP connection and restart their
+    daemons with ``--outbound-only`` (``on``), or take the firewall away and restart them as
+    before; wait until the coordinator sees them so (a control stream open, or an address)."""
+    from fedrelay.coordinator.client import OperatorClient
+
+    for name in sites:
+        trial.kill(name)
+        trial.firewall(name, on)
+        argv = trial.argv[name][len(trial.host_prefix(name)):]
+        if "--outbound-only" in argv:
+            argv.remove("--outbound-only")
+        trial.argv[name] = [*trial.host_prefix(name), *argv]
+        trial.restart(name, extra=["--outbound-only"] if on else [])
+        if on and not trial.refuses_connections(name):
+            raise RuntimeError(f"the firewall of {name} lets connections through")
+
+    def ready() -> bool:
+        with OperatorClient(trial.coordinator, trial.transport()) as c:
+            peers = {p.name: p for p in c.peers()}
+        return all(n in peers and ((peers[n].outbound_only and peers[n].connected) if on else bool(peers[n].address))
+                   for n in sites)
+    wait_until(ready, timeout, "the restarted sites to register")
 
 
 def write_report(path: Path, sites: int, baseline: dict, disturbed: list[tuple[str, dict]]) -> None:
@@ -219,7 +300,7 @@ def write_report(path: Path, sites: int, baseline: dict, disturbed: list[tuple[s
              f"{min(baseline.get('walls', [0])):.1f}-{max(baseline.get('walls', [0])):.1f} s, so a loss within "
              "about that spread is noise).", "",
              "| scenario | faults injected | status | final SHA-256 | same as undisturbed | wall s | time lost s "
-             "| transfers retried |",
+             "| transfers retried or relayed |",
              "|---|---|---|---|---|---|---|---|"]
     for name, run, base in [("undisturbed", baseline, None), *disturbed]:
         sha = (run["final"] or {}).get("sha256", "-")
@@ -229,6 +310,13 @@ def write_report(path: Path, sites: int, baseline: dict, disturbed: list[tuple[s
             f"hop {h['hop']} {h['sender']} → {h['receiver']}: {h['attempts']} attempts"
             + (f", resumed at byte {h['resumed_from']:,} of {h['payload_bytes']:,}" if h["resumed_from"] else "")
             + f", {h['wire_bytes']:,} wire bytes" for h in run["hops"] if h["attempts"] > 1) or "none"
+        relayed = [(f"hop {h['hop']}" if h in run["hops"] else "final copy") + f" {h['sender']} → {h['receiver']}"
+                   for h in run["hops"] + run["final_transfers"] if h.get("route") == "relayed"]
+        if relayed:
+            legs = [h for h in run["hops"] + run["final_transfers"] if h.get("route") == "relayed"]
+            retried += (f"; relayed, sealed: {', '.join(relayed)} (envelopes {sum(h['sealed_bytes'] for h in legs):,} "
+                        f"bytes; sender → relay {sum(h['wire_bytes'] for h in legs):,}, relay → receiver "
+                        f"{sum(h['relay_wire_bytes'] or 0 for h in legs):,} wire bytes)")
         lines.append(f"| {name} | {'; '.join(run['faults']) or 'none'} | {run['status']} | `{sha[:16]}…` | {same} | "
                      f"{run['wall_seconds']:.1f} | {lost} | {retried} |")
     path.write_text("\n".join(lines) + "\n")
@@ -252,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cut-rate", default="80mbit", help="cut-transfer: the last site's link rate (tc syntax)")
     ap.add_argument("--cut-seconds", type=float, default=8.0, help="cut-transfer: seconds the link stays down")
     ap.add_argument("--cut-model", default="resnet18", help="cut-transfer: the model its chain trains")
+    ap.add_argument("--firewalled", type=int, default=2, help="firewall: how many of the chain's last sites drop "
+                    "every inbound connection (default 2)")
     ap.add_argument("--stall-timeout", type=float, default=3.0, help="the peers' --stall-timeout (seconds)")
     ap.add_argument("--baseline-runs", type=int, default=3, help="undisturbed runs to take the median of")
     ap.add_argument("--subnet", type=int, default=77, help="use 10.SUBNET.0.0/24")
@@ -299,8 +389,15 @@ def main(argv: list[str] | None = None) -> int:
                              "--model", args.cut_model, "--peers", ",".join(d.name for d in site_dirs[:2])]
                     base = run_chain(trial, args.seed, cargs, [], 0)
                     disturbed.append((f"undisturbed, {args.cut_model}", base, None))
+                walled = baseline["order"][-args.firewalled:] if scenario == "firewall" else []
+                if walled:
+                    firewall_sites(trial, walled, on=True)
                 run = run_chain(trial, args.seed, cargs, [scenario], args.link_down_seconds,
                                 (args.cut_rate, args.cut_seconds))
+                if walled:
+                    if run.get("leaked"):
+                        raise RuntimeError(f"the relay held model bytes in {run['leaked']}")
+                    firewall_sites(trial, walled, on=False)
                 same = (run["final"] or {}).get("sha256") == base["final"]["sha256"]
                 print(f"{scenario}: {run['status']}, same final model: {same}, {run['wall_seconds']:.1f} s "
                       f"({'; '.join(run['faults'])})", flush=True)

@@ -33,13 +33,11 @@ with a one-line message, I/O errors included (chained as ``__cause__``).
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import functools
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from cryptography import x509
@@ -49,6 +47,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, paddin
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import NameOID
+
+from fedrelay import wire
 
 MAGIC = b"FRSEAL1\n"
 SEGMENT_BYTES = 1 << 20
@@ -165,22 +165,6 @@ def _segments(size: int, seg: int, header_hash: bytes):
                header_hash + i.to_bytes(8, "big") + bytes([i == count - 1]))
 
 
-@contextlib.contextmanager
-def _atomic(out: Path):
-    """A file to write ``out``'s new content to: fsynced and renamed onto ``out`` on success,
-    removed on any exception."""
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fo:
-            yield fo
-            fo.flush()
-            os.fsync(fo.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _parse(f, name) -> tuple[bytes, dict]:
     """(header bytes, header) read from an open envelope, positioned after the header."""
     magic = _read_exact(f, len(MAGIC))
@@ -276,7 +260,7 @@ def seal_file(payload: str | Path, out: str | Path, *, header: dict, recipient_c
     aes, env, check = _aes(eph.exchange(ec.ECDH(), rpub), hh), hashlib.sha256(), hashlib.sha256()
     head = MAGIC + len(hb).to_bytes(4, "big") + hb + len(sig).to_bytes(2, "big") + sig
     total = len(head)
-    with _atomic(out) as fo, open(payload, "rb") as f:
+    with wire.atomic_file(out) as fo, open(payload, "rb") as f:
         fo.write(head)
         env.update(head)
         for n, nonce, aad in _segments(size, seg, hh):
@@ -349,7 +333,7 @@ def open_file(envelope: str | Path, out: str | Path, *, recipient_key_pem: bytes
         except ValueError:
             raise SealError("header ephemeral_key is not a P-256 point") from None
         aes, plain = _aes(rkey.exchange(ec.ECDH(), eph), hh), hashlib.sha256()
-        with _atomic(out) as fo:
+        with wire.atomic_file(out) as fo:
             for i, (n, nonce, aad) in enumerate(_segments(size, seg, hh)):
                 try:
                     pt = aes.decrypt(nonce, _read_exact(f, n + TAG_BYTES), aad)

@@ -25,11 +25,12 @@ is ever unpickled or passed to ``torch.load``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 import grpc
 
@@ -307,20 +308,28 @@ def decode_state(data: bytes) -> dict:
         raise ValueError(f"not a valid safetensors payload: {exc}") from exc
 
 
-def atomic_write(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temp file in the same folder, fsync, rename."""
+@contextlib.contextmanager
+def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
+    """A binary file to write ``path``'s new content to: a temp file in the same folder (made if
+    missing), fsynced and renamed onto ``path`` when the block ends, removed if it raises."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: temp file in the same folder, fsync, rename."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def iter_file_chunks(path: str | Path, chunk: int = CHUNK_BYTES, start: int = 0) -> Iterator[bytes]:

@@ -179,6 +179,7 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     coordinator refuses the site's name because another live daemon serves it (ALREADY_EXISTS).
     """
     names.check_site_name(name, "--name")
+    advertise = advertise or None  # "" (an empty FEDRELAY_ADVERTISE): not given
     if transport.secure and transport.identity != name:
         raise ValueError(f"--tls {transport.source} holds the identity {transport.identity!r}, not --name {name!r}")
     if stall_timeout <= 0:

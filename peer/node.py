@@ -769,6 +769,13 @@ class PeerNode:
             except (RelayUnavailable, SealError) as exc:
                 raise RuntimeError(f"cannot send {PURPOSE_NAMES[t.purpose]} {t.index} to {to.name} through the "
                                    f"relay: {exc}") from exc
+            except relaying.NoCertificateYet as exc:  # the coordinator restarted: the receiver registers again soon
+                if time.monotonic() + delay > deadline:
+                    raise RuntimeError(f"cannot send to {to.name} through the relay: {exc}") from exc
+                log.warning("run %s: %s; retrying in %.1f s", run.run_id, exc, delay)
+                self._pause(run, delay)
+                if self.stop.is_set():
+                    raise RuntimeError("daemon stopping") from exc
             except grpc.RpcError as exc:
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not relayed:
                     to = self._resolve(to)
@@ -809,6 +816,9 @@ class PeerNode:
         self.metrics.delivered(t.purpose, size, counter[0], attempts, sent.resumed_from)
         run.sent.append(key)
         run.save()
+        if relayed:  # the relay holds the envelope now: this site needs its copy no more
+            for envelope in run.path("sealed").glob(f"{relaying.PURPOSE_WORDS[t.purpose]}-{t.index}-{t.receiver}-*.sealed"):
+                envelope.unlink(missing_ok=True)
         return True
 
     def _send_relayed(self, run: Run, t: common_pb2.PlannedTransfer, path: Path, counter: list[int]) -> Sent:
@@ -1012,7 +1022,8 @@ class PeerNode:
             run.save()
         self.jobs.drop(run_id)  # a worker started ahead for the run is not needed any more
         removed = sum(remove_partials(folder) for folder in
-                      {run.folder, run.path("uploads"), *(run.visit_dir(v) for v in range(1, (run.assignment.rounds or 1) + 1))}
+                      {run.folder, run.path("uploads"), run.path("relay-in"),
+                       *(run.visit_dir(v) for v in range(1, (run.assignment.rounds or 1) + 1))}
                       if folder.is_dir())
         if removed:
             log.info("run %s: removed %d bytes of partial transfers", run_id, removed)

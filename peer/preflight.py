@@ -53,6 +53,7 @@ def check_serve_options(*, data_dir: Path, name: str, listen: str, coordinator: 
     from fedrelay.peer.data import load_site
     from fedrelay.peer.worker import resolve_device
 
+    advertise = advertise or None  # "" (an empty FEDRELAY_ADVERTISE): not given
     try:
         names.check_site_name(name, "--name")
         if transport.secure and transport.identity != name:

@@ -37,7 +37,12 @@ PURPOSE_WORDS = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final", c
 
 
 class RelayUnavailable(RuntimeError):
-    """The relay cannot be used for this transfer (no TLS identity, no certificate for the receiver)."""
+    """The relay cannot be used for this transfer (a plaintext daemon: nothing to seal to)."""
+
+
+class NoCertificateYet(RuntimeError):
+    """The coordinator holds no certificate of the receiver yet (it restarted, and the receiver
+    has not registered again): try again later."""
 
 
 def envelope_header(run_id: str, t: common_pb2.PlannedTransfer) -> dict:
@@ -50,13 +55,13 @@ def seal(transport: wire.Transport, run_id: str, t: common_pb2.PlannedTransfer, 
          receiver_cert: bytes, folder: Path) -> tuple[Path, int, str]:
     """The sealed envelope of ``payload`` for the planned transfer ``t``, written once to
     ``folder`` and reused afterwards. Returns (path, envelope bytes, envelope SHA-256). Raises
-    ``RelayUnavailable`` (plaintext daemon, no certificate) or ``sealing.SealError`` (the
-    certificate is not the CA's for ``t.receiver``)."""
+    ``RelayUnavailable`` (plaintext daemon), ``NoCertificateYet`` (empty ``receiver_cert``) or
+    ``sealing.SealError`` (the certificate is not the CA's for ``t.receiver``)."""
     if not transport.secure:
         raise RelayUnavailable("a relayed transfer needs mutual TLS (--tls): the payload is sealed to the "
                                "receiver's certificate key")
     if not receiver_cert:
-        raise RelayUnavailable(f"the coordinator has no certificate of {t.receiver} yet (it has not registered "
+        raise NoCertificateYet(f"the coordinator has no certificate of {t.receiver} yet (it has not registered "
                                "over mutual TLS since the coordinator started)")
     word = PURPOSE_WORDS[t.purpose]
     path = folder / f"{word}-{t.index}-{t.receiver}-{wire.sha256_file(payload)[:16]}.sealed"

@@ -129,7 +129,9 @@ def test_kit_contents(kit):
     env = parse_environment_file((kit / "peer.env").read_text())
     assert env["FEDRELAY_COORDINATOR"] == "coord.example.org:50070"
     assert env["FEDRELAY_ADVERTISE"] == "site-00.example.org:50071" and env["FEDRELAY_NAME"] == "site-00"
-    assert unit_vars((kit / "fedrelay-peer.service").read_text()) == set(env)
+    # FEDRELAY_OUTBOUND_ONLY is read by `peer serve` from the environment systemd gives it.
+    assert unit_vars((kit / "fedrelay-peer.service").read_text()) == set(env) - {"FEDRELAY_OUTBOUND_ONLY"}
+    assert env["FEDRELAY_OUTBOUND_ONLY"] == "0"
     readme = (kit / "README.md").read_text()
     for words in ("inbound", "outbound", "TCP 50071", "peer health", "peer status", "install -D", "--check"):
         assert words in readme, words
@@ -165,6 +167,35 @@ def test_kit_env_starts_peer_check_under_systemd_rules(kit, three_sites, tmp_pat
     run = subprocess.run([str(kit / "start-peer.sh"), str(env_file), "--check"], capture_output=True, text=True,
                          env={**os.environ, "PEER": str(BIN / "peer")}, timeout=120)
     assert run.returncode == 0 and "ok: site site-00" in run.stdout, run.stdout + run.stderr
+
+
+def test_outbound_only_kit_opens_no_inbound_port_and_passes_check(three_sites, tmp_path):
+    """`enroll --kit --outbound-only`: peer.env sets FEDRELAY_OUTBOUND_ONLY=1, advertises nothing
+    and listens on loopback; its README opens no inbound port; under systemd's rules the daemon's
+    options pass `peer serve --check`, which says the site connects out only."""
+    from fedrelay.cli.coordinator import app as coord
+    from fedrelay.cli.peer import app
+
+    runner = CliRunner()
+    assert runner.invoke(coord, ["init-ca", "--out", str(tmp_path / "pki")]).exit_code == 0
+    r = runner.invoke(coord, ["enroll", "site-00", "--ca", str(tmp_path / "pki"), "--out", str(tmp_path / "kit"),
+                              "--kit", "--outbound-only", "--coordinator", "coord.example.org:50070"])
+    assert r.exit_code == 0, r.output
+    kit = tmp_path / "kit"
+    env = parse_environment_file((kit / "peer.env").read_text())
+    assert env["FEDRELAY_OUTBOUND_ONLY"] == "1" and env["FEDRELAY_ADVERTISE"] == ""
+    assert env["FEDRELAY_LISTEN"].startswith("127.0.0.1:")
+    readme = (kit / "README.md").read_text()
+    assert "| inbound | nobody | none |" in readme and "TCP 50071" not in readme and "relay" in readme
+    env = _edited(env, three_sites[0], tmp_path / "state", kit)
+    argv = exec_start((kit / "fedrelay-peer.service").read_text(), env)
+    r = runner.invoke(app, argv[1:] + ["--check"], env={"FEDRELAY_OUTBOUND_ONLY": env["FEDRELAY_OUTBOUND_ONLY"],
+                                                         "FEDRELAY_TLS": None, "FEDRELAY_COORDINATOR": None})
+    assert r.exit_code == 0, r.output
+    assert "connects out only" in r.output
+    r = runner.invoke(coord, ["enroll", "site-01", "--ca", str(tmp_path / "pki"), "--out", str(tmp_path / "x"),
+                              "--outbound-only"])
+    assert r.exit_code == 1 and "only go with --kit" in r.output
 
 
 def test_example_env_passes_check(three_sites, tmp_path):

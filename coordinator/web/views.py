@@ -48,7 +48,8 @@ def transfers(run: dict) -> list[dict[str, Any]]:
     dropped from it, in plan order. Each row: ``key`` (:func:`transfer_key`), ``purpose``
     (chain|upload|final), ``index``, ``round``, ``sender``, ``receiver``, ``payload_bytes``,
     ``sha256``, ``attempts``, ``seconds``, ``started``, ``ended`` (unix seconds; None until
-    reported) and ``status`` (``planned`` until an end reports, then done|sent|received|disputed)."""
+    reported), ``status`` (``planned`` until an end reports, then done|sent|received|disputed) and
+    ``route`` (direct|relayed; None until reported)."""
     reported = {}
     for purpose, field in (("chain", "hops"), ("upload", "uploads"), ("final", "final_transfers")):
         for h in run.get(field) or []:
@@ -62,7 +63,7 @@ def transfers(run: dict) -> list[dict[str, Any]]:
                 "sha256": (h or {}).get("sha256") or None, "attempts": (h or {}).get("attempts") or 0,
                 "seconds": (h or {}).get("seconds") if h and h.get("ended") else None,
                 "started": (h or {}).get("started") or None, "ended": (h or {}).get("ended") or None,
-                "status": h["status"] if h else "planned"}
+                "status": h["status"] if h else "planned", "route": (h or {}).get("route") or None}
 
     for t in run["plan"]:
         purpose = LEDGER_PURPOSE.get(t["purpose"], t["purpose"])

@@ -141,7 +141,7 @@ function drawTransfers(d) {
     td(t.purpose === "chain" ? "hop" : t.purpose);
     td(t.purpose === "final" ? "" : String(t.index), "num");
     td(String(t.round), "num");
-    td(`${t.sender} → ${t.receiver}`);
+    td(`${t.sender} → ${t.receiver}` + (t.route === "relayed" ? " (via the relay, sealed)" : ""));
     td(bytes(t.payload_bytes), "num");
     td(t.sha256 ? t.sha256.slice(0, 10) : "", "sha", t.sha256 || null);
     td(t.attempts ? String(t.attempts) : "", "num");
