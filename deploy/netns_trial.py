@@ -334,8 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=Path("netns-trial"))
     ap.add_argument("--source", type=Path, default=None, help="Fashion-MNIST IDX folder")
     ap.add_argument("--max-train-per-site", type=int, default=2000)
-    ap.add_argument("--faults", default="kill-peer,link-down,kill-coordinator,cut-transfer",
-                    help="comma-separated scenarios, each run separately after an undisturbed run")
+    ap.add_argument("--faults", default="kill-peer,link-down,kill-coordinator,cut-transfer"
+                    + (",firewall" if shutil.which("nft") else ""),
+                    help="comma-separated scenarios, each run separately after an undisturbed run (default: all; "
+                         "firewall only where nft is installed)")
     ap.add_argument("--link-down-seconds", type=float, default=20.0)
     ap.add_argument("--cut-rate", default="80mbit", help="cut-transfer: the last site's link rate (tc syntax)")
     ap.add_argument("--cut-seconds", type=float, default=8.0, help="cut-transfer: seconds the link stays down")
@@ -352,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     ok, why = netns_available()
     if not ok:
         print(f"error: the namespace trial {why}", file=sys.stderr)
+        return 2
+    if "firewall" in args.faults.split(",") and shutil.which("nft") is None:
+        print("error: the firewall scenario needs nft (Debian's nftables: apt-get install nftables)", file=sys.stderr)
         return 2
     ensure_fashion_mnist(args.source)
     sites_dir = args.workdir / "sites"

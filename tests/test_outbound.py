@@ -15,7 +15,7 @@ from fedrelay.coordinator import pki
 from fedrelay.coordinator.relay import RelayService
 from fedrelay.peer import relaying
 from fedrelay.peer.transfer import TransferError, partial_path
-from fedrelay.v1 import common_pb2, relay_pb2, relay_pb2_grpc
+from fedrelay.v1 import common_pb2, relay_pb2
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +31,32 @@ def federation(tmp_path_factory):
 
 @pytest.fixture
 def relay(federation, tmp_path):
-    """The Relay service alone on loopback (mutual TLS), keeping a copy of every envelope it held."""
+    """``coordinator relay`` (the Relay service alone) on loopback, mutual TLS, keeping a copy of
+    every envelope it held."""
+    import threading
+
+    from fedrelay.coordinator.relay import serve_relay
+
     held: list[bytes] = []
-    service = RelayService(tmp_path / "relay", on_stored=lambda p: held.append(p.read_bytes()))
-    server, port = wire.make_server("127.0.0.1:0", transport=federation["coordinator"])
-    relay_pb2_grpc.add_RelayServicer_to_server(service, server)
-    server.start()
-    yield f"127.0.0.1:{port}", service, held
-    server.stop(grace=None).wait()
+    stop, ready, bound = threading.Event(), threading.Event(), []
+    folder = tmp_path / "relay"
+    thread = threading.Thread(target=serve_relay, args=("127.0.0.1:0", folder), daemon=True, kwargs=dict(
+        transport=federation["coordinator"], stop=stop, ready=ready, bound=bound,
+        on_stored=lambda p: held.append(p.read_bytes())))
+    thread.start()
+    assert ready.wait(30)
+    yield bound[0], RelayService(folder), held
+    stop.set()
+    thread.join(10)
+
+
+def test_the_relay_runs_alone_only_with_the_coordinator_identity(federation, tmp_path):
+    from fedrelay.coordinator.relay import serve_relay
+
+    with pytest.raises(ValueError, match="mutual TLS"):
+        serve_relay("127.0.0.1:0", tmp_path, transport=wire.INSECURE)
+    with pytest.raises(ValueError, match="coordinator's identity"):
+        serve_relay("127.0.0.1:0", tmp_path, transport=federation["site-a"])
 
 
 def _transfer(sender="site-a", receiver="site-b") -> common_pb2.PlannedTransfer:
