@@ -140,8 +140,15 @@ class ControlLink:
                 yield item
 
         stream = self.link.stub.Connect(requests())
-        watcher = threading.Thread(target=lambda: (self.stop.wait(), stream.cancel()), daemon=True)
-        watcher.start()
+        ended = threading.Event()
+
+        def cancel_on_stop() -> None:  # the daemon stops: end the stream (this session's thread only)
+            while not ended.wait(0.5):
+                if self.stop.is_set():
+                    stream.cancel()
+                    return
+
+        threading.Thread(target=cancel_on_stop, daemon=True, name="control-stop").start()
         try:
             for request in stream:
                 if not self.connected.is_set():
@@ -151,6 +158,7 @@ class ControlLink:
                     continue
                 self._pool.submit(self._serve, request, outgoing)
         finally:
+            ended.set()
             outgoing.put(_STOP)
 
     def _serve(self, request: cpb.ControlRequest, outgoing: queue.Queue) -> None:

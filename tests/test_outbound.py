@@ -198,3 +198,63 @@ def test_outbound_only_needs_tls_and_no_advertised_address(three_sites, tmp_path
             "--state-dir", str(tmp_path / "state")]
     res = subprocess.run([*base, "--insecure"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and "needs mutual TLS" in res.stderr and "Traceback" not in res.stderr
+
+
+# -- the control stream's two ends, without a network ------------------------------------------------
+def test_a_tunneled_call_is_answered_by_the_servicer_with_its_checks():
+    from fedrelay.peer.control import answer
+    from fedrelay.v1 import coordinator_pb2 as cpb, peer_pb2
+
+    class Servicer:
+        def GetStatus(self, request, context):  # noqa: N802 - gRPC's name
+            assert wire.caller_identity(context) == "coordinator"  # the stream is the coordinator's
+            return peer_pb2.PeerStatus(name="site-a")
+
+        def EndRun(self, request, context):  # noqa: N802
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {request.run_id!r}")
+
+        def FetchModel(self, request, context):  # noqa: N802
+            yield common_pb2.ModelChunk(data=b"ab")
+            yield common_pb2.ModelChunk(data=b"cd")
+
+    def ask(method, request=b""):
+        return list(answer(Servicer(), cpb.ControlRequest(id=7, method=method, request=request), secure=True))
+
+    (ok,) = ask("GetStatus", peer_pb2.StatusRequest().SerializeToString())
+    assert ok.id == 7 and ok.code == 0 and peer_pb2.PeerStatus.FromString(ok.reply).name == "site-a"
+    (refused,) = ask("EndRun", peer_pb2.EndRunRequest(run_id="r1").SerializeToString())
+    assert refused.code == grpc.StatusCode.NOT_FOUND.value[0] and "r1" in refused.details
+    (bad,) = ask("GetStatus", b"\xff\xff")
+    assert bad.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "malformed" in bad.details
+    (other,) = ask("Handoff")  # site-to-site calls never come over the control stream
+    assert other.code == grpc.StatusCode.UNIMPLEMENTED.value[0]
+    chunks = ask("FetchModel", peer_pb2.FetchModelRequest(run_id="r1").SerializeToString())
+    assert [c.more for c in chunks] == [True, True, False]
+
+
+def test_a_call_on_a_closed_or_silent_control_stream_fails_clearly():
+    import threading
+
+    from fedrelay.coordinator.tunnel import TunnelError, Tunnels
+    from fedrelay.v1 import coordinator_pb2 as cpb, peer_pb2
+
+    tunnels = Tunnels()
+    stub = tunnels.stub("site-a")
+    with pytest.raises(TunnelError) as err:
+        stub.GetStatus(peer_pb2.StatusRequest(), timeout=1)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "not open" in err.value.details()
+    tunnel = tunnels.open("site-a", "i1")
+    # The site answers: the reply reaches the waiting call.
+    def site() -> None:
+        request = tunnel.outbox.get(timeout=5)
+        tunnel.deliver(cpb.ControlReply(id=request.id, reply=peer_pb2.PeerStatus(name="site-a").SerializeToString()))
+    threading.Thread(target=site, daemon=True).start()
+    assert stub.GetStatus(peer_pb2.StatusRequest(), timeout=5).name == "site-a"
+    # No answer within the timeout: DEADLINE_EXCEEDED; the stream breaks meanwhile: UNAVAILABLE.
+    with pytest.raises(TunnelError) as err:
+        stub.GetStatus(peer_pb2.StatusRequest(), timeout=0.2)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    threading.Timer(0.2, lambda: tunnels.drop(tunnel)).start()
+    with pytest.raises(TunnelError) as err:
+        stub.Evaluate(peer_pb2.EvaluateRequest(run_id="r1"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
