@@ -113,6 +113,9 @@ def relay_command(
 ) -> None:
     """Run a relay on its own: where senders leave payloads, sealed to the receiver's key, for sites
     they cannot reach directly (point the coordinator at it with `serve --relay HOST:PORT`)."""
+    if tls is None:
+        fail("coordinator relay needs --tls PKI/coordinator (or FEDRELAY_TLS): it serves sealed payloads over "
+             "mutual TLS only")
     transport = transport_from(tls, False)
     setup_logging(verbose, prefix="[relay] ")
     stop_on_sigterm()

@@ -896,7 +896,8 @@ class PeerNode:
                 relaying.open_envelope(self.transport, sealed, plain, run.run_id, t)
                 size, sha = plain.stat().st_size, wire.sha256_file(plain)
                 self._check_model_bytes(run.assignment, plain.read_bytes(), t.purpose)
-                if dest.exists():
+                if dest.exists():  # the same transfer arrived directly meanwhile
+                    plain.unlink(missing_ok=True)
                     return
                 plain.replace(dest)
             except (SealError, ValueError) as exc:

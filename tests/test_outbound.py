@@ -258,3 +258,18 @@ def test_a_call_on_a_closed_or_silent_control_stream_fails_clearly():
     with pytest.raises(TunnelError) as err:
         stub.Evaluate(peer_pb2.EvaluateRequest(run_id="r1"), timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_coordinator_relay_says_what_it_needs(federation, tmp_path):
+    from typer.testing import CliRunner
+
+    from fedrelay.cli.coordinator import app
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["relay", "--listen", "127.0.0.1:0", "--dir", str(tmp_path)], env={"FEDRELAY_TLS": None})
+    assert r.exit_code == 1 and "needs --tls" in r.output and "Traceback" not in r.output
+    pki_dir = tmp_path / "pki"
+    pki.init_ca(pki_dir)
+    site = pki.enroll("site-z", pki_dir, tmp_path / "site-z")
+    r = runner.invoke(app, ["relay", "--listen", "127.0.0.1:0", "--dir", str(tmp_path / "r"), "--tls", str(site)])
+    assert r.exit_code == 1 and "coordinator's identity" in r.output
