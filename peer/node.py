@@ -38,6 +38,7 @@ from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2, relay_pb2
 log = logging.getLogger("fedrelay.peer")
 
 DEFAULT_STALL_TIMEOUT = 60.0  # seconds
+SEAL_OVERHEAD = 64 << 10  # bytes a sealed envelope may add to its payload (header, certificate, GCM tags)
 DEFAULT_RELAY_AFTER = 60.0  # seconds a receiver with an address may stay unreachable before the relay is used
 REROUTE_GRACE = 120.0  # seconds a final-model copy retries a refusal after a reroute (see _deliver)
 PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final model", common_pb2.UPLOAD: "upload"}
@@ -297,11 +298,13 @@ class PeerNode:
 
         self.reporter.receipt(cpb.ReceiptReport(**run.receipts[key]["report"]), delivered)
 
-    def _check_transfer(self, h: common_pb2.TransferHeader, caller: str | None):
+    def _check_transfer(self, h: common_pb2.TransferHeader, caller: str | None, check_cap: bool = True):
         """The checks of a transfer's header against the run's plan (see ``handoff``; its fields
         were checked by ``transfer.check_header_fields``): returns (run, planned transfer,
-        destination). Raises ``TransferError``, or ``_Duplicate(run, dest, sha256, hop)`` when
-        this exact payload was already accepted."""
+        destination). ``check_cap``: also the declared size against the run's cap (which may ask
+        a worker for the run's payload schemas: seconds the first time). Raises
+        ``TransferError``, or ``_Duplicate(run, dest, sha256, hop)`` when this exact payload was
+        already accepted."""
         run = self.runs.get(h.run_id)
         if run is None:
             raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"no assignment for run {h.run_id!r} (yet)")
@@ -332,10 +335,8 @@ class PeerNode:
         if h.sender != t.sender:
             raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
                                 f"{h.sender!r} is not this site's {what} in run {h.run_id} (the plan names {t.sender!r})")
-        cap = self._payload_cap(run.assignment)
-        if h.total_bytes > cap:
-            raise TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"declared size {h.total_bytes} bytes exceeds this run's cap of {cap} bytes")
+        if check_cap:
+            self._check_cap(run, h.total_bytes)
         dest = run.destination(t)
         if dest.exists():
             have = wire.sha256_file(dest)
@@ -344,6 +345,13 @@ class PeerNode:
             raise TransferError(grpc.StatusCode.ALREADY_EXISTS,
                                 f"a different model was already accepted for this transfer (sha256 {have})")
         return run, t, dest
+
+    def _check_cap(self, run: Run, size: int) -> None:
+        """Raises ``TransferError`` (RESOURCE_EXHAUSTED) when ``size`` bytes exceed the run's cap."""
+        cap = self._payload_cap(run.assignment)
+        if size > cap:
+            raise TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"declared size {size} bytes exceeds this run's cap of {cap} bytes")
 
     def transfer_offset(self, h: common_pb2.TransferHeader, caller: str | None = None) -> peer_pb2.TransferOffsetReply:
         """How many bytes of the payload ``h`` describes this site holds from a broken stream.
@@ -853,8 +861,8 @@ class PeerNode:
                                       purpose=notice.purpose, total_bytes=max(1, notice.sealed_bytes),
                                       sha256=notice.sealed_sha256)
         check_header_fields(h)
-        try:
-            run, t, dest = self._check_transfer(h, None)
+        try:  # answered at once: the size is checked against the run's cap in the fetch's thread
+            run, t, dest = self._check_transfer(h, None, check_cap=False)
         except _Duplicate:
             return "held"
         key = (run.run_id, sent_key(t))
@@ -877,6 +885,7 @@ class PeerNode:
         dest = run.destination(t)
         counter = [0]
         try:
+            self._check_cap(run, notice.sealed_bytes - SEAL_OVERHEAD)
             for delay in backoff_delays():
                 if run.ended.is_set() or self.stop.is_set() or dest.exists():
                     return
