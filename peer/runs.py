@@ -57,6 +57,9 @@ class Run:
     rerouted: threading.Event = field(default_factory=threading.Event)
     ended: threading.Event = field(default_factory=threading.Event)  # the coordinator ended the run (EndRun)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Serializes save(): two threads' snapshots reach state.json in the order they were taken (a
+    # receipt's save racing the worker's "training" could otherwise leave the older state on disk).
+    _save_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # -- persistence ---------------------------------------------------------------------------
     @classmethod
@@ -72,10 +75,13 @@ class Run:
         return run
 
     def save(self) -> None:
-        doc = {"state": self.state, "detail": self.detail, "sent": self.sent, "final_sha256": self.final_sha256,
-               "receipts": self.receipts, "missing": self.missing, "run_status": self.run_status,
-               "run_ended": self.run_ended}
-        wire.atomic_write(self.path("state.json"), json.dumps(doc, indent=1).encode())
+        """Persist the run's state to ``state.json`` (atomically; thread-safe: the last save's
+        snapshot is the one on disk). Raises ``OSError``."""
+        with self._save_lock:
+            doc = {"state": self.state, "detail": self.detail, "sent": self.sent, "final_sha256": self.final_sha256,
+                   "receipts": self.receipts, "missing": self.missing, "run_status": self.run_status,
+                   "run_ended": self.run_ended}
+            wire.atomic_write(self.path("state.json"), json.dumps(doc, indent=1).encode())
 
     def save_assignment(self, a: peer_pb2.Assignment) -> None:
         wire.atomic_write(self.path("assignment.pb"), a.SerializeToString())

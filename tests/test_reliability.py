@@ -102,8 +102,8 @@ def test_peers_killed_mid_run_resume_from_their_last_step(trial, undisturbed):
     pool_stamp = pool1.stat().st_mtime_ns
     state = json.loads((run_dir(trial, second, run["run_id"]) / "state.json").read_text())["state"]
     trial.kill(second)
+    trial.restart(second)  # before any assertion: the module's later tests need every site up
     assert state == "training"
-    trial.restart(second)
     done = finished(trial, run["run_id"])
     assert warm.stat().st_mtime_ns == warm_stamp  # no second warm-up
     assert pool1.stat().st_mtime_ns == pool_stamp  # the finished pool model was not trained again
