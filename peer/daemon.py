@@ -152,7 +152,7 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
           ready: threading.Event | None = None, stall_timeout: float = DEFAULT_STALL_TIMEOUT,
           deterministic: bool = True, weights_dir: Path | None = None, metrics_listen: str | None = None,
           worker_slots: int = DEFAULT_SLOTS, slots_dir: Path | None = None, outbound_only: bool = False,
-          relay_after: float = DEFAULT_RELAY_AFTER) -> None:
+          relay_after: float = DEFAULT_RELAY_AFTER, fork_workers: bool = False) -> None:
     """Run a peer daemon until ``stop`` is set (or forever), with mutual TLS on every channel
     unless ``transport`` is insecure. ``stall_timeout``: seconds a handoff may send nothing
     before it is dropped. ``deterministic``: on a CUDA device, use deterministic kernels
@@ -173,6 +173,10 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     mutual TLS. ``relay_after``: seconds a receiver with an address may stay unreachable before
     this site sends to it through the relay (0: never; TLS only).
 
+    ``fork_workers``: fork each worker from a template process that imported torch once
+    (``peer/forking.py``): a job starts in milliseconds instead of ~3 s of CPU, and the daemon's
+    host holds ~300 MB more while idle.
+
     Raises ``DataError`` (bad data folder), ``ValueError`` (bad device or address, a name or class
     folder name that breaks its ``fedrelay.names`` rule, or a TLS identity that is not ``name``)
     or ``RuntimeError`` (cannot listen) before serving anything; ``RuntimeError`` also when the
@@ -191,7 +195,8 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     log.info("reading site data from %s", data_dir)
     data = scan_site(data_dir)
     stop = stop or threading.Event()
-    pool = WorkerPool(data_dir, device, HostSlots(worker_slots, slots_dir), deterministic=deterministic, stop=stop)
+    pool = WorkerPool(data_dir, device, HostSlots(worker_slots, slots_dir), deterministic=deterministic, stop=stop,
+                      fork=fork_workers)
     checked = check_site(pool)
     device = pool.device = checked["device"]
     if not deterministic and device.startswith("cuda"):

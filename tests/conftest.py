@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,13 @@ import pytest
 from bench.synthetic import write_fashion_like
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Every site daemon the tests start (LocalTrial and the netns trial pass the environment on) forks
+# its workers from a template that imported torch once (peer/forking.py): a test run starts
+# hundreds of short jobs, and a fresh worker's imports cost ~3 s of CPU each. The default path, a
+# new Python per worker, is tested in test_light_daemon.py and test_worker.py (WorkerPool and
+# WorkerProcess without fork) and by bench/ and `make demo`.
+os.environ.setdefault("FEDRELAY_FORK_WORKERS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,7 @@ def test_an_idle_site_daemon_imports_no_torch_and_stays_small(three_sites, tmp_p
     running, resident memory at most 150 MB (the issue's bound)."""
     port = free_port()
     env = {**os.environ, "FEDRELAY_WORKER_SLOTS_DIR": str(tmp_path / "slots")}
+    env.pop("FEDRELAY_FORK_WORKERS", None)  # the default: no template process (conftest sets it)
     proc = subprocess.Popen([sys.executable, "-m", "fedrelay.cli.peer", "serve", "--data", str(three_sites[0]),
                              "--name", "site-a", "--listen", f"127.0.0.1:{port}", "--coordinator", "127.0.0.1:1",
                              "--state-dir", str(tmp_path / "state"), "--device", "cpu", "--insecure"],
@@ -139,3 +140,28 @@ def test_prepare_is_taken_only_from_a_planned_sender(three_sites, tmp_path):
     with pytest.raises(PermissionError, match="certificate"):
         node.prepare("r1", "site-a", caller="site-c")
     assert node.prepare("r1", "site-a", caller="site-a") is False  # nothing to start in a test node
+
+
+def test_forked_workers_train_the_same_model_and_say_how_they_died(three_sites, tmp_path):
+    """``--fork-workers``: a worker forked from the template trains the bit-identical model a new
+    Python does, and one killed mid-request is reported with its signal, as a subprocess is."""
+    from fedrelay.peer.scan import scan_site
+    from fedrelay.peer.workers import WorkerDied, WorkerProcess
+
+    site = three_sites[0]
+    classes = sorted(set(scan_site(site).class_names) | {f"{i}" for i in range(10)})
+    for fork in (False, True):
+        pool = WorkerPool(site, "cpu", HostSlots(2, tmp_path / "slots"), fork=fork)
+        pool.run(_train_request(site, tmp_path / f"fork-{fork}", classes))
+    digest = [hashlib.sha256((tmp_path / f"fork-{f}" / "outgoing.safetensors").read_bytes()).hexdigest()
+              for f in (False, True)]
+    assert digest[0] == digest[1]
+    worker = WorkerProcess(fork=True)
+    try:
+        assert worker.request({"op": "prepare", "data": str(site), "device": "cpu"})["event"] == "ready"
+        assert Path(f"/proc/{worker.pid}/status").exists() and worker.pid not in _children(os.getpid())
+        os.kill(worker.pid, signal.SIGKILL)
+        with pytest.raises(WorkerDied, match="killed by SIGKILL"):
+            worker.request(_train_request(site, tmp_path / "killed", classes))
+    finally:
+        worker.close()

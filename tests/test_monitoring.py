@@ -92,7 +92,7 @@ def fed(three_sites, tmp_path_factory):
         peers[n], metrics[n] = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         daemons.append(start_thread(serve_peer, data_dir=d, name=n, listen=peers[n], coordinator=address,
                                     state_dir=root / "state" / n, device="cpu", transport=ids[n],
-                                    metrics_listen=metrics[n]))
+                                    metrics_listen=metrics[n], fork_workers=True))
     client = OperatorClient(address, ids["operator"])
     try:
         while {p.name for p in client.peers()} != set(names):  # each registers as it starts
