@@ -57,7 +57,7 @@ def serve(
                                            "site sends to it through the relay (TLS only; 0: never)."),
     fork_workers: bool = typer.Option(False, "--fork-workers", envvar="FEDRELAY_FORK_WORKERS",
                                       help="Fork each worker from a process that has imported torch once: a job "
-                                           "starts in milliseconds instead of ~3 s of CPU, for ~300 MB more "
+                                           "starts in milliseconds instead of ~3 s of CPU, for ~680 MB more "
                                            "resident memory while the daemon runs (many short jobs, few sites "
                                            "per host)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),

@@ -4,16 +4,20 @@ By default each worker is a fresh ``python -m fedrelay.peer.worker`` (``peer/wor
 imports torch and pays the first optimiser's one-time cost before it can work, about 3 s of CPU
 per job. With ``--fork-workers`` the daemon keeps a template process that has imported them once:
 the standard library's ``multiprocessing`` fork server, with torch and the worker's modules
-preloaded, started (by exec, not fork: the daemon has gRPC threads) at the daemon's first job.
+preloaded, started (by exec, not fork: the daemon has gRPC threads) with the daemon's first
+worker, the start-up check of its data.
 Each worker is then forked from it and starts in a few milliseconds. The template imports torch
 and runs nothing, so no torch thread pool or CUDA context is ever forked; each worker still
 sets up its device (``prepare``) itself.
 
-The price is memory: the template holds torch's import, about 300 MB private resident memory
-for as long as the daemon runs (measured in ``tests/test_light_daemon.py``'s notes, README
-"Worker processes"), where a daemon without it stays near 90 MB while idle. So it is for sites
-that run many short jobs on a host with memory to spare (test suites, rehearsals with a few
-sites); a 100-site trial on one machine leaves it off.
+The price is memory: the template holds torch's import for as long as the daemon runs, about
+680 MB resident (measured here: 368 MB anonymous, 288 MB of torch's libraries, which the kernel
+can drop and read again), where a daemon without it stays under 90 MB while idle; and one more
+small process, ``multiprocessing``'s resource tracker (13 MB). So it is for sites that run many
+short jobs on a host with memory to spare (test suites, rehearsals with a few sites); a 100-site
+trial on one machine leaves it off. The worker runs ``multiprocessing``'s child set-up, which
+imports the daemon's main module under the name ``__mp_main__``: ``peer serve`` and a script
+that starts ``fedrelay.peer.daemon.serve`` under ``if __name__ == "__main__":`` are safe.
 
 ``ForkedProcess`` has the face of the ``subprocess.Popen`` a ``WorkerProcess`` uses otherwise:
 text ``stdin``/``stdout``/``stderr`` pipes, ``pid``, ``poll()``, ``wait(timeout)``,

@@ -215,7 +215,7 @@ class WorkerPool:
     waiting for a slot gives up when it is set). ``on_wait(message)``: told when a job waits for
     a slot (the site's state says so). ``fork``: fork workers from a template process that has
     imported torch once (``peer/forking.py``): milliseconds per worker instead of ~3 s of CPU,
-    for ~300 MB more resident memory while the daemon runs.
+    for ~680 MB more resident memory while the daemon runs.
     """
 
     def __init__(self, data_dir: str | Path, device: str, slots, *, deterministic: bool = True,
