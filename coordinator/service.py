@@ -97,6 +97,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._relay_notices: dict[tuple[str, str, int, str], list] = {}
         self._relay_lock = threading.Lock()
         self._receipts = threading.Condition()  # notified by every receipt (evaluation waits for relayed copies)
+        # Chain hops whose outbound-only receiver was told to prepare on its sender's behalf: (run, hop).
+        self._prepared: set[tuple[str, int]] = set()
 
     # -- authorization ---------------------------------------------------------------------------
     def _as_site(self, context, claimed: str) -> None:
@@ -321,7 +323,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 log.info("run %s: relay notice not delivered to %s yet: %s", run_id, receiver, wire.status_message(exc))
 
     def _drop_ended_relayed(self) -> None:
-        """Remove the envelopes the coordinator's relay holds for runs that have ended."""
+        """Remove the envelopes the coordinator's relay holds for runs that have ended (and
+        forget which of their hops' receivers were told to prepare)."""
+        with self._relay_lock:
+            ended = {k for k in self._prepared if (r := self.ledger.run(k[0])) is None or r["status"] in TERMINAL}
+            self._prepared -= ended
         if self.relay is None:
             return
         for run_id in self.relay.runs():
@@ -518,7 +524,36 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                   f"{request.site}: {request.state}"
                                   + (f" ({request.detail})" if request.detail else ""),
                                   site=request.site, state=request.state, detail=request.detail)
+            if request.state == "training":
+                self._prepare_receiver(run, request.site)
         return cpb.ReportReply()
+
+    def _prepare_receiver(self, run: dict, sender: str) -> None:
+        """``sender`` started training: when the receiver of its next chain hop connects out
+        only, tell it to start its worker (``Peer.Prepare`` over its control stream, on the
+        sender's behalf: the sender cannot reach it, ``peer/node.py`` ``_tell_receiver``), once
+        per hop, in the background. A hint: a failure is logged at debug level."""
+        run_id = run["run_id"]
+        received = {h["hop"] for h in self.ledger.hops(run_id) if h["receipt"]}
+        hops = [t for t in self._plan(run_id)[1].hops if t.sender == sender and t.index not in received]
+        if not hops:
+            return
+        t = min(hops, key=lambda t: t.index)
+        if self._address(t.receiver) or self.tunnels.get(t.receiver) is None:
+            return  # the sender reaches it directly (or the receiver is not connected now)
+        with self._relay_lock:
+            if (run_id, t.index) in self._prepared:
+                return
+            self._prepared.add((run_id, t.index))
+
+        def tell() -> None:
+            try:
+                self.tunnels.stub(t.receiver).Prepare(peer_pb2.PrepareRequest(run_id=run_id, sender=sender),
+                                                      timeout=wire.CONTROL_TIMEOUT)
+            except Exception as exc:  # noqa: BLE001 - a hint
+                log.debug("run %s: could not tell %s to prepare: %s", run_id, t.receiver, exc)
+
+        threading.Thread(target=tell, daemon=True, name=f"prepare-{t.receiver}").start()
 
     def _record_epoch(self, request: cpb.ProgressReport, val: float | None) -> None:
         """ReportProgress's writes for a finished epoch (inside a ledger batch)."""

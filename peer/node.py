@@ -14,7 +14,6 @@ trained again, an unsent model is sent, an unreported receipt is reported).
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from pathlib import Path
@@ -419,13 +418,14 @@ class PeerNode:
     def prepare(self, run_id: str, sender: str, caller: str | None = None) -> bool:
         """``Peer.Prepare``: the planned sender ``sender`` of a transfer into this site started
         training; start a worker ahead for the run (and ask it the run's payload schemas) if a
-        host slot is free. True when one was started. Raises ``LookupError`` (unknown run) or
-        ``PermissionError`` (``sender``, or the caller's certificate name, is not a planned
+        host slot is free. The caller is the sender, or the coordinator on its behalf when this
+        site connects out only. True when one was started. Raises ``LookupError`` (unknown run)
+        or ``PermissionError`` (``sender``, or the caller's certificate name, is not a planned
         sender into this site)."""
         run = self.runs.get(run_id)
         if run is None:
             raise LookupError(f"unknown run {run_id!r}")
-        if caller is not None and caller != sender:
+        if caller is not None and caller not in (sender, wire.COORDINATOR_IDENTITY):
             raise PermissionError(f"certificate identity {caller!r} is not {sender!r}")
         if not any(t.receiver == self.name and t.sender == sender for t in run.assignment.transfers):
             raise PermissionError(f"{sender!r} sends nothing to this site in run {run_id}")

@@ -140,6 +140,10 @@ def test_prepare_is_taken_only_from_a_planned_sender(three_sites, tmp_path):
     with pytest.raises(PermissionError, match="certificate"):
         node.prepare("r1", "site-a", caller="site-c")
     assert node.prepare("r1", "site-a", caller="site-a") is False  # nothing to start in a test node
+    # the coordinator, on the planned sender's behalf (this site connects out only)
+    assert node.prepare("r1", "site-a", caller="coordinator") is False
+    with pytest.raises(PermissionError, match="sends nothing"):
+        node.prepare("r1", "site-c", caller="coordinator")
 
 
 def test_forked_workers_train_the_same_model_and_say_how_they_died(three_sites, tmp_path):

@@ -180,6 +180,10 @@ def test_outbound_only_sites_get_their_models_through_the_relay_with_the_same_di
                 assert h["relay_wire_bytes"] >= h["sealed_bytes"]
         assert relayed["total_bytes"] == relayed["expected_total_bytes"]
         assert set(relayed["final"]["per_site"]) == set(trial.names)  # evaluated over the control streams
+        # Their predecessors cannot reach them: the coordinator told them to prepare, over their streams.
+        for name in outbound:
+            log = (tmp_path / "logs" / f"{name}.log").read_text()
+            assert f"run {relayed['run_id']}: started a worker ahead of the model's arrival" in log, name
         shown = trial.cli("show", relayed["run_id"], capture_output=True, text=True).stdout
         assert "through the relay" in shown and "via" in shown
         # The relay kept nothing once the receivers had their models.
