@@ -525,7 +525,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                   + (f" ({request.detail})" if request.detail else ""),
                                   site=request.site, state=request.state, detail=request.detail)
             if request.state == "training":
-                self._prepare_receiver(run, request.site)
+                try:
+                    self._prepare_receiver(run, request.site)
+                except Exception:  # noqa: BLE001 - a hint never fails the report it rides on
+                    log.exception("run %s: could not pass on %s's prepare hint", request.run_id, request.site)
         return cpb.ReportReply()
 
     def _prepare_receiver(self, run: dict, sender: str) -> None:
@@ -534,6 +537,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         sender's behalf: the sender cannot reach it, ``peer/node.py`` ``_tell_receiver``), once
         per hop, in the background. A hint: a failure is logged at debug level."""
         run_id = run["run_id"]
+        if not self.tunnels.any_open():
+            return  # no site connects out only: every sender reaches its receiver (no ledger read)
+        if not self.ledger.plans(run_id):
+            return  # no plan recorded (a run made by hand in a test)
         received = {h["hop"] for h in self.ledger.hops(run_id) if h["receipt"]}
         hops = [t for t in self._plan(run_id)[1].hops if t.sender == sender and t.index not in received]
         if not hops:

@@ -192,6 +192,10 @@ class Tunnels:
     def stub(self, site: str) -> TunnelStub:
         return TunnelStub(self, site)
 
+    def any_open(self) -> bool:
+        """Whether any site's control stream is registered (a cheap test before a search)."""
+        return bool(self._open)
+
     def close(self) -> None:
         with self._lock:
             tunnels, self._open = list(self._open.values()), {}
