@@ -1074,7 +1074,10 @@ class PeerNode:
             st.coordinator = self.coordinator.address
             st.last_registered = self.coordinator.last_registered
             st.registration_error = self.coordinator.registration_error
-        for run in self.runs.values():
+        for run in list(self.runs.values()):
+            if run.state not in ACTIVE and not run.folder.exists():
+                self.runs.pop(run.run_id, None)  # its files were pruned (`peer prune`) while the daemon ran
+                continue
             st.runs.add(run_id=run.run_id, state=run.state, detail=run.detail)
         return st
 

@@ -275,6 +275,26 @@ def test_prune_removes_only_ended_runs_older_than_the_limit(tmp_path):
     assert neg.exit_code == 1 and ">= 0 days" in neg.output
 
 
+def test_a_run_pruned_while_the_daemon_runs_leaves_its_status(three_sites, tmp_path):
+    """``peer prune`` works on the files; the running daemon's status then no longer lists the
+    pruned run (an active run is never pruned, and stays listed)."""
+    import shutil
+
+    from tests.test_transfer import assignment
+
+    from fedrelay.peer.data import load_site
+    from fedrelay.peer.node import PeerNode
+
+    node = PeerNode("site-b", "127.0.0.1:1", load_site(three_sites[0]), tmp_path, "cpu", None, start_workers=False)
+    node.assign(assignment("r1"))
+    node.assign(assignment("r2"))
+    assert [r.run_id for r in node.status().runs] == ["r1", "r2"]
+    node.runs["r1"].state = "done"
+    shutil.rmtree(node.runs["r1"].folder)
+    shutil.rmtree(node.runs["r2"].folder)  # (not something prune does to an active run)
+    assert [r.run_id for r in node.status().runs] == ["r2"] and "r1" not in node.runs
+
+
 class FakePeer:
     """A Peer service that answers GetStatus only, as a daemon named ``name`` of ``instance``."""
 
