@@ -475,22 +475,26 @@ class Ledger:
         self._exec(f"UPDATE runs SET {cols} WHERE run_id = ?", (*fields.values(), run_id))
 
     def finish_run(self, run_id: str, status: str, *, error: str | None = None,
-                   accuracy: float | None = None, message: str = "", site: str = "", **data: Any) -> bool:
+                   accuracy: float | None = None, message: str = "", site: str = "",
+                   cancelled_by: str | None = None, cancel_reason: str | None = None, **data: Any) -> bool:
         """Move a running run to ``status`` (finished|failed|cancelled) and, when ``message`` is given, add
         the event of kind ``status`` that says so, in one transaction: a watcher that sees the
         terminal status has also seen that event (its data holds ``error`` and ``accuracy`` when
         given, and ``data``). The same transaction owes every site of the chain an end notice
-        (:meth:`pending_end_notices`). False (nothing written) when it had already ended."""
+        (:meth:`pending_end_notices`) and sets ``cancelled_by`` / ``cancel_reason`` when given.
+        False (nothing written) when it had already ended."""
         data = {**({"error": error} if error is not None else {}),
-                **({"accuracy": accuracy} if accuracy is not None else {}), **data}
+                **({"accuracy": accuracy} if accuracy is not None else {}),
+                **({"cancelled_by": cancelled_by} if cancelled_by is not None else {}), **data}
         with self._events:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 now = time.time()
                 cur = self._db.execute(
-                    "UPDATE runs SET status = ?, error = ?, accuracy = ?, ended = ? "
+                    "UPDATE runs SET status = ?, error = ?, accuracy = ?, ended = ?, "
+                    "cancelled_by = coalesce(?, cancelled_by), cancel_reason = coalesce(?, cancel_reason) "
                     "WHERE run_id = ? AND status = 'running'",
-                    (status, error, accuracy, now, run_id),
+                    (status, error, accuracy, now, cancelled_by, cancel_reason, run_id),
                 )
                 ended = cur.rowcount == 1
                 if ended:
@@ -519,15 +523,11 @@ class Ledger:
     def cancel_run(self, run_id: str, cancelled_by: str, reason: str) -> bool:
         """End a running run with status ``cancelled``, recording who (``cancelled_by``) and why
         (``reason``; the time is ``ended``), the ``cancelled`` event and the end notices owed to
-        its sites (:meth:`finish_run`). False (nothing written) when it had already ended."""
-        with self._lock:  # no other write between the two statements (the lock is re-entrant)
-            cur = self._db.execute("UPDATE runs SET cancelled_by = ?, cancel_reason = ? "
-                                   "WHERE run_id = ? AND status = 'running'", (cancelled_by, reason, run_id))
-            if cur.rowcount != 1:
-                return False
-            why = f": {reason}" if reason else ""
-            return self.finish_run(run_id, "cancelled", message=f"run cancelled by {cancelled_by}{why}",
-                                   cancelled_by=cancelled_by, reason=reason)
+        its sites (:meth:`finish_run`), in one transaction. False (nothing written) when it had
+        already ended."""
+        why = f": {reason}" if reason else ""
+        return self.finish_run(run_id, "cancelled", message=f"run cancelled by {cancelled_by}{why}",
+                               cancelled_by=cancelled_by, cancel_reason=reason, reason=reason)
 
     # -- hops ----------------------------------------------------------------------------------
     def record_hop(self, run_id: str, purpose: str, hop: int, sender: str, receiver: str,
