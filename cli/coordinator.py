@@ -18,7 +18,8 @@ from fedrelay.cli.common import (CONTEXT_SETTINGS, ENV_COORDINATOR, ENV_INSECURE
                                  console, err_console, fail, load_config_callback, setup_logging, stop_on_sigterm,
                                  transport_from, version_option)
 from fedrelay.coordinator.planner import ORDERS
-from fedrelay.registry import ARCHS, STRATEGIES
+from fedrelay import tasks as task_registry
+from fedrelay.registry import STRATEGIES
 
 app = typer.Typer(help="fedrelay coordinator: plans chains, assigns roles, keeps the ledger.",
                   no_args_is_help=True, add_completion=False, context_settings=CONTEXT_SETTINGS)
@@ -161,8 +162,13 @@ def start_chain(
     selection: _choice(run_params.SELECTIONS) = typer.Option("best-val", "--selection",
                                   help="Which epoch's model a site keeps: best-val (best validation accuracy, the "
                                        "paper's protocol) | last-epoch."),
-    model: _choice(ARCHS) = typer.Option("cnn", "--model",
-                              help="The architecture (fedrelay/peer/models.py)."),
+    task: str = typer.Option("image-folder", "--task", help="The task every site runs: how it reads its folder, the "
+                             "model, loss and metrics (an installed task package's name, or module:attr; "
+                             "`coordinator peers` lists what each site offers)."),
+    task_sha256: str = typer.Option("", "--task-sha256", help="Pin the task's code: the SHA-256 every site's copy "
+                                    "must have \[default: the one every site reports]."),
+    model: str = typer.Option("", "--model", help="One of the task's models (image-folder: cnn, resnet18) "
+                              "\[default: the task's first]."),
     aggregator: str = typer.Option("", "--aggregator", help="Parallel methods: the site that combines the uploads "
                                    "\\[default: chosen by --seed]."),
     init: _choice(run_params.INITS) = typer.Option(
@@ -199,13 +205,16 @@ def start_chain(
         run_params.check(chosen, strict=True)
         run_params.check_rounds(rounds)
         run_params.check_seed(seed)
+        task_registry.check_name(task)
+        if task_sha256 and not all(c in "0123456789abcdef" for c in task_sha256.lower()) or len(task_sha256) not in (0, 64):
+            raise ValueError(f"--task-sha256 must be the task's SHA-256 (64 hex digits), got {task_sha256!r}")
     except ValueError as exc:
         fail(str(exc))
     client = _client(coordinator, tls, insecure)
-    names = [p.strip() for p in peers.split(",") if p.strip()]
+    sites = [p.strip() for p in peers.split(",") if p.strip()]
     try:
-        reply = client.start_chain(peers=names, order=order, seed=seed, arch=model, params=run_params.to_pb(chosen),
-                                   rounds=rounds, aggregator=aggregator)
+        reply = client.start_chain(peers=sites, order=order, seed=seed, model=model, params=run_params.to_pb(chosen),
+                                   rounds=rounds, aggregator=aggregator, task=task, task_sha256=task_sha256.lower())
     except grpc.RpcError as exc:
         _rpc_fail(exc, coordinator)
     if not wait:
@@ -340,8 +349,11 @@ def _render_star(s: dict) -> None:
 def render_summary(s: dict) -> None:
     rounds = s.get("rounds", 1)
     cycles = f", {rounds} rounds" if rounds > 1 else ""
-    console.print(f"\n[bold]run {s['run_id']}[/] ({s['strategy']}{cycles}, {s['arch']}, seed {s['seed']}): "
+    task = f"task {s['task']} {s['task_version'] or ''}".rstrip() + ", " if s.get("task") else ""
+    console.print(f"\n[bold]run {s['run_id']}[/] ({s['strategy']}{cycles}, {task}{s['arch']}, seed {s['seed']}): "
                   f"[bold]{s['status']}[/]", highlight=False)
+    if s.get("task_sha256"):
+        console.print(f"task code SHA-256 {s['task_sha256']} (the same at every site)", highlight=False)
     _render_live(s)
     if s.get("aggregator"):
         _render_star(s)
@@ -377,6 +389,34 @@ def _render_chain(s: dict) -> None:
                       "(outside the chain's total)", highlight=False)
 
 
+METRIC_HEADS = {"accuracy": "accuracy", "balanced_accuracy": "balanced acc.", "macro_f1": "macro-F1",
+                "auroc": "AUROC", "sensitivity": "sensitivity", "specificity": "specificity"}
+
+
+def _metrics_table(f: dict) -> Table:
+    """The final model's metrics per site (each site's exact figures on its own test split) and
+    global (from the sites' pooled statistics; README "Metrics")."""
+    names = [k for k in METRIC_HEADS if k in f.get("metrics", {}) or any(k in v.get("metrics", {})
+                                                                       for v in f["per_site"].values())]
+    own = sorted({k for v in f["per_site"].values() for k in v.get("metrics", {})} - set(METRIC_HEADS))
+    names = names or ["accuracy"]
+    t = Table(title="final model per site (own test split) and global (pooled statistics)")
+    t.add_column("site")
+    for k in names + own:
+        t.add_column(METRIC_HEADS.get(k, k), justify="right")
+    t.add_column("test samples", justify="right")
+
+    def cells(metrics: dict, accuracy: float) -> list[str]:
+        values = {"accuracy": accuracy, **metrics}
+        return [f"{values[k]:.4f}" if k in values else "-" for k in names + own]
+
+    for site, v in f["per_site"].items():
+        t.add_row(site, *cells(v.get("metrics", {}), v["accuracy"]), str(v["test_samples"]))
+    t.add_row("[bold]global[/]", *(f"[bold]{c}[/]" for c in cells(f.get("metrics", {}), f["accuracy"])),
+              str(sum(v["test_samples"] for v in f["per_site"].values())))
+    return t
+
+
 def _render_outcome(s: dict) -> None:
     disputed = [h for h in s["hops"] + s.get("uploads", []) + s["final_transfers"] if h["status"] == "disputed"]
     for h in disputed:
@@ -386,15 +426,7 @@ def _render_outcome(s: dict) -> None:
     f = s["final"]
     if f:
         console.print(f"final model sha256 {f['sha256']}", highlight=False)
-        t = Table(title="final model accuracy per site (own test split)")
-        t.add_column("site")
-        t.add_column("accuracy", justify="right")
-        t.add_column("test images", justify="right")
-        for site, v in f["per_site"].items():
-            t.add_row(site, f"{v['accuracy']:.4f}", str(v["test_samples"]))
-        t.add_row("[bold]global[/]", f"[bold]{f['accuracy']:.4f}[/]",
-                  str(sum(v["test_samples"] for v in f["per_site"].values())))
-        console.print(t)
+        console.print(_metrics_table(f))
     if s.get("skipped"):
         console.print(f"[yellow]routed around (down past --peer-timeout):[/] {', '.join(s['skipped'])}; "
                       f"the final model holds the training of {', '.join(s['contributors'])}", highlight=False)
@@ -534,15 +566,25 @@ def peers(coordinator: str = COORD,
         print(json.dumps([peer_dict(p) for p in records], indent=1))
         return
     t = Table(title="peers")
-    for col in ("site", "address", "images", "classes", "train", "test", "device", "last seen", "status"):
+    for col in ("site", "address", "tasks (classes, train/test samples, code SHA-256)", "device", "last seen",
+                "status"):
         t.add_column(col, no_wrap=col not in ("site", "address"), overflow="fold")
     for p in records:
         status = "[green]live[/]" if p.live else f"[red]stale[/] (> {p.peer_timeout:.0f} s)"
         address = p.address or ("connects out only, " + ("[green]stream open[/]" if p.connected else "[red]no stream[/]"))
-        t.add_row(p.name, address, f"{p.channels}x{p.height}x{p.width}", str(len(p.classes)),
-                  str(sum(c.train for c in p.classes)), str(sum(c.test for c in p.classes)), p.device,
+        t.add_row(p.name, address, "\n".join(_offer_line(o) for o in p.tasks) or "-", p.device,
                   f"{p.age_seconds:.0f} s ago", status)
     _print_wide(t)
+
+
+def _offer_line(o) -> str:
+    """One task a site offers, for the peers table."""
+    from rich.markup import escape
+
+    if o.error:
+        return f"{escape(o.name)}: [red]cannot read the data[/] ({escape(o.error[:120])})"
+    return (f"{escape(o.name)} {escape(o.version)}: {len(o.classes)} classes, {sum(c.train for c in o.classes)}/"
+            f"{sum(c.test for c in o.classes)}, {o.sha256[:12]}…")
 
 
 @app.command()

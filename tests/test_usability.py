@@ -280,7 +280,7 @@ def test_fetch_model_into_a_folder_writes_run_id_safetensors(tmp_path, monkeypat
 def test_skipped_files_and_every_corrupt_image_are_reported(tmp_path):
     from PIL import Image
 
-    from fedrelay.peer.data import DataError, load_site
+    from fedrelay.tasks.image_folder.data import DataError, load_site
 
     root = tmp_path / "site"
     (root / "train" / "a").mkdir(parents=True)
@@ -310,13 +310,14 @@ def test_load_model_from_a_file_with_metadata(tmp_path):
     import torch
 
     from fedrelay import final_model, load_model, wire
-    from fedrelay.peer.models import ModelSpec, build_model
+    from fedrelay.peer.models import build_model
+    from fedrelay.tasks.image_folder import spec as image_spec
 
     torch.manual_seed(0)
-    source = build_model(ModelSpec("cnn", 1, (12, 12), 3)).eval()
+    source = build_model(image_spec("cnn", 1, (12, 12), 3)).eval()
     site_bytes = wire.encode_state(source.state_dict())  # what the sites exchange; its digest is the ledger's
     sha = hashlib.sha256(site_bytes).hexdigest()
-    meta = final_model.describe(arch="cnn", input_shape=(1, 12, 12), class_names=["cat", "dog", "eel"],
+    meta = final_model.describe(spec=image_spec("cnn", 1, (12, 12), 3).to_dict(), class_names=["cat", "dog", "eel"],
                                 run_id="r-1", strategy="fedelmy", final_sha256=sha)
     path = tmp_path / "final.safetensors"
     path.write_bytes(final_model.with_metadata(site_bytes, meta))
@@ -333,7 +334,7 @@ def test_load_model_from_a_file_with_metadata(tmp_path):
     with pytest.raises(ValueError, match="no fedrelay metadata.*fetch-model"):
         load_model(bare)
     other = tmp_path / "other.safetensors"
-    other.write_bytes(final_model.with_metadata(wire.encode_state(build_model(ModelSpec("cnn", 1, (12, 12), 3))
+    other.write_bytes(final_model.with_metadata(wire.encode_state(build_model(image_spec("cnn", 1, (12, 12), 3))
                                                                   .state_dict()), meta))
     with pytest.raises(ValueError, match="not the run's final model"):
         load_model(other)

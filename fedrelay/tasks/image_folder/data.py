@@ -48,17 +48,21 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 # Listing folders and reading image headers needs no torch: peer/scan.py (the light daemon's part).
-from fedrelay.peer.scan import (IMAGE_EXTENSIONS, DataError, _is_image_file, _palette_is_grey,  # noqa: F401
-                                _scan_folders, _scan_split)
+from fedrelay.task import SiteData as GenericSiteData
+from fedrelay.tasks.image_folder.scan import (IMAGE_EXTENSIONS, DataError, _is_image_file, _palette_is_grey,  # noqa: F401
+                                              _scan_folders, _scan_split, skipped_message)
 
-__all__ = ["DataError", "SiteData", "IMAGE_EXTENSIONS", "load_site", "train_val_split"]
+__all__ = ["DataError", "SiteData", "IMAGE_EXTENSIONS", "load_site"]
 
 SPLITS = ("train", "test")
 
 
 @dataclass
-class SiteData:
-    """The decoded images of one site, held in memory as uint8 tensors.
+class SiteData(GenericSiteData):
+    """The decoded images of one site, held in memory as uint8 tensors: a
+    :class:`fedrelay.SiteData` (``inputs[split]``: uint8 ``(N, C, H, W)``, ``labels[split]``:
+    int64 ``(N,)`` positions in ``class_names``; ``input``: ``{"channels", "height", "width"}``)
+    with the folder's particulars.
 
     Attributes:
         root: the site folder that was loaded.
@@ -67,72 +71,39 @@ class SiteData:
         train_counts / test_counts: class name -> number of images (0 allowed); both have
             one key per entry of ``class_names``, except that ``test_counts`` is empty when
             the site has no ``test/`` folder.
+        has_test: whether the site has a ``test/`` folder.
+        skipped: files in class folders that are not .png/.jpg/.jpeg.
     """
 
-    root: Path
-    class_names: list[str]
-    image_shape: tuple[int, int, int]
-    train_counts: dict[str, int]
-    test_counts: dict[str, int]
-    # Per split: images uint8 (N, C, H, W) and the position of each sample's class in
-    # class_names (int64 (N,)). Filled by load_site.
-    _images: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    _local_labels: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    root: Path = Path(".")
+    image_shape: tuple[int, int, int] = (0, 0, 0)
+    train_counts: dict[str, int] = field(default_factory=dict)
+    test_counts: dict[str, int] = field(default_factory=dict)
     has_test: bool = True
-    skipped: list[Path] = field(default_factory=list)  # files in class folders that are not .png/.jpg/.jpeg
+    skipped: list[Path] = field(default_factory=list)
 
     def skipped_message(self, show: int = 3) -> str:
         """One line on :attr:`skipped` (empty if none): how many files, and the first ``show``."""
-        if not self.skipped:
-            return ""
-        names = ", ".join(str(p) for p in self.skipped[:show]) + (", ..." if len(self.skipped) > show else "")
-        return (f"skipped {len(self.skipped)} file(s) that are not .png/.jpg/.jpeg images: {names}; convert "
-                "images of other formats to PNG to use them")
-
-    def num_samples(self, split: str) -> int:
-        """Number of images in ``split`` ("train" or "test")."""
-        _check_split(split)
-        return int(self._local_labels[split].numel())
+        return skipped_message(self.skipped, show)
 
     def tensors(self, split: str, class_index: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The images and labels of one split.
-
-        Args:
-            split: "train" or "test".
-            class_index: the federation-wide list of class names; a sample's label is the
-                position of its class name in this list. It may contain classes this site
-                lacks, but must contain every class of the site.
-
-        Returns:
-            ``(images, labels)``: images uint8 ``(N, C, H, W)`` (values 0..255, not
-            normalised; the tensor is shared with this object, so do not modify it in
-            place), labels int64 ``(N,)``. Order is deterministic: sorted class name, then
-            sorted file name. ``N`` may be 0 (e.g. no ``test/`` folder).
-
-        Raises:
-            DataError: the site has a class that is not in ``class_index``, or
-                ``class_index`` has duplicates.
-            ValueError: ``split`` is not "train" or "test".
-        """
-        _check_split(split)
-        class_index = list(class_index)
-        positions: dict[str, int] = {}
-        for i, name in enumerate(class_index):
-            if name in positions:
-                raise DataError(f"class_index lists class {name!r} twice; class names must be unique")
-            positions[name] = i
-        missing = [c for c in self.class_names if c not in positions]
-        if missing:
+        """The images and labels of one split: uint8 ``(N, C, H, W)`` (values 0..255, not
+        normalised; shared with this object, so do not modify it in place) and int64 ``(N,)``
+        positions in the federation-wide ``class_index`` (which may contain classes this site
+        lacks, but must contain every class of the site). Order: sorted class name, then sorted
+        file name. Raises ``DataError`` (a class not in ``class_index``, or duplicates) and
+        ``ValueError`` (an unknown split)."""
+        try:
+            return super().tensors(split, class_index)
+        except DataError as exc:
+            if "not in the run's class list" not in str(exc):
+                raise
+            missing = [c for c in self.class_names if c not in set(class_index)]
             raise DataError(
                 f"site {self.root} has class folder(s) {missing} that are not in the federation's "
-                f"class list {class_index}; rename or remove those folders (under "
+                f"class list {list(class_index)}; rename or remove those folders (under "
                 f"{self.root / 'train'} / {self.root / 'test'}), or add the classes to the run's "
-                f"class list"
-            )
-        lut = torch.tensor([positions[c] for c in self.class_names], dtype=torch.int64)
-        local = self._local_labels[split]
-        labels = lut[local] if local.numel() else torch.empty(0, dtype=torch.int64)
-        return self._images[split], labels
+                f"class list") from None
 
 
 def _check_split(split: str) -> None:
@@ -264,44 +235,16 @@ def load_site(root: str | Path, *, expect_shape: tuple[int, int, int] | None = N
     if images["test"].shape[1:] != torch.Size(shape):
         images["test"] = torch.empty((0, *shape), dtype=torch.uint8)
     return SiteData(
-        root=root,
         class_names=class_names,
+        inputs=images,
+        labels=local_labels,
+        input={"channels": shape[0], "height": shape[1], "width": shape[2]},
+        notes=[line for line in [skipped_message(skipped)] if line],
+        root=root,
         image_shape=shape,
         train_counts=counts["train"],
         test_counts=counts["test"],
-        _images=images,
-        _local_labels=local_labels,
         has_test=has_test,
         skipped=skipped,
     )
 
-
-def train_val_split(
-    images: torch.Tensor, labels: torch.Tensor, seed: int, val_fraction: float = 0.1
-) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """Split a site's training samples into train and validation parts (reference protocol).
-
-    A permutation of the N samples is drawn with a ``torch.Generator`` seeded by ``seed``;
-    validation gets the first ``int(val_fraction * N)`` permuted indices and training the
-    rest (FedELMY implementation notes §1.5: "val = first int(0.1*len) indices"). With
-    N < 1 / val_fraction the validation part is empty.
-
-    Args:
-        images: tensor ``(N, ...)`` (any dtype).
-        labels: tensor ``(N,)``.
-        seed: generator seed; the same seed gives the same split.
-        val_fraction: share of samples for validation, in [0, 1).
-
-    Returns:
-        ``((train_images, train_labels), (val_images, val_labels))`` (new tensors).
-    """
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), not {val_fraction}")
-    n = int(images.shape[0])
-    if int(labels.shape[0]) != n:
-        raise ValueError(f"images has {n} samples but labels has {int(labels.shape[0])}")
-    gen = torch.Generator().manual_seed(int(seed))
-    perm = torch.randperm(n, generator=gen)
-    n_val = int(val_fraction * n)
-    val_idx, train_idx = perm[:n_val], perm[n_val:]
-    return (images[train_idx], labels[train_idx]), (images[val_idx], labels[val_idx])

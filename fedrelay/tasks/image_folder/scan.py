@@ -1,11 +1,10 @@
-"""A site folder's layout and image headers, without torch (issue 13: the light daemon).
+"""A site folder's layout and image headers, without decoding pixels (and without torch).
 
-``scan_site`` gives what a site registers with the coordinator (class names, counts per split,
-the image shape) from folder listings and image *headers* (Pillow opens a file without
+``scan_site`` gives what a site registers for the image-folder task (class names, counts per
+split, the image shape) from folder listings and image *headers* (Pillow opens a file without
 decoding its pixels; a palette image's used entries are read to tell grey from colour). The
-pixels are decoded by ``peer.data.load_site`` in the process that trains (it also reports
-corrupt or truncated image bodies, which a header read cannot see). The layout rules are
-``peer.data``'s module docstring.
+pixels are decoded by ``data.load_site`` (it also reports corrupt or truncated image bodies,
+which a header read cannot see). The layout rules are in ``data``'s module docstring.
 """
 
 from __future__ import annotations
@@ -16,13 +15,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-__all__ = ["DataError", "IMAGE_EXTENSIONS", "SiteSummary", "scan_site"]
+from fedrelay.task import DataError  # one error type for every task's data
+
+__all__ = ["DataError", "IMAGE_EXTENSIONS", "SiteSummary", "scan_site", "skipped_message"]
 
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg"})
-
-
-class DataError(ValueError):
-    """A site's data folder is unusable; the message names the path, the problem and the fix."""
 
 
 def _is_image_file(path: Path) -> bool:
@@ -106,7 +103,7 @@ def _scan_folders(root: Path) -> tuple[dict[str, dict[str, list[Path]]], list[Pa
 
 @dataclass
 class SiteSummary:
-    """What a site registers (see ``peer.data.SiteData``, whose fields of the same names these are):
+    """What a site registers (see ``fedrelay.tasks.image_folder.data.SiteData``, whose fields of the same names these are):
     ``class_names`` (sorted, classes with >= 1 image), ``image_shape`` ``(C, H, W)``,
     ``train_counts`` / ``test_counts`` (class -> images; ``test_counts`` empty without test/),
     ``skipped`` (files of class folders that are not .png/.jpg/.jpeg)."""
@@ -121,15 +118,21 @@ class SiteSummary:
 
     def skipped_message(self, show: int = 3) -> str:
         """One line on :attr:`skipped` (empty if none)."""
-        if not self.skipped:
-            return ""
-        names = ", ".join(str(p) for p in self.skipped[:show]) + (", ..." if len(self.skipped) > show else "")
-        return (f"skipped {len(self.skipped)} file(s) that are not .png/.jpg/.jpeg images: {names}; convert "
-                "images of other formats to PNG to use them")
+        return skipped_message(self.skipped, show)
+
+
+def skipped_message(skipped: list[Path], show: int = 3) -> str:
+    """One line on the files of class folders that are not images (empty if none): how many, the
+    first ``show``, and what to do."""
+    if not skipped:
+        return ""
+    names = ", ".join(str(p) for p in skipped[:show]) + (", ..." if len(skipped) > show else "")
+    return (f"skipped {len(skipped)} file(s) that are not .png/.jpg/.jpeg images: {names}; convert "
+            "images of other formats to PNG to use them")
 
 
 def _header_shape(path: Path) -> tuple[int, int, int]:
-    """``(C, H, W)`` the image at ``path`` decodes to (``peer.data._decode``'s channel rules), from
+    """``(C, H, W)`` the image at ``path`` decodes to (``data._decode``'s channel rules), from
     its header (and, for palette images, its palette indices). Raises ``DataError``."""
     try:
         with Image.open(path) as im:
@@ -151,7 +154,7 @@ def _header_shape(path: Path) -> tuple[int, int, int]:
 
 def scan_site(root: str | Path) -> SiteSummary:
     """Class names, counts and the image shape of a site folder, from listings and image headers
-    (no pixels kept, no torch). Raises ``DataError`` like ``peer.data.load_site`` for the folder,
+    (no pixels kept, no torch). Raises ``DataError`` like ``data.load_site`` for the folder,
     an unreadable header, or an image whose ``(C, H, W)`` differs from the first one's."""
     root = Path(root)
     scans, skipped, has_test = _scan_folders(root)

@@ -1,0 +1,78 @@
+"""``image-folder``, the default task: a site folder of images in one folder per class, a small
+CNN or a ResNet-18, cross-entropy, Adam.
+
+Layout (the same one ``coordinator split-dataset`` writes; the rules are in :mod:`.data`)::
+
+    site/
+      train/<class name>/<file>.png|.jpg|.jpeg     (required)
+      test/<class name>/<file>.png|.jpg|.jpeg      (optional)
+
+Every image of a site must decode to the same ``(C, H, W)``, and every site of a run to the same
+one: the sites' shared input description is ``{"channels": C, "height": H, "width": W}``.
+Inputs are kept as uint8 and become float32 in ``[0, 1]`` per batch (``/ 255``); no
+normalisation, no augmentation. Models (``--model``): ``cnn`` (the default) and ``resnet18``
+(:mod:`.models`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedrelay.task import DataSummary, ModelSpec, Task, canonical_json
+
+__all__ = ["ImageFolderTask", "MODELS", "spec"]
+
+MODELS = ("cnn", "resnet18")  # :mod:`.models` builds them; the first is the default
+
+
+class ImageFolderTask(Task):
+    """Class folders of PNG/JPEG images (see the module docstring)."""
+
+    models = MODELS
+
+    def describe(self, root: Path) -> DataSummary:
+        """Class counts and the image shape from listings and image headers (no pixel decoded)."""
+        from .scan import scan_site
+
+        found = scan_site(root)
+        c, h, w = found.image_shape
+        return DataSummary(classes={k: (found.train_counts.get(k, 0), found.test_counts.get(k, 0))
+                                    for k in found.class_names},
+                           input={"channels": c, "height": h, "width": w},
+                           notes=[found.skipped_message()] if found.skipped else [])
+
+    def load(self, root: Path):
+        """Every image decoded into memory as uint8 (:func:`.data.load_site`)."""
+        from .data import load_site
+
+        return load_site(root)
+
+    def build_model(self, spec: ModelSpec):
+        from .models import build
+
+        shape = spec.input
+        try:
+            channels, size = shape["channels"], (shape["height"], shape["width"])
+        except (KeyError, TypeError):
+            raise ValueError(f"image-folder needs an input description with channels, height and width, "
+                             f"got {spec.input_json}") from None
+        return build(spec.model, channels, size, spec.num_classes)
+
+    def batch(self, inputs, *, train: bool, generator=None):
+        """uint8 pixels ``N x C x H x W`` -> float32 in [0, 1]. Raises ``ValueError`` for other
+        inputs."""
+        import torch
+
+        if inputs.dtype != torch.uint8 or inputs.dim() != 4:
+            raise ValueError(f"image-folder inputs are uint8 N x C x H x W pixels, got {inputs.dtype} of "
+                             f"{inputs.dim()} dimensions")
+        return inputs.to(torch.float32).div_(255.0)
+
+
+def spec(model: str, channels: int, size: tuple[int, int], num_classes: int) -> ModelSpec:
+    """The :class:`fedrelay.ModelSpec` of an image-folder run: ``model`` (``"cnn"`` or
+    ``"resnet18"``) over ``channels`` x ``size`` images with ``num_classes`` classes, without a
+    pinned digest (for tests, benchmarks and notebooks that call the training functions)."""
+    h, w = size
+    return ModelSpec(task="image-folder", model=model, num_classes=num_classes,
+                     input_json=canonical_json({"channels": channels, "height": h, "width": w}))
