@@ -688,6 +688,16 @@ class Ledger:
             r["stats"] = json.loads(r.get("stats") or "{}")
         return rows
 
+    def recent_results(self, limit: int) -> list[dict[str, Any]]:
+        """The ``limit`` most recently ended finished runs: ``run_id``, ``task``, ``accuracy``,
+        ``metrics`` (global, parsed) and ``evaluations`` (per site, as :meth:`evaluations`)."""
+        rows = self._all("SELECT run_id, task, accuracy, metrics FROM runs WHERE status = 'finished' "
+                         "ORDER BY ended DESC LIMIT ?", (int(limit),))
+        for r in rows:
+            r["metrics"] = json.loads(r["metrics"]) if r["metrics"] else {}
+            r["evaluations"] = self.evaluations(r["run_id"])
+        return rows
+
     def record_metric(self, run_id: str, site: str, stage: str, model: int, epoch: int, epochs: int,
                       train_loss: float, val_accuracy: float | None, seconds: float) -> None:
         self._exec(

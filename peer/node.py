@@ -136,6 +136,11 @@ class PeerNode:
         opts = run_params.options(params)
         if opts["init"] == "file":
             self.initial_weights(opts["init_sha256"])  # refuse now, not at the first epoch
+        if star and a.aggregator == self.name and a.run_id not in self.runs:
+            # The aggregating site is assigned first: its aggregator must handle the task's model
+            # (e.g. MA-Echo's layer types) before any site trains. A worker builds the model's
+            # schema on the meta device (seconds; cached per model and options).
+            self._schemas_of(a)
         with self._lock:
             run = self.runs.get(a.run_id)
             if run is not None:
@@ -441,7 +446,8 @@ class PeerNode:
         try:
             answer = self.jobs.run(req)
         except Exception as exc:  # noqa: BLE001 - any failure: the payload cannot be checked
-            raise ValueError(f"cannot tell the run's payload schema: {exc}") from exc
+            kind, _, message = str(exc).partition(": ")
+            raise ValueError(f"the run's model cannot be used here: {message or exc}") from exc
         return self._keep_schemas(key, answer)
 
     def prepare(self, run_id: str, sender: str, caller: str | None = None) -> bool:

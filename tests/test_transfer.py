@@ -170,10 +170,10 @@ def test_assignment_for_another_site_or_shape_is_refused(peer):
         stub.Assign(a, timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     a = assignment("other")
-    a.model.height = 32
+    a.model.input_json = '{"channels":1,"height":32,"width":28}'
     with pytest.raises(grpc.RpcError) as err:
         stub.Assign(a, timeout=5)
-    assert "images" in err.value.details()
+    assert "expects input" in err.value.details() and '"height":32' in err.value.details()
 
 
 def test_progress_reports_never_block_the_caller(three_sites, tmp_path):

@@ -74,11 +74,15 @@ def test_choices_come_from_the_registry():
     assert res.exit_code == 2
     assert all(name in res.output for name in registry.STRATEGIES)
     help_text = flat(invoke(coord_cli.app, "start-chain", "-h").output)
-    for values in (registry.ARCHS, params.SELECTIONS, params.choices("ofasd_mode")):
+    for values in (params.SELECTIONS, params.choices("ofasd_mode")):
         assert "|".join(values) in help_text.replace(" ", "").replace("│", "") or all(v in help_text for v in values)
-    for bad in (("--model", "vgg"), ("--selection", "best"), ("--init", "none"), ("--order", "sorted"),
+    # --model is the task's: its models come with the sites' offers, and the coordinator refuses an
+    # unknown one naming the task's models (tests/test_coordinator.py).
+    for bad in (("--selection", "best"), ("--init", "none"), ("--order", "sorted"),
                 ("--weighting", "x"), ("--maecho-alpha", "x"), ("--ofasd-mode", "x")):
         assert invoke(coord_cli.app, "start-chain", "--seed", "0", *bad, "--insecure").exit_code == 2, bad
+    res = invoke(coord_cli.app, "start-chain", "--seed", "0", "--task", "no such task!", "--insecure")
+    assert res.exit_code != 0 and "--task" in res.output and "Traceback" not in res.output
 
 
 @pytest.mark.parametrize("args, message", [
@@ -137,7 +141,8 @@ def test_config_file_sets_options_and_the_command_line_overrides_it(tmp_path, mo
     example = Path(__file__).resolve().parents[1] / "deploy" / "run.example.toml"
     assert invoke(coord_cli.app, "start-chain", "--config", str(example), "--insecure").exit_code == 0
     for text, message in (('sed = 1\n', "unknown key 'sed'"), ('seed = "1"\n', "key 'seed' must be an integer"),
-                          ('seed = 1\nmodel = "vgg"\n', "key 'model' must be one of cnn, resnet18"),
+                          ('seed = 1\nselection = "best"\n', "key 'selection' must be one of best-val, last-epoch"),
+                          ('seed = 1\ntask = 3\n', "key 'task' must be"),
                           ('seed = 1\nwait = "yes"\n', "key 'wait' must be true or false"),
                           ('seed = \n', "not valid TOML")):
         cfg.write_text(text)

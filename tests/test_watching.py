@@ -134,7 +134,7 @@ def test_peers_are_live_or_stale_by_the_coordinators_peer_timeout():
     peers = {p["name"]: p for p in map(peer_dict, svc.ListPeers(cpb.ListPeersRequest(), Context()).peers)}
     assert peers["fresh"]["live"] and peers["fresh"]["age_seconds"] < 30
     assert not peers["old"]["live"] and 44 < peers["old"]["age_seconds"] < 60
-    assert peers["old"]["peer_timeout"] == 30.0 and peers["old"]["train_images"] == 5
+    assert peers["old"]["peer_timeout"] == 30.0 and peers["old"]["tasks"][0]["train_samples"] == 5
 
 
 def test_the_progress_bar_counts_the_epochs_the_run_trains():
