@@ -166,9 +166,9 @@ def start_chain(
                              "model, loss and metrics (an installed task package's name, or module:attr; "
                              "`coordinator peers` lists what each site offers)."),
     task_sha256: str = typer.Option("", "--task-sha256", help="Pin the task's code: the SHA-256 every site's copy "
-                                    "must have \[default: the one every site reports]."),
-    model: str = typer.Option("", "--model", help="One of the task's models (image-folder: cnn, resnet18) "
-                              "\[default: the task's first]."),
+                                    "must have \\[default: the one every site reports]."),
+    model: str = typer.Option("", "--model", help="One of the task's models (image-folder: cnn, resnet18; "
+                              "tabular-csv: mlp, logistic) \\[default: the task's first]."),
     aggregator: str = typer.Option("", "--aggregator", help="Parallel methods: the site that combines the uploads "
                                    "\\[default: chosen by --seed]."),
     init: _choice(run_params.INITS) = typer.Option(
@@ -393,7 +393,7 @@ METRIC_HEADS = {"accuracy": "accuracy", "balanced_accuracy": "balanced acc.", "m
                 "auroc": "AUROC", "sensitivity": "sensitivity", "specificity": "specificity"}
 
 
-def _metrics_table(f: dict) -> Table:
+def _final_metrics_table(f: dict) -> Table:
     """The final model's metrics per site (each site's exact figures on its own test split) and
     global (from the sites' pooled statistics; README "Metrics")."""
     names = [k for k in METRIC_HEADS if k in f.get("metrics", {}) or any(k in v.get("metrics", {})
@@ -426,7 +426,7 @@ def _render_outcome(s: dict) -> None:
     f = s["final"]
     if f:
         console.print(f"final model sha256 {f['sha256']}", highlight=False)
-        console.print(_metrics_table(f))
+        _print_wide(_final_metrics_table(f))
     if s.get("skipped"):
         console.print(f"[yellow]routed around (down past --peer-timeout):[/] {', '.join(s['skipped'])}; "
                       f"the final model holds the training of {', '.join(s['contributors'])}", highlight=False)
