@@ -766,15 +766,21 @@ def enroll(
 
 @app.command("split-dataset")
 def split_dataset(
-    name: str = typer.Argument(..., help="Dataset: fashion-mnist"),
+    name: str = typer.Argument(..., help="Dataset: fashion-mnist (image folders) | breast-cancer (tabular-csv "
+                               "folders from scikit-learn's Wisconsin Diagnostic Breast Cancer data; no download)."),
     sites: int = typer.Option(10, "--sites", help="N: number of sites."),
-    dirichlet: float = typer.Option(0.5, "--dirichlet", help="Dirichlet concentration of the label skew."),
-    seed: int = typer.Option(0, "--seed", help="Fixes the Dirichlet draws and the subsampling."),
+    dirichlet: float = typer.Option(None, "--dirichlet", help="Dirichlet concentration of the label skew "
+                                    "\\[default: 0.5 for fashion-mnist; none for breast-cancer: every site gets "
+                                    "the overall mix of diagnoses]."),
+    seed: int = typer.Option(0, "--seed", help="Fixes the Dirichlet draws, the shares and the subsampling."),
     out: Path = typer.Option(..., "--out", help="Folder for site-00 ... site-(N-1)."),
-    source: Path = typer.Option(None, "--source", help="Folder with the IDX files \\[default: Debian's dataset-fashion-mnist]."),
-    max_train_per_site: int = typer.Option(None, "--max-train-per-site", help="Subsample each site's train images."),
+    source: Path = typer.Option(None, "--source", help="fashion-mnist: folder with the IDX files \\[default: "
+                                "Debian's dataset-fashion-mnist]."),
+    max_train_per_site: int = typer.Option(None, "--max-train-per-site", help="fashion-mnist: subsample each "
+                                           "site's train images."),
 ) -> None:
-    """Write N label-skewed site folders (ImageFolder layout) for a trial."""
+    """Write N site folders for a trial: label-skewed image folders (fashion-mnist), or hospitals'
+    train.csv/test.csv tables (breast-cancer, for --task tabular-csv)."""
     from fedrelay.coordinator.split import DatasetNotFound, split_dataset as do_split
 
     try:
@@ -785,7 +791,13 @@ def split_dataset(
     except (ValueError, OSError) as exc:
         fail(str(exc))
     console.print(f"wrote {sites} sites under {out}", highlight=False)
-    _ = summary
+    if summary.get("name") == "breast-cancer":
+        for s in summary["per_site"]:
+            train, test = (", ".join(f"{c} {n}" for c, n in s[split].items()) for split in ("train", "test"))
+            console.print(f"  {s['site']}: train {s['n_train']} ({train}), test {s['n_test']} ({test})",
+                          highlight=False, soft_wrap=True)
+        console.print("train on them with start-chain --task tabular-csv (each folder's fedrelay.toml names the "
+                      "label column)", highlight=False, soft_wrap=True)
 
 
 if __name__ == "__main__":
