@@ -167,8 +167,8 @@ def start_chain(
                              "`coordinator peers` lists what each site offers)."),
     task_sha256: str = typer.Option("", "--task-sha256", help="Pin the task's code: the SHA-256 every site's copy "
                                     "must have \\[default: the one every site reports]."),
-    model: str = typer.Option("", "--model", help="One of the task's models (image-folder: cnn, resnet18) "
-                              "\\[default: the task's first]."),
+    model: str = typer.Option("", "--model", help="One of the task's models (image-folder: cnn, resnet18; "
+                              "tabular-csv: mlp, logistic) \\[default: the task's first]."),
     aggregator: str = typer.Option("", "--aggregator", help="Parallel methods: the site that combines the uploads "
                                    "\\[default: chosen by --seed]."),
     init: _choice(run_params.INITS) = typer.Option(
@@ -393,7 +393,7 @@ METRIC_HEADS = {"accuracy": "accuracy", "balanced_accuracy": "balanced acc.", "m
                 "auroc": "AUROC", "sensitivity": "sensitivity", "specificity": "specificity"}
 
 
-def _final_table(f: dict) -> Table:
+def _final_metrics_table(f: dict) -> Table:
     """The final model's metrics per site (each site's exact figures on its own test split) and
     global (from the sites' pooled statistics; README "Metrics")."""
     names = [k for k in METRIC_HEADS if k in f.get("metrics", {}) or any(k in v.get("metrics", {})
@@ -426,7 +426,7 @@ def _render_outcome(s: dict) -> None:
     f = s["final"]
     if f:
         console.print(f"final model sha256 {f['sha256']}", highlight=False)
-        console.print(_final_table(f))
+        _print_wide(_final_metrics_table(f))
     if s.get("skipped"):
         console.print(f"[yellow]routed around (down past --peer-timeout):[/] {', '.join(s['skipped'])}; "
                       f"the final model holds the training of {', '.join(s['contributors'])}", highlight=False)
@@ -638,7 +638,7 @@ def metrics(run_id: str = typer.Argument(..., help="The run's id (from start-cha
     else:
         _print_wide(_metrics_table(run_id, rows))
         if final:
-            _print_wide(_final_table(final))
+            _print_wide(_final_metrics_table(final))
 
 
 STAGES = {"warmup": "warm-up", "pool": "pool", "fedseq": "fedseq", "aggregate": "aggregation"}
@@ -771,15 +771,21 @@ def enroll(
 
 @app.command("split-dataset")
 def split_dataset(
-    name: str = typer.Argument(..., help="Dataset: fashion-mnist"),
+    name: str = typer.Argument(..., help="Dataset: fashion-mnist (image folders) | breast-cancer (tabular-csv "
+                               "folders from scikit-learn's Wisconsin Diagnostic Breast Cancer data; no download)."),
     sites: int = typer.Option(10, "--sites", help="N: number of sites."),
-    dirichlet: float = typer.Option(0.5, "--dirichlet", help="Dirichlet concentration of the label skew."),
-    seed: int = typer.Option(0, "--seed", help="Fixes the Dirichlet draws and the subsampling."),
+    dirichlet: float = typer.Option(None, "--dirichlet", help="Dirichlet concentration of the label skew "
+                                    "\\[default: 0.5 for fashion-mnist; none for breast-cancer: every site gets "
+                                    "the overall mix of diagnoses]."),
+    seed: int = typer.Option(0, "--seed", help="Fixes the Dirichlet draws, the shares and the subsampling."),
     out: Path = typer.Option(..., "--out", help="Folder for site-00 ... site-(N-1)."),
-    source: Path = typer.Option(None, "--source", help="Folder with the IDX files \\[default: Debian's dataset-fashion-mnist]."),
-    max_train_per_site: int = typer.Option(None, "--max-train-per-site", help="Subsample each site's train images."),
+    source: Path = typer.Option(None, "--source", help="fashion-mnist: folder with the IDX files \\[default: "
+                                "Debian's dataset-fashion-mnist]."),
+    max_train_per_site: int = typer.Option(None, "--max-train-per-site", help="fashion-mnist: subsample each "
+                                           "site's train images."),
 ) -> None:
-    """Write N label-skewed site folders (ImageFolder layout) for a trial."""
+    """Write N site folders for a trial: label-skewed image folders (fashion-mnist), or hospitals'
+    train.csv/test.csv tables (breast-cancer, for --task tabular-csv)."""
     from fedrelay.coordinator.split import DatasetNotFound, split_dataset as do_split
 
     try:
@@ -790,7 +796,13 @@ def split_dataset(
     except (ValueError, OSError) as exc:
         fail(str(exc))
     console.print(f"wrote {sites} sites under {out}", highlight=False)
-    _ = summary
+    if summary.get("name") == "breast-cancer":
+        for s in summary["per_site"]:
+            train, test = (", ".join(f"{c} {n}" for c, n in s[split].items()) for split in ("train", "test"))
+            console.print(f"  {s['site']}: train {s['n_train']} ({train}), test {s['n_test']} ({test})",
+                          highlight=False, soft_wrap=True)
+        console.print("train on them with start-chain --task tabular-csv (each folder's fedrelay.toml names the "
+                      "label column)", highlight=False, soft_wrap=True)
 
 
 if __name__ == "__main__":

@@ -128,7 +128,9 @@ def score_bin(scores):
     with np.errstate(divide="ignore", invalid="ignore"):
         logit = np.log(p) - np.log1p(-p)  # p = 0: -inf, p = 1: +inf
     width = 2 * LOGIT_RANGE / BINS
-    inside = np.floor((logit + LOGIT_RANGE) / width).astype(np.int64) + 1
+    # the infinite logits fall outside the range (bins 0 and BINS + 1 below): clipped before the
+    # integer cast, which would otherwise warn "invalid value encountered in cast"
+    inside = np.floor((np.clip(logit, -LOGIT_RANGE, LOGIT_RANGE) + LOGIT_RANGE) / width).astype(np.int64) + 1
     return np.where(logit < -LOGIT_RANGE, 0, np.where(logit >= LOGIT_RANGE, BINS + 1, np.clip(inside, 1, BINS)))
 
 
