@@ -3,10 +3,12 @@
 Layout (the same one ``coordinator split`` writes)::
 
     root/
-      train/<class name>/<file>.png|.jpg|.jpeg     (required; at least one image overall)
-      test/<class name>/<file>.png|.jpg|.jpeg      (optional)
+      train/<class name>/<file>.png|.jpg|.jpeg|.dcm     (required; at least one image overall)
+      test/<class name>/<file>.png|.jpg|.jpeg|.dcm      (optional)
+      fedrelay.toml                                      (optional: [image-folder] resize, depth)
 
-* Extensions are matched case-insensitively (``.PNG``, ``.JPG`` ...). Any other file in a
+* Extensions are matched case-insensitively (``.PNG``, ``.JPG``, ``.DCM`` ...); ``.dcm`` and
+  ``.dicom`` files are DICOM (read with pydicom, see :mod:`.dicom`). Any other file in a
   class folder (``README``, ``labels.csv``, a ``.bmp`` or ``.webp`` image ...) is skipped and
   listed in ``SiteData.skipped`` (the daemon says so when it starts); hidden entries (names
   starting with ``.``) and sub-folders *inside* a class folder are ignored (the scan is not
@@ -21,18 +23,29 @@ Layout (the same one ``coordinator split`` writes)::
 * A missing ``test/`` folder is allowed: ``test_counts`` is then empty and
   ``tensors("test", ...)`` returns empty tensors of shape ``(0, C, H, W)`` / ``(0,)``.
 * Images may be greyscale or colour, of any size, but every image of a site must decode to
-  the same ``(C, H, W)``. Nothing is resized: a mismatch is reported, naming the file.
+  the same ``(C, H, W)``. Nothing is resized unless the site's ``fedrelay.toml`` says
+  ``size = [H, W]`` under ``[image-folder]`` (:mod:`.options`); without it a mismatch is
+  reported, naming the file.
 
-Colour modes (decoded with Pillow, always to 8 bits per channel):
+Depth: a site's images are stored in memory at 8 bits (uint8) or, when they are 16-bit,
+at 16 bits (uint16), and the task feeds the model ``v / 255`` or ``v / 65535`` (both in
+[0, 1]). 16-bit images are 16-bit greyscale PNGs and DICOM files with more than 8 bits stored;
+everything else is 8-bit. A site mixing the two is refused, naming a file of each, unless its
+``fedrelay.toml`` sets ``bits`` (:mod:`.options`). A 16-bit site's input description has
+``"bits": 16``; an 8-bit site's has no ``bits`` key (as before 16-bit support).
 
-* greyscale (``L``), 1-bit (``1``) and greyscale + alpha (``LA``) -> 1 channel; the alpha
-  channel is dropped (not composited);
-* 16-bit greyscale (``I;16*``) -> 1 channel, scaled to 8 bits (``value >> 8``);
+Colour modes of PNG/JPEG (decoded with Pillow):
+
+* greyscale (``L``), 1-bit (``1``) and greyscale + alpha (``LA``) -> 1 channel, 8 bits; the
+  alpha channel is dropped (not composited);
+* 16-bit greyscale (``I;16*``) -> 1 channel, 16 bits, values as stored (0 .. 65535);
 * palette images (``P``/``PA``) -> 1 channel if every palette entry used is grey (r == g == b),
   else 3 channels (RGB); transparency is dropped;
 * RGB -> 3 channels; RGBA/RGBX -> 3 channels, alpha dropped (not composited); CMYK, YCbCr
-  and the other colour modes -> converted to RGB;
-* 32-bit integer or float images (``I``, ``F``) are refused: convert them to 8-bit PNG.
+  and the other colour modes -> converted to RGB; Pillow reads 16-bit colour PNGs at 8 bits
+  per channel, and 16-bit greyscale + alpha PNGs as 8-bit RGBA (so 3 channels: save them
+  without alpha to keep them 16-bit greyscale);
+* 32-bit integer or float images (``I``, ``F``) are refused: convert them to 8- or 16-bit PNG.
 
 EXIF orientation tags are not applied (the pixels are used as stored).
 """
@@ -47,10 +60,13 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-# Listing folders and reading image headers needs no torch: peer/scan.py (the light daemon's part).
+# Listing folders and reading image headers needs no torch: scan.py (the light daemon's part).
 from fedrelay.task import SiteData as GenericSiteData
+from fedrelay.tasks.image_folder import dicom
+from fedrelay.tasks.image_folder.options import SiteOptions, read_options
 from fedrelay.tasks.image_folder.scan import (IMAGE_EXTENSIONS, DataError, _is_image_file, _palette_is_grey,  # noqa: F401
-                                              _scan_folders, _scan_split, skipped_message)
+                                              _scan_folders, _scan_split, depth_mismatch, input_description, is_dicom,
+                                              pillow_bits, shape_mismatch, skipped_message)
 
 __all__ = ["DataError", "SiteData", "IMAGE_EXTENSIONS", "load_site"]
 
@@ -59,24 +75,30 @@ SPLITS = ("train", "test")
 
 @dataclass
 class SiteData(GenericSiteData):
-    """The decoded images of one site, held in memory as uint8 tensors: a
-    :class:`fedrelay.SiteData` (``inputs[split]``: uint8 ``(N, C, H, W)``, ``labels[split]``:
-    int64 ``(N,)`` positions in ``class_names``; ``input``: ``{"channels", "height", "width"}``)
-    with the folder's particulars.
+    """The decoded images of one site, held in memory as uint8 (or, for a 16-bit site, uint16)
+    tensors: a :class:`fedrelay.SiteData` (``inputs[split]``: uint8/uint16 ``(N, C, H, W)``,
+    ``labels[split]``: int64 ``(N,)`` positions in ``class_names``; ``input``:
+    ``{"channels", "height", "width"}``, plus ``"bits": 16`` for a 16-bit site) with the
+    folder's particulars.
 
     Attributes:
         root: the site folder that was loaded.
         class_names: sorted names of the class folders holding >= 1 image in train/ or test/.
-        image_shape: ``(C, H, W)`` shared by every image of the site (C is 1 or 3).
+        image_shape: ``(C, H, W)`` shared by every image of the site (C is 1 or 3), after the
+            site's resize if it has one.
+        bits: 8 (uint8 inputs) or 16 (uint16 inputs).
+        options: the site's ``[image-folder]`` settings (its ``fedrelay.toml``).
         train_counts / test_counts: class name -> number of images (0 allowed); both have
             one key per entry of ``class_names``, except that ``test_counts`` is empty when
             the site has no ``test/`` folder.
         has_test: whether the site has a ``test/`` folder.
-        skipped: files in class folders that are not .png/.jpg/.jpeg.
+        skipped: files in class folders that are not .png/.jpg/.jpeg/.dcm.
     """
 
     root: Path = Path(".")
     image_shape: tuple[int, int, int] = (0, 0, 0)
+    bits: int = 8
+    options: SiteOptions = field(default_factory=SiteOptions)
     train_counts: dict[str, int] = field(default_factory=dict)
     test_counts: dict[str, int] = field(default_factory=dict)
     has_test: bool = True
@@ -88,8 +110,8 @@ class SiteData(GenericSiteData):
 
     def tensors(self, split: str, class_index: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """The images and labels of one split: uint8 ``(N, C, H, W)`` (values 0..255, not
-        normalised; shared with this object, so do not modify it in place) and int64 ``(N,)``
-        positions in the federation-wide ``class_index`` (which may contain classes this site
+        normalised; uint16, 0..65535, for a 16-bit site; shared with this object, so do not
+        modify it in place) and int64 ``(N,)`` positions in the federation-wide ``class_index`` (which may contain classes this site
         lacks, but must contain every class of the site). Order: sorted class name, then sorted
         file name. Raises ``DataError`` (a class not in ``class_index``, or duplicates) and
         ``ValueError`` (an unknown split)."""
@@ -112,21 +134,19 @@ def _check_split(split: str) -> None:
 
 
 def _decode(path: Path) -> np.ndarray:
-    """Decode one image file to uint8 (C, H, W) with C in {1, 3}; DataError on failure."""
+    """Decode one image file to ``(C, H, W)`` with C in {1, 3}: uint8, or uint16 for a 16-bit
+    image (see the module docstring); DataError on failure."""
+    if is_dicom(path):
+        return dicom.decode(path)
     try:
         with Image.open(path) as im:
             im.load()
             mode = im.mode
+            if pillow_bits(path, im) == 16:  # 16-bit greyscale, kept at full range
+                arr16 = np.asarray(im)
+                return np.clip(arr16, 0, 65535).astype(np.uint16)[None]
             if mode in ("1", "LA", "La"):
                 im = im.convert("L")
-            elif mode.startswith("I;16"):
-                arr16 = np.asarray(im).astype(np.uint32)
-                return (arr16 >> 8).astype(np.uint8)[None]
-            elif mode in ("I", "F"):
-                raise DataError(
-                    f"image {path} has 32-bit pixels (mode {mode}); convert it to an 8-bit "
-                    f"greyscale or RGB PNG/JPEG"
-                )
             elif mode in ("P", "PA"):
                 grey = _palette_is_grey(im)
                 rgb = np.asarray(im.convert("RGBA"), dtype=np.uint8)
@@ -147,6 +167,35 @@ def _decode(path: Path) -> np.ndarray:
     return np.ascontiguousarray(arr.transpose(2, 0, 1))
 
 
+_RESAMPLE = {"nearest": Image.Resampling.NEAREST, "box": Image.Resampling.BOX, "bilinear": Image.Resampling.BILINEAR,
+             "bicubic": Image.Resampling.BICUBIC, "lanczos": Image.Resampling.LANCZOS}
+
+
+def _store(arr: np.ndarray, bits: int, options: SiteOptions) -> np.ndarray:
+    """A decoded image ``(C, H, W)`` (uint8 or uint16) as the site stores it: resized to
+    ``options.size`` (if set and different) and at ``bits`` (8: uint8, 16: uint16). The identity
+    (no copy) when neither applies. 8 -> 16 bits is ``v * 257``, 16 -> 8 bits ``round(v / 257)``;
+    a resize runs Pillow's ``options.resample`` filter per channel on float32 values (already
+    at the target depth) and rounds to the nearest integer."""
+    have = 8 if arr.dtype == np.uint8 else 16
+    size = options.size
+    resize = size is not None and tuple(arr.shape[1:]) != tuple(size)
+    if have == bits and not resize:
+        return arr
+    if not resize:
+        if bits == 16:
+            return arr.astype(np.uint16) * np.uint16(257)
+        return ((arr.astype(np.uint32) + 128) // 257).astype(np.uint8)
+    x = arr.astype(np.float32)
+    if have != bits:
+        x = x * 257.0 if bits == 16 else x / 257.0
+    h, w = size
+    filt = _RESAMPLE[options.resample]
+    out = np.stack([np.asarray(Image.fromarray(ch, mode="F").resize((w, h), filt)) for ch in x])
+    top = 255 if bits == 8 else 65535
+    return np.clip(np.rint(out), 0, top).astype(np.uint8 if bits == 8 else np.uint16)
+
+
 def _shape_str(shape: Sequence[int]) -> str:
     return "(C={}, H={}, W={})".format(*shape)
 
@@ -155,18 +204,21 @@ def load_site(root: str | Path, *, expect_shape: tuple[int, int, int] | None = N
     """Load and decode every image of a site folder into memory, once.
 
     Args:
-        root: the site folder, holding ``train/`` and optionally ``test/`` (see module doc).
-        expect_shape: if given, the ``(C, H, W)`` every image must have (e.g. what the
-            run's model expects); images are never resized.
+        root: the site folder, holding ``train/`` and optionally ``test/`` and
+            ``fedrelay.toml`` (see module doc).
+        expect_shape: if given, the ``(C, H, W)`` every image must have after the site's
+            resize (e.g. what the run's model expects).
 
     Returns:
         A :class:`SiteData`; get tensors with ``site.tensors("train", class_index)``.
 
     Raises:
         DataError: root missing or not a folder; ``train/`` missing; no training image at
-            all; ``test`` present but not a folder; an unreadable or corrupt image; an image
-            directly in ``train/``/``test/``; an image whose (C, H, W) differs from the
-            site's first image or from ``expect_shape``. The message names the offending path.
+            all; ``test`` present but not a folder; a bad ``fedrelay.toml``; an unreadable or
+            corrupt image; an image directly in ``train/``/``test/``; an image whose (C, H, W)
+            differs from the site's first image or from ``expect_shape``; a site mixing 8- and
+            16-bit images without ``bits`` in its ``fedrelay.toml``. The message names the
+            offending path.
     """
     root = Path(root)
     if expect_shape is not None:
@@ -174,10 +226,12 @@ def load_site(root: str | Path, *, expect_shape: tuple[int, int, int] | None = N
         if len(expect_shape) != 3 or min(expect_shape) < 1:
             raise ValueError(f"expect_shape must be (C, H, W) with positive entries, not {expect_shape}")
     scans, skipped, has_test = _scan_folders(root)
+    options = read_options(root)
     class_names = sorted({c for scan in scans.values() for c, files in scan.items() if files})
     class_pos = {c: i for i, c in enumerate(class_names)}
 
     shape: tuple[int, int, int] | None = None
+    bits: int | None = options.bits
     reference_file: Path | None = None
     images: dict[str, torch.Tensor] = {}
     local_labels: dict[str, torch.Tensor] = {}
@@ -199,6 +253,12 @@ def load_site(root: str | Path, *, expect_shape: tuple[int, int, int] | None = N
             except DataError as exc:
                 unreadable.append(exc)  # decode the others too, to report every bad file at once
                 continue
+            native = 8 if arr.dtype == np.uint8 else 16
+            if shape is None:
+                bits = bits or native
+            elif options.bits is None and native != bits:
+                raise depth_mismatch(root, path, native, reference_file, bits)
+            arr = _store(arr, bits, options)
             if shape is None:
                 shape = tuple(arr.shape)  # type: ignore[assignment]
                 reference_file = path
@@ -209,16 +269,12 @@ def load_site(root: str | Path, *, expect_shape: tuple[int, int, int] | None = N
                         f"{expect_shape[2]}x{expect_shape[1]} with {expect_shape[0]} channel(s)"
                     )
             elif arr.shape != shape:
-                raise DataError(
-                    f"image {path} has shape {_shape_str(arr.shape)} but {reference_file} has "
-                    f"{_shape_str(shape)}; all images of a site must have the same size and "
-                    f"number of channels: convert/resize {path}"
-                )
+                raise shape_mismatch(root, path, arr.shape, reference_file, shape, options.size is not None)
             if buf is None:
-                buf = np.empty((len(paths), *shape), dtype=np.uint8)
+                buf = np.empty((len(paths), *shape), dtype=arr.dtype)
             buf[i] = arr
         if buf is None:
-            buf = np.empty((0, *(shape or (1, 1, 1))), dtype=np.uint8)
+            buf = np.empty((0, *(shape or (1, 1, 1))), dtype=np.uint8 if bits in (None, 8) else np.uint16)
         images[split] = torch.from_numpy(buf)
         local_labels[split] = torch.tensor(labels, dtype=torch.int64)
 
@@ -228,23 +284,25 @@ def load_site(root: str | Path, *, expect_shape: tuple[int, int, int] | None = N
         raise DataError(
             f"{len(unreadable)} images of {root} cannot be read or decoded; the first ones: "
             + "; ".join(str(e).split(";")[0] for e in unreadable[:3])
-            + "; check that the files are readable and valid PNG/JPEG, else replace or delete them"
+            + "; check that the files are readable and valid PNG/JPEG/DICOM, else replace or delete them"
         )
-    assert shape is not None  # at least one training image was decoded
+    assert shape is not None and bits is not None  # at least one training image was decoded
+    dtype = torch.uint8 if bits == 8 else torch.uint16
     # The test split may have been allocated before the shape was known only if empty.
-    if images["test"].shape[1:] != torch.Size(shape):
-        images["test"] = torch.empty((0, *shape), dtype=torch.uint8)
+    if images["test"].shape[1:] != torch.Size(shape) or images["test"].dtype != dtype:
+        images["test"] = torch.empty((0, *shape), dtype=dtype)
     return SiteData(
         class_names=class_names,
         inputs=images,
         labels=local_labels,
-        input={"channels": shape[0], "height": shape[1], "width": shape[2]},
+        input=input_description(shape, bits),
         notes=[line for line in [skipped_message(skipped)] if line],
         root=root,
         image_shape=shape,
+        bits=bits,
+        options=options,
         train_counts=counts["train"],
         test_counts=counts["test"],
         has_test=has_test,
         skipped=skipped,
     )
-

@@ -1,10 +1,12 @@
 """A site folder's layout and image headers, without decoding pixels (and without torch).
 
 ``scan_site`` gives what a site registers for the image-folder task (class names, counts per
-split, the image shape) from folder listings and image *headers* (Pillow opens a file without
-decoding its pixels; a palette image's used entries are read to tell grey from colour). The
-pixels are decoded by ``data.load_site`` (it also reports corrupt or truncated image bodies,
-which a header read cannot see). The layout rules are in ``data``'s module docstring.
+split, the image shape and bit depth, hence the input description) from folder listings, the
+site's ``fedrelay.toml`` (:mod:`.options`) and image *headers* (Pillow opens a file without
+decoding its pixels; a palette image's used entries are read to tell grey from colour; a DICOM
+file's header is read without its pixel data, :mod:`.dicom`). The pixels are decoded by
+``data.load_site`` (it also reports corrupt or truncated image bodies, which a header read
+cannot see). The layout rules are in ``data``'s module docstring.
 """
 
 from __future__ import annotations
@@ -17,13 +19,36 @@ from PIL import Image, UnidentifiedImageError
 
 from fedrelay.task import DataError  # one error type for every task's data
 
-__all__ = ["DataError", "IMAGE_EXTENSIONS", "SiteSummary", "scan_site", "skipped_message"]
+from .dicom import DICOM_EXTENSIONS, read_header
+from .options import FILE as OPTIONS_FILE, TABLE as OPTIONS_TABLE, SiteOptions, read_options
 
-IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg"})
+__all__ = ["DataError", "IMAGE_EXTENSIONS", "PILLOW_EXTENSIONS", "DICOM_EXTENSIONS", "SiteSummary", "scan_site",
+           "skipped_message", "input_description"]
+
+PILLOW_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg"})  # decoded by Pillow
+IMAGE_EXTENSIONS = PILLOW_EXTENSIONS | DICOM_EXTENSIONS   # every file a class folder's scan takes
+_FORMATS = ".png/.jpg/.jpeg/.dcm"
 
 
 def _is_image_file(path: Path) -> bool:
     return path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
+
+
+def is_dicom(path: Path) -> bool:
+    """Whether ``path`` is read as a DICOM file (by its extension, case-insensitively)."""
+    return path.suffix.lower() in DICOM_EXTENSIONS
+
+
+def input_description(shape: tuple[int, int, int], bits: int) -> dict:
+    """The image-folder input description of images of ``shape`` ``(C, H, W)`` stored at
+    ``bits`` (8 or 16): ``{"channels": C, "height": H, "width": W}``, plus ``"bits": 16`` for
+    16-bit images (an 8-bit site's description has no ``bits`` key, as before 16-bit support;
+    sites of different depths thus never share a run)."""
+    c, h, w = shape
+    found = {"channels": int(c), "height": int(h), "width": int(w)}
+    if bits != 8:
+        found["bits"] = int(bits)
+    return found
 
 
 def _scan_split(split_dir: Path, skipped: list[Path] | None = None) -> dict[str, list[Path]]:
@@ -96,7 +121,7 @@ def _scan_folders(root: Path) -> tuple[dict[str, dict[str, list[Path]]], list[Pa
     if not any(scans["train"].values()):
         raise DataError(
             f"no training images found under {train_dir}; put the site's training images in "
-            f"{train_dir}/<class name>/ as .png/.jpg/.jpeg files"
+            f"{train_dir}/<class name>/ as .png/.jpg/.jpeg (8- or 16-bit) or DICOM .dcm files"
         )
     return scans, skipped, has_test
 
@@ -104,9 +129,11 @@ def _scan_folders(root: Path) -> tuple[dict[str, dict[str, list[Path]]], list[Pa
 @dataclass
 class SiteSummary:
     """What a site registers (see ``fedrelay.tasks.image_folder.data.SiteData``, whose fields of the same names these are):
-    ``class_names`` (sorted, classes with >= 1 image), ``image_shape`` ``(C, H, W)``,
+    ``class_names`` (sorted, classes with >= 1 image), ``image_shape`` ``(C, H, W)`` (after the
+    site's resize, if any), ``bits`` (8 or 16, the depth the images are stored at),
     ``train_counts`` / ``test_counts`` (class -> images; ``test_counts`` empty without test/),
-    ``skipped`` (files of class folders that are not .png/.jpg/.jpeg)."""
+    ``skipped`` (files of class folders that are not .png/.jpg/.jpeg/.dcm), ``options`` (the
+    site's ``[image-folder]`` settings)."""
 
     root: Path
     class_names: list[str]
@@ -115,6 +142,13 @@ class SiteSummary:
     test_counts: dict[str, int]
     has_test: bool = True
     skipped: list[Path] = field(default_factory=list)
+    bits: int = 8
+    options: SiteOptions = field(default_factory=SiteOptions)
+
+    @property
+    def input(self) -> dict:
+        """The input description the site registers (:func:`input_description`)."""
+        return input_description(self.image_shape, self.bits)
 
     def skipped_message(self, show: int = 3) -> str:
         """One line on :attr:`skipped` (empty if none)."""
@@ -127,24 +161,39 @@ def skipped_message(skipped: list[Path], show: int = 3) -> str:
     if not skipped:
         return ""
     names = ", ".join(str(p) for p in skipped[:show]) + (", ..." if len(skipped) > show else "")
-    return (f"skipped {len(skipped)} file(s) that are not .png/.jpg/.jpeg images: {names}; convert "
-            "images of other formats to PNG to use them")
+    return (f"skipped {len(skipped)} file(s) that are not {_FORMATS} images: {names}; convert "
+            "images of other formats to PNG (DICOM files: name them .dcm) to use them")
 
 
-def _header_shape(path: Path) -> tuple[int, int, int]:
-    """``(C, H, W)`` the image at ``path`` decodes to (``data._decode``'s channel rules), from
-    its header (and, for palette images, its palette indices). Raises ``DataError``."""
+def pillow_bits(path: Path, im: Image.Image) -> int:
+    """8 or 16: the depth the image-folder task stores the opened image ``im`` at (16 for
+    16-bit greyscale, Pillow's ``I;16*`` modes or, from older Pillow, a PNG opened as ``I``).
+    Raises ``DataError`` for 32-bit integer or float images."""
+    mode = im.mode
+    if mode.startswith("I;16") or (mode == "I" and im.format == "PNG"):
+        return 16
+    if mode in ("I", "F") or mode.startswith("I;32") or mode.startswith("F;"):
+        raise DataError(f"image {path} has 32-bit pixels (mode {mode}); convert it to an 8- or 16-bit "
+                        f"greyscale or an RGB PNG")
+    return 8
+
+
+def _header(path: Path) -> tuple[tuple[int, int, int], int]:
+    """``((C, H, W), bits)`` the image at ``path`` decodes to (``data._decode``'s rules), from
+    its header (and, for palette images, its palette indices; for DICOM, :func:`.dicom.read_header`).
+    Raises ``DataError``."""
+    if is_dicom(path):
+        head = read_header(path)
+        return (head.channels, head.height, head.width), head.bits
     try:
         with Image.open(path) as im:
             mode, (w, h) = im.mode, im.size
-            if mode in ("I", "F"):
-                raise DataError(f"image {path} has 32-bit pixels (mode {mode}); convert it to an 8-bit "
-                                f"greyscale or RGB PNG/JPEG")
-            if mode in ("1", "L", "LA", "La") or mode.startswith("I;16"):
-                return (1, h, w)
+            bits = pillow_bits(path, im)
+            if mode in ("1", "L", "LA", "La") or bits == 16:
+                return (1, h, w), bits
             if mode in ("P", "PA"):
-                return (1 if _palette_is_grey(im) else 3, h, w)
-            return (3, h, w)
+                return (1 if _palette_is_grey(im) else 3, h, w), bits
+            return (3, h, w), bits
     except DataError:
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
@@ -152,24 +201,52 @@ def _header_shape(path: Path) -> tuple[int, int, int]:
                         f"valid PNG/JPEG, else replace or delete it (it may be corrupt or truncated)") from e
 
 
+def shape_mismatch(root: Path, path: Path, got, first: Path, shape, resized: bool) -> DataError:
+    """The error for an image whose ``(C, H, W)`` ``got`` differs from ``shape``, the one of the
+    site's first image ``first``."""
+    hint = f"convert/resize {path}"
+    if not resized and got[1:] != shape[1:]:
+        hint += (f", or have every image resized at load: size = [{shape[1]}, {shape[2]}] under "
+                 f"[{OPTIONS_TABLE}] in {root / OPTIONS_FILE}")
+    return DataError(f"image {path} has shape (C={got[0]}, H={got[1]}, W={got[2]}) but {first} has "
+                     f"(C={shape[0]}, H={shape[1]}, W={shape[2]}); all images of a site must have the "
+                     f"same size and number of channels: {hint}")
+
+
+def depth_mismatch(root: Path, path: Path, bits: int, first: Path, first_bits: int) -> DataError:
+    """The error for a site mixing 8- and 16-bit images (without ``bits`` in its settings)."""
+    return DataError(f"image {path} has {bits}-bit pixels but {first} has {first_bits}-bit ones; all images of a "
+                     f"site must have one bit depth: convert them, or set bits = 16 (8-bit images scaled up, "
+                     f"nothing lost) or bits = 8 (16-bit images rounded down) under [{OPTIONS_TABLE}] in "
+                     f"{root / OPTIONS_FILE}")
+
+
 def scan_site(root: str | Path) -> SiteSummary:
-    """Class names, counts and the image shape of a site folder, from listings and image headers
-    (no pixels kept, no torch). Raises ``DataError`` like ``data.load_site`` for the folder,
-    an unreadable header, or an image whose ``(C, H, W)`` differs from the first one's."""
+    """Class names, counts, the image shape and depth of a site folder, from listings, its
+    ``fedrelay.toml`` and image headers (no pixels kept, no torch). Raises ``DataError`` like
+    ``data.load_site`` for the folder, its ``fedrelay.toml``, an unreadable header, an image
+    whose ``(C, H, W)`` (after the site's resize) differs from the first one's, or one whose bit
+    depth does (unless the site sets ``bits``)."""
     root = Path(root)
     scans, skipped, has_test = _scan_folders(root)
+    options = read_options(root)
     class_names = sorted({c for scan in scans.values() for c, files in scan.items() if files})
-    shape, first = None, None
+    shape, bits, first = None, None, None
     for split in ("train", "test"):
         for c in class_names:
             for path in scans[split].get(c, []):
-                got = _header_shape(path)
+                got, got_bits = _header(path)
+                if options.size is not None:
+                    got = (got[0], *options.size)
+                if options.bits is not None:
+                    got_bits = options.bits
                 if shape is None:
-                    shape, first = got, path
+                    shape, bits, first = got, got_bits, path
                 elif got != shape:
-                    raise DataError(f"image {path} has shape (C={got[0]}, H={got[1]}, W={got[2]}) but {first} has "
-                                    f"(C={shape[0]}, H={shape[1]}, W={shape[2]}); all images of a site must have the "
-                                    f"same size and number of channels: convert/resize {path}")
+                    raise shape_mismatch(root, path, got, first, shape, options.size is not None)
+                elif got_bits != bits:
+                    raise depth_mismatch(root, path, got_bits, first, bits)
     counts = {s: {c: len(scans[s].get(c, [])) for c in class_names} for s in ("train", "test")}
     return SiteSummary(root=root, class_names=class_names, image_shape=shape, train_counts=counts["train"],
-                       test_counts=counts["test"] if has_test else {}, has_test=has_test, skipped=skipped)
+                       test_counts=counts["test"] if has_test else {}, has_test=has_test, skipped=skipped,
+                       bits=bits, options=options)
