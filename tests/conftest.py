@@ -37,14 +37,16 @@ def three_sites(tmp_path_factory, idx_source) -> list[Path]:
 
 def image_offers(classes: dict[str, tuple[int, int]] | None = None, shape=(1, 28, 28)) -> list[dict]:
     """A site's registration offers (``Offer.to_dict()``) for the default image-folder task, as the
-    ledger keeps them: ``classes`` name -> (train, test) images of ``shape`` (C, H, W)."""
+    ledger keeps them: ``classes`` name -> (train, test) images of ``shape`` (C, H, W), with the
+    digest of the image-folder code installed here (what a real daemon beside it reports)."""
+    from fedrelay import __version__, tasks
     from fedrelay.task import DataSummary
     from fedrelay.tasks.offers import Offer
 
     c, h, w = shape
     summary = DataSummary(classes=dict(classes or {}), input={"channels": c, "height": h, "width": w})
-    return [Offer(name="image-folder", version="0", sha256="0" * 64, models=("cnn", "resnet18"),
-                  summary=summary).to_dict()]
+    return [Offer(name="image-folder", version=__version__, sha256=tasks.find(tasks.DEFAULT).sha256,
+                  models=("cnn", "resnet18"), summary=summary).to_dict()]
 
 
 def image_offer_pbs(classes: dict[str, tuple[int, int]] | None = None, shape=(1, 28, 28)) -> list:
