@@ -393,7 +393,7 @@ METRIC_HEADS = {"accuracy": "accuracy", "balanced_accuracy": "balanced acc.", "m
                 "auroc": "AUROC", "sensitivity": "sensitivity", "specificity": "specificity"}
 
 
-def _metrics_table(f: dict) -> Table:
+def _final_table(f: dict) -> Table:
     """The final model's metrics per site (each site's exact figures on its own test split) and
     global (from the sites' pooled statistics; README "Metrics")."""
     names = [k for k in METRIC_HEADS if k in f.get("metrics", {}) or any(k in v.get("metrics", {})
@@ -426,7 +426,7 @@ def _render_outcome(s: dict) -> None:
     f = s["final"]
     if f:
         console.print(f"final model sha256 {f['sha256']}", highlight=False)
-        console.print(_metrics_table(f))
+        _print_wide(_final_table(f))
     if s.get("skipped"):
         console.print(f"[yellow]routed around (down past --peer-timeout):[/] {', '.join(s['skipped'])}; "
                       f"the final model holds the training of {', '.join(s['contributors'])}", highlight=False)
