@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import socket
 import subprocess
 import sys
-import textwrap
 import urllib.request
 import zipfile
 from pathlib import Path
@@ -211,6 +209,11 @@ def cli(trial, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return trial.cli(*args, capture_output=True, text=True, timeout=timeout)
 
 
+def flat(text: str) -> str:
+    """``text`` on one line (the CLI wraps its messages to the terminal's width)."""
+    return " ".join(text.split())
+
+
 def start(trial, *args: str) -> dict:
     res = cli(trial, "start-chain", "--seed", "3", "--wait", "--json", *RUN, *args)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -265,11 +268,11 @@ def test_a_task_a_site_lacks_or_cannot_read_is_refused_at_start(world):
     before = run_ids(world)
     res = cli(world, "start-chain", "--seed", "5", "--wait", *RUN[:-2], "--task", "wrong-outputs")
     assert res.returncode == 1
-    assert "task 'wrong-outputs' is not installed at site-02" in res.stderr, res.stderr
+    assert "task 'wrong-outputs' is not installed at site-02" in flat(res.stderr), res.stderr
     res = cli(world, "start-chain", "--seed", "5", "--wait", *BAD_RUN, "--task", "loader-raises")
     assert res.returncode == 1
     assert "task 'loader-raises' cannot read the data of site-00: RuntimeError: the lab export is truncated" \
-        in " ".join(res.stderr.split()), res.stderr
+        in flat(res.stderr), res.stderr
     assert "Traceback" not in res.stderr
     assert run_ids(world) == before
     still_serving(world)
@@ -338,9 +341,10 @@ def test_the_new_task_runs_four_strategies_and_reports_its_metric(world):
             assert rows[site]["values"]["accuracy"] == v["accuracy"]
         assert table["global"]["values"]["top2_accuracy"] == final["metrics"]["top2_accuracy"]
         assert table["global"]["test_samples"] == samples
-    # The same run page is what a browser gets: its script draws these columns.
+    # The page a browser gets draws that table (tests/test_webpage.py checks it in Chromium).
     html = urllib.request.urlopen(f"{world.web}/runs/{run['run_id']}", timeout=30).read().decode()
-    assert 'id="final"' in html
+    script = urllib.request.urlopen(f"{world.web}/static/run.js", timeout=30).read().decode()
+    assert 'id="final"' in html and "d.final_table" in script
 
 
 def test_one_changed_line_at_one_site_fails_the_run_before_any_transfer(world):
@@ -360,7 +364,9 @@ def test_one_changed_line_at_one_site_fails_the_run_before_any_transfer(world):
     finally:
         code.write_text(original)
     assert res.returncode == 1
-    assert "site-01" in res.stderr and pinned in res.stderr and changed in res.stderr, res.stderr
+    message = flat(res.stderr)
+    assert "assignment refused by site-01" in message and f"task '{NAME}' at this site has code SHA-256 {changed}, " \
+        f"the run pins {pinned}" in message, res.stderr
     assert "Traceback" not in res.stderr
     (run_id,) = run_ids(world) - before
     run = summary(world, run_id)

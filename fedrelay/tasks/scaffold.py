@@ -14,6 +14,7 @@ No torch, no task code here: it copies text.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import keyword
 import os
@@ -81,8 +82,6 @@ def _check(name: str, out: Path, pkg: str) -> None:
     if name in BUILTIN:
         raise ValueError(f"NAME {name!r} is a built-in task of fedrelay ({', '.join(sorted(BUILTIN))}): choose "
                          "another name")
-    import importlib.metadata
-
     taken = [ep for ep in importlib.metadata.entry_points(group=GROUP) if ep.name == name]
     if taken:
         raise ValueError(f"a task named {name!r} is already installed here ({taken[0].value}, from "
