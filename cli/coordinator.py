@@ -166,9 +166,9 @@ def start_chain(
                              "model, loss and metrics (an installed task package's name, or module:attr; "
                              "`coordinator peers` lists what each site offers)."),
     task_sha256: str = typer.Option("", "--task-sha256", help="Pin the task's code: the SHA-256 every site's copy "
-                                    "must have \[default: the one every site reports]."),
+                                    "must have \\[default: the one every site reports]."),
     model: str = typer.Option("", "--model", help="One of the task's models (image-folder: cnn, resnet18) "
-                              "\[default: the task's first]."),
+                              "\\[default: the task's first]."),
     aggregator: str = typer.Option("", "--aggregator", help="Parallel methods: the site that combines the uploads "
                                    "\\[default: chosen by --seed]."),
     init: _choice(run_params.INITS) = typer.Option(

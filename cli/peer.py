@@ -62,7 +62,7 @@ def serve(
                                            "per host)."),
     task: list[str] = typer.Option(None, "--task", envvar="FEDRELAY_TASKS",
                                    help="Offer only this task (repeat for more): an installed task's name, or "
-                                        "module:attr for a task module on this daemon's Python path \[default: "
+                                        "module:attr for a task module on this daemon's Python path \\[default: "
                                         "every installed task (entry-point group fedrelay.tasks) and the built-in "
                                         "ones]."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
