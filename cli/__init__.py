@@ -1,1 +1,1 @@
-"""Typer apps behind the console scripts `peer` and `coordinator` (no logic of their own)."""
+"""Typer apps behind the console scripts `peer`, `coordinator` and `fedrelay` (no logic of their own)."""

@@ -18,7 +18,7 @@ from fedrelay.cli.common import (CONTEXT_SETTINGS, ENV_COORDINATOR, ENV_INSECURE
                                  console, err_console, fail, load_config_callback, setup_logging, stop_on_sigterm,
                                  transport_from, version_option)
 from fedrelay.coordinator.planner import ORDERS
-from fedrelay import tasks as task_registry
+from fedrelay import scoring, tasks as task_registry
 from fedrelay.registry import STRATEGIES
 
 app = typer.Typer(help="fedrelay coordinator: plans chains, assigns roles, keeps the ledger.",
@@ -389,8 +389,7 @@ def _render_chain(s: dict) -> None:
                       "(outside the chain's total)", highlight=False)
 
 
-METRIC_HEADS = {"accuracy": "accuracy", "balanced_accuracy": "balanced acc.", "macro_f1": "macro-F1",
-                "auroc": "AUROC", "sensitivity": "sensitivity", "specificity": "specificity"}
+METRIC_HEADS = scoring.LABELS  # the built-in metrics' column heads, as on the run page
 
 
 def _final_metrics_table(f: dict) -> Table:

@@ -113,12 +113,15 @@ def ensure_fashion_mnist(source: Path | None) -> None:
 
 
 class LocalTrial:
-    """A coordinator and peers as subprocesses on 127.0.0.1. Use as a context manager."""
+    """A coordinator and peers as subprocesses on 127.0.0.1. Use as a context manager.
+
+    ``env``: variables over this process's environment for every daemon and CLI call;
+    ``site_env``: site name -> variables for that site's daemon only (over ``env``)."""
 
     def __init__(self, workdir: Path, site_dirs: list[Path], *, device: str = "cpu", env: dict | None = None,
                  insecure: bool = False, peer_args: list[str] | None = None,
                  coordinator_args: list[str] | None = None, start_concurrency: int = 8,
-                 outbound_only: list[str] | None = None):
+                 outbound_only: list[str] | None = None, site_env: dict[str, dict[str, str]] | None = None):
         self.insecure = insecure
         # Sites whose daemons accept no inbound connection (peer serve --outbound-only): they
         # register no address, and their models come through the coordinator's relay.
@@ -135,6 +138,12 @@ class LocalTrial:
         self.env = {**os.environ, **(env or {})}
         # The trial's daemons share one set of worker slots (peer/slots.py): the trial's own.
         self.env.setdefault("FEDRELAY_WORKER_SLOTS_DIR", str(Path(workdir).resolve() / "worker-slots"))
+        # Variables for one site's daemon only (name -> {variable: value}, over ``env``): e.g. a
+        # PYTHONPATH holding the task package that site installed, as each hospital has its own.
+        unknown = sorted(set(site_env or {}) - {d.name for d in site_dirs})
+        if unknown:
+            raise ValueError(f"site_env names no site of the trial: {', '.join(unknown)}")
+        self.site_env = {name: dict(v) for name, v in (site_env or {}).items()}
         self.procs: dict[str, subprocess.Popen] = {}
         self.argv: dict[str, list[str]] = {}
         # Fixed addresses, so that a daemon restarted with the same command is found where it was.
@@ -200,7 +209,7 @@ class LocalTrial:
         self.argv[name] = argv
         log = open(self.logs / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen([*_die_with_parent(), *argv], stdout=log, stderr=subprocess.STDOUT,
-                                            env=self.env, start_new_session=True)
+                                            env={**self.env, **self.site_env.get(name, {})}, start_new_session=True)
         log.close()
 
     def kill(self, name: str) -> None:

@@ -39,9 +39,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["BUILTIN", "BINS", "LOGIT_RANGE", "Stats", "site_metrics", "global_metrics", "positive_index"]
+__all__ = ["BUILTIN", "LABELS", "BINS", "LOGIT_RANGE", "Stats", "site_metrics", "global_metrics", "positive_index"]
 
 BUILTIN = ("accuracy", "balanced_accuracy", "macro_f1", "auroc", "sensitivity", "specificity")
+#: How tables head the built-in metrics (``coordinator show``, the run page); a task's own
+#: metrics are headed by their names.
+LABELS = {"accuracy": "accuracy", "balanced_accuracy": "balanced acc.", "macro_f1": "macro-F1", "auroc": "AUROC",
+          "sensitivity": "sensitivity", "specificity": "specificity"}
 BINS = 200            # equal-width logit bins between -LOGIT_RANGE and LOGIT_RANGE (+1 below, +1 above)
 LOGIT_RANGE = 10.0
 MAX_CLASSES = 4096    # a confusion matrix beyond this is not a classification report any more

@@ -24,14 +24,18 @@ class CheckResult:
     offers: list[Offer]
 
     def lines(self) -> list[str]:
-        """One phrase per task: ``image-folder: 600 samples in 10 classes`` or why it cannot."""
+        """One phrase per task: ``task image-folder 0.1.0 (code SHA-256 <64 hex>): 600 samples in
+        10 classes``, or why it cannot read the folder. The digest is the one the site registers
+        (what a run pins: compare it with the release the federation agreed on)."""
         out = []
         for o in self.offers:
+            code = f" (code SHA-256 {o.sha256})" if o.sha256 else ""
+            name = f"task {o.name} {o.version}".rstrip() + code
             if o.usable:
                 n = sum(a + b for a, b in o.summary.classes.values())
-                out.append(f"task {o.name}: {n} samples in {len(o.summary.classes)} classes")
+                out.append(f"{name}: {n} samples in {len(o.summary.classes)} classes")
             else:
-                out.append(f"task {o.name}: cannot read the folder ({o.error})")
+                out.append(f"{name}: cannot read the folder ({o.error})")
         return out
 
 
@@ -97,7 +101,9 @@ def check_serve_options(*, data_dir: Path, name: str, listen: str, coordinator: 
     for name, inst in offered.items():
         got = found.get(name, {"error": f"{type(inst).__name__}: {inst}"})
         if "error" in got:
-            offers.append(Offer(name=name, version="", sha256="", error=got["error"]))
+            installed = isinstance(inst, task_registry.Installed)
+            offers.append(Offer(name=name, version=inst.version if installed else "",
+                                sha256=inst.sha256 if installed else "", error=got["error"]))
             continue
         summary = DataSummary.from_dict(got["summary"])
         try:

@@ -375,7 +375,7 @@ def train_one_epoch(
         ce = task.loss(model(x), y)
         if not isinstance(ce, Tensor) or ce.dim() != 0:
             got = tuple(ce.shape) if isinstance(ce, Tensor) else type(ce).__name__
-            raise ValueError(f"the task's loss returned {got}, not a scalar (a 0-d tensor)")
+            raise ValueError(f"the loss of task {tasks.name_of(task)!r} returned {got}, not a scalar (a 0-d tensor)")
         loss = ce if regulariser is None else regulariser(ce, params)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -456,8 +456,8 @@ def fit(
         ce_sum = float(train_one_epoch(model, optimizer, train_x, train_y, order, cfg.batch_size, regulariser,
                                        task=task, generator=augment))
         if not math.isfinite(ce_sum):
-            raise ValueError(f"the task's loss is not finite ({ce_sum}) in epoch {epoch} of {stage}: check the "
-                             "task's loss and inputs (or lower --lr)")
+            raise ValueError(f"the loss of task {tasks.name_of(task)!r} is not finite ({ce_sum}) in epoch {epoch} "
+                             f"of {stage}: check the task's loss and inputs (or lower --lr)")
         # Best-validation selection needs every epoch validated; last-epoch selection only the
         # last (the accuracy of the model kept is still reported), so it costs what a plain loop does.
         if val_y.shape[0] > 0 and (use_best or epoch == epochs):

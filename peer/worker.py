@@ -11,7 +11,8 @@ Protocol: one JSON object per line. Requests on stdin, answers on stdout (stderr
   "task_sha256": HEX, "extra_tasks": [module:attr ...]}`` first: sets the device's kernels as the
   daemon's settings say (``training.use_deterministic_kernels``; torch's thread settings are left
   at their defaults), loads the task (its digest checked against ``task_sha256`` when given) and
-  reads the site folder with it (``Task.load``: e.g. a corrupt image is an error naming the file),
+  reads the site folder with it (``Task.load``: e.g. a corrupt image is an error naming the file;
+  whatever the loader raises becomes a ``DataError`` naming the task, the folder and that error),
   pays the first optimiser's one-time cost; answers ``{"event": "ready", "seconds": S, "train": N,
   "test": N, "device": D}`` (``device``: ``auto`` resolved).
 * ``{"op": "describe", "data": DIR, "device": ..., "tasks": {NAME: SHA256}, "extra_tasks": [...]}``:
@@ -70,12 +71,17 @@ class Worker:
 
         from fedrelay import tasks
         from fedrelay.peer.training import use_deterministic_kernels
+        from fedrelay.task import DataError
 
         self.device = resolve_device(req.get("device", "cpu"))
         if req.get("deterministic", True):
             use_deterministic_kernels(self.device)
-        task = tasks.load(req.get("task") or tasks.DEFAULT, req.get("task_sha256", ""), req.get("extra_tasks", ()))
-        self.data = _checked(task.load(Path(req["data"])))
+        name, root = req.get("task") or tasks.DEFAULT, Path(req["data"])
+        task = tasks.load(name, req.get("task_sha256", ""), req.get("extra_tasks", ()))
+        try:
+            self.data = _checked(task.load(root))
+        except Exception as exc:  # noqa: BLE001 - the task's own code: say whose it is and what it raised
+            raise DataError(f"task {name!r} cannot read {root}: {type(exc).__name__}: {exc}") from exc
         torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # torch._dynamo's import, paid now
         return {"event": "ready", "seconds": time.time() - started, "device": self.device,
                 "train": self.data.num_samples("train"), "test": self.data.num_samples("test")}

@@ -85,14 +85,34 @@ def test_run_list_and_one_run_as_it_progresses(service, client):
     assert any(s["kind"] == "transfer" and s["key"] == "chain:1" for s in view["timeline"])
     assert view["last_seq"] > last
 
-    # The run ends: accuracies per site, a finished status.
-    for site, acc in zip(ORDER, (0.5, 0.6, 0.7)):
-        ledger.record_evaluation("r1", site, "f" * 64, int(acc * 10), 10, acc, 0.1)
-        ledger.add_event("r1", "evaluated", f"{site}: accuracy", site=site, accuracy=acc, test_samples=10)
-    ledger.finish_run("r1", "finished", accuracy=0.6, message="run finished")
+    # Before any evaluation the table of the final model has a row per site and no figure.
+    table = view["final_table"]
+    assert table["columns"] == [["accuracy", "accuracy"]] and table["global"] is None
+    assert [(r["site"], r["values"]) for r in table["rows"]] == [(n, {}) for n in ORDER]
+
+    # The run ends: each site's metrics (built-in and the task's own), a finished status.
+    for i, (site, acc) in enumerate(zip(ORDER, (0.5, 0.6, 0.7))):
+        metrics = {"auroc": 0.8 + i / 100, "macro_f1": acc - 0.1, "top2_accuracy": 0.9}
+        ledger.record_evaluation("r1", site, "f" * 64, int(acc * 10), 10, acc, 0.1, metrics)
+        ledger.add_event("r1", "evaluated", f"{site}: accuracy", site=site, accuracy=acc, test_samples=10,
+                         metrics=metrics)
+        if i == 0:  # an evaluation shows as it arrives
+            row = client.get("/api/runs/r1").json()["final_table"]["rows"][0]
+            assert row == {"site": "site-a", "values": {"accuracy": 0.5, **metrics}, "test_samples": 10}
+    ledger.finish_run("r1", "finished", accuracy=0.6, message="run finished",
+                      metrics={"accuracy": 0.6, "auroc": 0.85, "macro_f1": 0.5, "top2_accuracy": 0.9})
     view = client.get("/api/runs/r1").json()
     assert view["status"] == "finished"
     assert {s: v["accuracy"] for s, v in view["sites"].items()} == {"site-a": 0.5, "site-b": 0.6, "site-c": 0.7}
+    # The final model's table: accuracy, the other built-in metrics in their order, then the
+    # task's own; per site and global.
+    table = view["final_table"]
+    assert table["columns"] == [["accuracy", "accuracy"], ["macro_f1", "macro-F1"], ["auroc", "AUROC"],
+                                ["top2_accuracy", "top2_accuracy"]]
+    assert [(r["site"], r["values"]["accuracy"], r["values"]["top2_accuracy"], r["test_samples"])
+            for r in table["rows"]] == [("site-a", 0.5, 0.9, 10), ("site-b", 0.6, 0.9, 10), ("site-c", 0.7, 0.9, 10)]
+    assert table["global"] == {"values": {"accuracy": 0.6, "auroc": 0.85, "macro_f1": 0.5, "top2_accuracy": 0.9},
+                               "test_samples": 30}
 
 
 def test_a_star_run_lists_its_uploads_and_final_copies(service, client):
@@ -243,6 +263,12 @@ def test_the_page_follows_a_real_run_in_a_browser(three_sites, tmp_path):
             for site, v in shown["final"]["per_site"].items():
                 cell = browser.find_element(By.CSS_SELECTOR, f'#final tr[data-site="{site}"] td:nth-child(2)')
                 assert cell.text == f'{v["accuracy"]:.4f}'
+                for name, value in v["metrics"].items():  # a column per metric, the task's own too
+                    cell = browser.find_element(By.CSS_SELECTOR, f'#final tr[data-site="{site}"] td[data-metric="{name}"]')
+                    assert cell.text == f"{value:.4f}"
+            for name, value in shown["final"]["metrics"].items():
+                cell = browser.find_element(By.CSS_SELECTOR, f'#final tr.global th[data-metric="{name}"]')
+                assert cell.text == f"{value:.4f}"
             assert browser.find_elements(By.CSS_SELECTOR, "#curve-acc canvas")  # uPlot drew the curves
             # The list of runs links to it.
             browser.get(f"http://127.0.0.1:{web}/")

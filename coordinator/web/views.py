@@ -88,10 +88,12 @@ def _label(s: dict) -> str:
 def site_states(run: dict, events: list[dict]) -> dict[str, dict[str, Any]]:
     """Each site of the run (plan order) -> ``{"state", "label" (e.g. "training (pool model 2,
     epoch 1/2)"), "detail" (the site's own words), "stage", "model", "epoch", "epochs",
-    "accuracy" (its evaluation of the final model, or None), "test_samples"}`` from the run's
-    events (``Ledger.events_after`` rows, oldest first)."""
+    "accuracy" (its evaluation of the final model, or None), "test_samples", "metrics" (that
+    evaluation's metrics, built-in and the task's own; {} before it)}`` from the run's events
+    (``Ledger.events_after`` rows, oldest first)."""
     sites = {name: {"state": "waiting", "label": "waiting", "detail": "", "stage": None, "model": None,
-                    "epoch": None, "epochs": None, "accuracy": None, "test_samples": None} for name in run["order"]}
+                    "epoch": None, "epochs": None, "accuracy": None, "test_samples": None, "metrics": {}}
+             for name in run["order"]}
     for e in events:
         s = sites.get(e["site"])
         if s is None:
@@ -109,12 +111,46 @@ def site_states(run: dict, events: list[dict]) -> dict[str, dict[str, Any]]:
         elif kind == "failed":
             s.update(state="failed", detail=data.get("error") or e["message"])
         elif kind == "evaluated":
-            s.update(accuracy=data.get("accuracy"), test_samples=data.get("test_samples"))
+            s.update(accuracy=data.get("accuracy"), test_samples=data.get("test_samples"),
+                     metrics=dict(data.get("metrics") or {}))
     for name in run.get("skipped") or []:
         sites[name]["state"] = "skipped"
     for s in sites.values():
         s["label"] = _label(s)
     return sites
+
+
+def final_table(run: dict) -> dict[str, Any]:
+    """The page's table of the final model's metrics: ``{"columns": [[key, label], ...], "rows":
+    [{"site", "values": {key: float}, "test_samples"}, ...] (plan order), "global": {"values",
+    "test_samples"} or None}``. Columns: accuracy first, then the other built-in metrics any site
+    or the run reports (``fedrelay.scoring.BUILTIN`` order), then the task's own (sorted). Each
+    site's values are its exact figures on its own test split; the global ones come from the
+    sites' pooled statistics (a task's own metric: the test-sample-weighted mean). Once the run
+    has finished they are the final result's (``run["final"]``); before, each site's evaluation
+    as it arrives (``run["sites"]``, :func:`site_states`), and no global row."""
+    from fedrelay.scoring import BUILTIN, LABELS
+
+    final = run.get("final")
+    rows = []
+    for name in run["order"]:
+        if final and name in final["per_site"]:
+            v = final["per_site"][name]
+            rows.append({"site": name, "values": {**v["metrics"], "accuracy": v["accuracy"]},
+                         "test_samples": v["test_samples"]})
+        else:
+            s = (run.get("sites") or {}).get(name) or {}
+            values = dict(s.get("metrics") or {})
+            if s.get("accuracy") is not None:
+                values["accuracy"] = s["accuracy"]
+            rows.append({"site": name, "values": values, "test_samples": s.get("test_samples")})
+    total = None
+    if final:
+        total = {"values": {**final["metrics"], "accuracy": final["accuracy"]},
+                 "test_samples": sum(v["test_samples"] for v in final["per_site"].values())}
+    seen = {k for r in [*rows, *([total] if total else [])] for k in r["values"]}
+    keys = ["accuracy", *(k for k in BUILTIN if k in seen and k != "accuracy"), *sorted(seen - set(BUILTIN))]
+    return {"columns": [[k, LABELS.get(k, k)] for k in keys], "rows": rows, "global": total}
 
 
 def timeline(run: dict, events: list[dict], rows: list[dict]) -> list[dict[str, Any]]:
@@ -151,7 +187,8 @@ def timeline(run: dict, events: list[dict], rows: list[dict]) -> list[dict[str, 
 
 def run_view(service, run_id: str) -> dict[str, Any] | None:
     """The run page's data: the run summary (``coordinator show --json``'s object) plus
-    ``sites`` (:func:`site_states`), ``transfers`` (:func:`transfers`), ``timeline``
+    ``sites`` (:func:`site_states`), ``final_table`` (:func:`final_table`), ``transfers``
+    (:func:`transfers`), ``timeline``
     (:func:`timeline`), ``metrics`` (every per-epoch record: site, stage, model, epoch, epochs,
     train_loss, val_accuracy (None when the site holds no validation split), seconds, time),
     ``events`` (the last few: seq, time, kind, site, message), ``last_seq`` (the ledger's seq of
@@ -164,6 +201,7 @@ def run_view(service, run_id: str) -> dict[str, Any] | None:
     ledger = service.ledger
     events = service.events.events_after(run_id, 0)  # the hub's memory when it holds the whole run
     run["sites"] = site_states(run, events)
+    run["final_table"] = final_table(run)
     run["transfers"] = transfers(run)
     run["timeline"] = timeline(run, events, run["transfers"])
     run["metrics"] = [{k: m[k] for k in ("site", "stage", "model", "epoch", "epochs", "train_loss", "val_accuracy",

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from fedrelay.task import ModelSpec, Task
 
 __all__ = ["BUILTIN", "DEFAULT", "GROUP", "Installed", "TaskNotInstalled", "installed", "find", "digest",
-           "load", "resolve", "use", "check_name"]
+           "load", "resolve", "use", "name_of", "check_name"]
 
 GROUP = "fedrelay.tasks"  # the entry-point group task packages register under
 DEFAULT = "image-folder"
@@ -271,6 +271,19 @@ def load(name: str, sha256: str = "", extra: Sequence[str] = ()) -> "Task":
     with _lock:
         _loaded[(name, sha256)] = task
     return task
+
+
+def name_of(task: "Task") -> str:
+    """The name the task object ``task`` has in this process (the one :func:`load` or
+    :func:`use` made it under), for messages; its class's name for any other object."""
+    with _lock:
+        for name, t in _used.items():
+            if t is task:
+                return name
+        for (name, _), t in _loaded.items():
+            if t is task:
+                return name
+    return type(task).__name__
 
 
 def resolve(spec: "ModelSpec") -> "Task":

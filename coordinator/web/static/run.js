@@ -217,20 +217,27 @@ function drawCurves(d) {
   }
 }
 
-// ---- final accuracy and events ---------------------------------------------------------------
+// ---- final metrics and events ----------------------------------------------------------------
+// The table comes from the server (views.final_table): accuracy, the other built-in metrics,
+// then the task's own, per site and globally.
 function drawFinal(d) {
-  const body = document.querySelector("#final tbody");
-  const rows = d.order.map(name => {
-    const s = d.sites[name];
-    const tr = node("tr", {"data-site": name});
-    tr.append(node("td", {}, name), node("td", {class: "num"}, s.accuracy == null ? "–" : s.accuracy.toFixed(4)),
-              node("td", {class: "num"}, s.test_samples == null ? "" : String(s.test_samples)));
+  const t = d.final_table;
+  const num = v => v == null ? "–" : v.toFixed(4);
+  const head = node("tr");
+  head.append(node("th", {}, "site"), ...t.columns.map(([key, label]) => node("th", {class: "num", "data-metric": key}, label)),
+              node("th", {class: "num"}, "test samples"));
+  document.querySelector("#final thead").replaceChildren(head);
+  const cells = (tag, r) => [...t.columns.map(([key]) => node(tag, {class: "num", "data-metric": key}, num(r.values[key]))),
+                             node(tag, {class: "num"}, r.test_samples == null ? "" : String(r.test_samples))];
+  const rows = t.rows.map(r => {
+    const tr = node("tr", {"data-site": r.site});
+    tr.append(node("td", {}, r.site), ...cells("td", r));
     return tr;
   });
   const all = node("tr", {"data-site": "", class: "global"});
-  all.append(node("th", {}, "global"), node("th", {class: "num"}, d.final && d.final.accuracy != null ? d.final.accuracy.toFixed(4) : "–"),
-             node("th", {class: "num"}, d.final ? String(Object.values(d.final.per_site).reduce((a, v) => a + v.test_samples, 0)) : ""));
-  body.replaceChildren(...rows, all);
+  all.append(node("th", {}, "global"), ...(t.global ? cells("th", t.global)
+                                                    : cells("th", {values: {}, test_samples: null})));
+  document.querySelector("#final tbody").replaceChildren(...rows, all);
 }
 
 function drawEvents(d) {
