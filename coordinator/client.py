@@ -127,12 +127,15 @@ def peer_dict(p: cpb.PeerRecord) -> dict:
     test_images, last_seen (unix seconds of its latest registration or heartbeat),
     age_seconds (since then, by the coordinator's clock), live (heard from within the
     coordinator's --peer-timeout), peer_timeout (that timeout, seconds), outbound_only (it
-    registered no address: it connects out only) and connected (its control stream is open)."""
+    registered no address: it connects out only), connected (its control stream is open) and
+    classes_omitted (classes the coordinator left out of ``classes`` to keep its reply under the
+    message cap; 0 normally)."""
     return {"name": p.name, "address": p.address, "device": p.device, "image_shape": [p.channels, p.height, p.width],
             "classes": [{"name": c.name, "train": c.train, "test": c.test} for c in p.classes],
             "train_images": sum(c.train for c in p.classes), "test_images": sum(c.test for c in p.classes),
             "last_seen": p.last_seen, "age_seconds": round(p.age_seconds, 3), "live": p.live,
-            "peer_timeout": p.peer_timeout, "outbound_only": p.outbound_only, "connected": p.connected}
+            "peer_timeout": p.peer_timeout, "outbound_only": p.outbound_only, "connected": p.connected,
+            "classes_omitted": p.classes_omitted}
 
 
 METRIC_FIELDS = ("site", "stage", "model", "epoch", "epochs", "train_loss", "val_accuracy", "seconds", "time")
@@ -255,20 +258,40 @@ class OperatorClient:
         return summary_dict(self.stub.GetRun(cpb.GetRunRequest(run_id=run_id), timeout=wire.CONTROL_TIMEOUT))
 
     def runs(self) -> list[dict]:
-        """Every run in the ledger, as :func:`summary_dict` dicts."""
-        return [summary_dict(s) for s in self.stub.ListRuns(cpb.ListRunsRequest(), timeout=wire.CONTROL_TIMEOUT).runs]
+        """Every run in the ledger, as :func:`summary_dict` dicts, in the order they were
+        created (asked for page by page: ``ListRunsReply.next_after``)."""
+        out, after = [], ""
+        while True:
+            reply = self.stub.ListRuns(cpb.ListRunsRequest(after=after), timeout=wire.CONTROL_TIMEOUT)
+            out.extend(summary_dict(s) for s in reply.runs)
+            if not reply.next_after or reply.next_after == after:
+                return out
+            after = reply.next_after
 
     def peers(self) -> list[cpb.PeerRecord]:
         """The registered peers (``PeerRecord``; ``peer_dict`` for a plain dict), by name, each
-        with ``live`` and ``age_seconds`` as the coordinator judges them (its --peer-timeout)."""
-        return list(self.stub.ListPeers(cpb.ListPeersRequest(), timeout=wire.CONTROL_TIMEOUT).peers)
+        with ``live`` and ``age_seconds`` as the coordinator judges them (its --peer-timeout);
+        asked for page by page (``ListPeersReply.next_after``)."""
+        out, after = [], ""
+        while True:
+            reply = self.stub.ListPeers(cpb.ListPeersRequest(after=after), timeout=wire.CONTROL_TIMEOUT)
+            out.extend(reply.peers)
+            if not reply.next_after or reply.next_after == after:
+                return out
+            after = reply.next_after
 
     def metrics(self, run_id: str) -> list[dict]:
         """The run's per-epoch training metrics (``metric_dict`` rows: site, stage, model, epoch,
-        epochs, train_loss, val_accuracy, seconds, time), in the order they were recorded.
-        Raises ``grpc.RpcError`` (NOT_FOUND: unknown run)."""
-        reply = self.stub.GetMetrics(cpb.GetRunRequest(run_id=run_id), timeout=wire.CONTROL_TIMEOUT)
-        return [metric_dict(m) for m in reply.rows]
+        epochs, train_loss, val_accuracy, seconds, time), in the order they were recorded
+        (asked for page by page: ``MetricsReply.next_offset``). Raises ``grpc.RpcError``
+        (NOT_FOUND: unknown run)."""
+        out, offset = [], 0
+        while True:
+            reply = self.stub.GetMetrics(cpb.GetRunRequest(run_id=run_id, offset=offset), timeout=wire.CONTROL_TIMEOUT)
+            out.extend(metric_dict(m) for m in reply.rows)
+            if reply.next_offset <= offset:
+                return out
+            offset = reply.next_offset
 
     def stop(self, run_id: str, reason: str = "") -> dict:
         """Cancel the running run ``run_id``: it ends with status ``cancelled``, recording who
