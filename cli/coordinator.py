@@ -14,6 +14,7 @@ from rich import box
 from rich.table import Table
 
 from fedrelay import params as run_params
+from fedrelay.text import safe, safe_tree
 from fedrelay.cli.common import (CONTEXT_SETTINGS, ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECURE_HELP, TLS_HELP,
                                  console, err_console, fail, load_config_callback, setup_logging, stop_on_sigterm,
                                  transport_from, version_option)
@@ -210,11 +211,11 @@ def start_chain(
         _rpc_fail(exc, coordinator)
     if not wait:
         for w in reply.warnings:
-            err_console.print(f"[yellow]warning:[/] {w}", highlight=False)
+            err_console.print(f"[yellow]warning:[/] {safe(w)}", highlight=False)
         if as_json:
             print(json.dumps({"run_id": reply.run_id}))
         else:
-            console.print(f"run [bold]{reply.run_id}[/] started: {' -> '.join(reply.order)}")
+            console.print(f"run [bold]{safe(reply.run_id)}[/] started: {safe(' -> '.join(reply.order))}")
         return
     watch_view(client, reply.run_id, coordinator, as_json)
 
@@ -241,7 +242,7 @@ def watch_view(client, run_id: str, address: str, as_json: bool) -> None:
     except grpc.RpcError as exc:
         _rpc_fail(exc, address)
     except KeyboardInterrupt:
-        out.print(f"stopped watching; the run goes on: coordinator watch {run_id}", highlight=False)
+        out.print(f"stopped watching; the run goes on: coordinator watch {safe(run_id)}", highlight=False)
         raise typer.Exit(130)
     if as_json:
         print(json.dumps(summary, indent=1))
@@ -253,6 +254,7 @@ def watch_view(client, run_id: str, address: str, as_json: bool) -> None:
 
 def _header(s: dict, out) -> None:
     """The first lines of the live view: the run's strategy, rounds, order and warnings."""
+    s = safe_tree(s)  # what sites reported is text, never markup
     cycles = f", {s['rounds']} rounds" if s.get("rounds", 1) > 1 else ""
     shape = "sites in parallel" if STRATEGIES[s["strategy"]].plan == "star" else "chain order"
     out.print(f"run [bold]{s['run_id']}[/]: {s['strategy']}{cycles}, {shape} {' -> '.join(s['order'])}",
@@ -274,11 +276,11 @@ def _follow(client, run_id: str, total_epochs: int, out) -> None:
         for ev in client.follow(run_id, reconnect_for=WATCH_RECONNECT, on_reconnect=lost):
             if ev.kind == "epoch":
                 progress.advance(task)
-                progress.update(task, description=f"{ev.site}")
+                progress.update(task, description=safe(ev.site))
             elif ev.kind in ("hop", "upload", "final", "failed", "finished", "cancelled", "warning", "skip"):
-                progress.console.print(f"{ev.message}", highlight=False)
+                progress.console.print(safe(ev.message), highlight=False)
             elif ev.kind == "state" and (ev.message.endswith(": training") or "restarted" in ev.message):
-                progress.console.print(ev.message, highlight=False)
+                progress.console.print(safe(ev.message), highlight=False)
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -338,6 +340,9 @@ def _render_star(s: dict) -> None:
 
 
 def render_summary(s: dict) -> None:
+    """Print a run summary (``summary_dict``) for people; every string in it is shown as text
+    (``fedrelay.text.safe``: no markup, control or bidi character from a site gets through)."""
+    s = safe_tree(s)
     rounds = s.get("rounds", 1)
     cycles = f", {rounds} rounds" if rounds > 1 else ""
     console.print(f"\n[bold]run {s['run_id']}[/] ({s['strategy']}{cycles}, {s['arch']}, seed {s['seed']}): "
@@ -432,9 +437,9 @@ def stop(
     if as_json:
         print(json.dumps(s, indent=1))
         return
-    console.print(f"run [bold]{run_id}[/] cancelled; its sites stop at their next epoch or transfer boundary",
+    console.print(f"run [bold]{safe(run_id)}[/] cancelled; its sites stop at their next epoch or transfer boundary",
                   highlight=False)
-    _render_cancelled(s)
+    _render_cancelled(safe_tree(s))
 
 
 @app.command("forget-peer")
@@ -445,15 +450,16 @@ def forget_peer(
     insecure: bool = INSECURE,
 ) -> None:
     """Remove a registered peer from the ledger (refused while it is a site of a running run).
-    A daemon still running under that name registers again at its next heartbeat: stop it first
-    to remove the site for good."""
+    The daemon registered under that name is refused from then on; a daemon started there
+    afterwards registers anew (stop the site's daemon to remove the site for good)."""
     with _client(coordinator, tls, insecure) as client:
         try:
             reply = client.forget_peer(name)
         except grpc.RpcError as exc:
             _rpc_fail(exc, coordinator)
-    console.print(f"forgot peer {reply.name} (registered at {reply.address}); if its daemon is still running it "
-                  "registers again at its next heartbeat", highlight=False)
+    console.print(f"forgot peer {safe(reply.name)} (registered at {safe(reply.address or 'no address')}); its "
+                  "daemon's heartbeats are refused from now on; a daemon started there afterwards registers anew",
+                  highlight=False)
 
 
 @app.command()
@@ -488,6 +494,7 @@ def runs(coordinator: str = COORD,
     if as_json:
         print(json.dumps(all_runs, indent=1))
         return
+    all_runs = safe_tree(all_runs)
     t = Table(title="runs")
     for col in ("run", "strategy", "sites", "status", "transfers", "accuracy", "created", "ended"):
         t.add_column(col, no_wrap=col != "run", overflow="fold")
@@ -538,9 +545,11 @@ def peers(coordinator: str = COORD,
         t.add_column(col, no_wrap=col not in ("site", "address"), overflow="fold")
     for p in records:
         status = "[green]live[/]" if p.live else f"[red]stale[/] (> {p.peer_timeout:.0f} s)"
-        address = p.address or ("connects out only, " + ("[green]stream open[/]" if p.connected else "[red]no stream[/]"))
-        t.add_row(p.name, address, f"{p.channels}x{p.height}x{p.width}", str(len(p.classes)),
-                  str(sum(c.train for c in p.classes)), str(sum(c.test for c in p.classes)), p.device,
+        address = safe(p.address) or ("connects out only, " + ("[green]stream open[/]" if p.connected
+                                                              else "[red]no stream[/]"))
+        classes = str(len(p.classes)) + (f" (+{p.classes_omitted} not listed)" if p.classes_omitted else "")
+        t.add_row(safe(p.name), address, f"{p.channels}x{p.height}x{p.width}", classes,
+                  str(sum(c.train for c in p.classes)), str(sum(c.test for c in p.classes)), safe(p.device),
                   f"{p.age_seconds:.0f} s ago", status)
     _print_wide(t)
 
@@ -591,7 +600,7 @@ def metrics(run_id: str = typer.Argument(..., help="The run's id (from start-cha
         writer.writeheader()
         writer.writerows(rows)
     else:
-        _print_wide(_metrics_table(run_id, rows))
+        _print_wide(_metrics_table(safe(run_id), safe_tree(rows)))
 
 
 STAGES = {"warmup": "warm-up", "pool": "pool", "fedseq": "fedseq", "aggregate": "aggregation"}
@@ -627,7 +636,7 @@ def fetch_model(run_id: str = typer.Argument(..., help="The run's id (`coordinat
             fail(str(exc))
         except OSError as exc:
             fail(f"cannot write {out}: {exc.strerror or exc}")
-    console.print(f"wrote {out}: the final model ({size:,} bytes, sha256 {sha} in the ledger) with fedrelay's "
+    console.print(f"wrote {safe(out)}: the final model ({size:,} bytes, sha256 {safe(sha)} in the ledger) with fedrelay's "
                   "metadata; load it with fedrelay.load_model", highlight=False)
 
 
@@ -643,7 +652,7 @@ def health(coordinator: str = COORD,
     from fedrelay.health import probe
 
     ok, line = probe(transport, coordinator, expect=wire.COORDINATOR_IDENTITY, timeout=timeout)
-    console.print(f"coordinator {coordinator}: {line}", highlight=False, soft_wrap=True)
+    console.print(f"coordinator {safe(coordinator)}: {safe(line)}", highlight=False, soft_wrap=True)
     raise typer.Exit(0 if ok else 1)
 
 

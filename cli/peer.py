@@ -99,9 +99,11 @@ def _check_serve(data, name, listen, coordinator, state_dir, device, advertise, 
                                 weights_dir=weights_dir, outbound_only=outbound_only, relay_after=relay_after)
     except ValueError as exc:
         fail(str(exc))
+    from fedrelay.text import safe
+
     reach = f"dialled at {r.address}" if r.address else "connects out only (models through the relay)"
-    console.print(f"ok: site {name}, {r.images} images in {len(r.classes)} classes, device {r.device}, {reach}, "
-                  f"coordinator {coordinator}, state dir {state_dir}", highlight=False, soft_wrap=True)
+    console.print(safe(f"ok: site {name}, {r.images} images in {len(r.classes)} classes, device {r.device}, {reach}, "
+                       f"coordinator {coordinator}, state dir {state_dir}"), highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -119,6 +121,7 @@ def status(
 
     from fedrelay import wire
     from fedrelay.cli.common import console
+    from fedrelay.text import safe
     from fedrelay.v1 import peer_pb2, peer_pb2_grpc
 
     try:
@@ -127,13 +130,16 @@ def status(
     except grpc.RpcError as exc:
         fail(wire.transport_mismatch(exc, peer, transport.secure, what="peer")
              or f"peer at {peer}: {wire.status_message(exc)}")
-    console.print(f"peer [bold]{st.name}[/] at {st.address}, device {st.device}, fedrelay {st.version}", highlight=False)
+    # Every string here may quote another party (a run's end reason, a failure's details): text,
+    # never markup or control (fedrelay.text.safe).
+    console.print(f"peer [bold]{safe(st.name)}[/] at {safe(st.address)}, device {safe(st.device)}, "
+                  f"fedrelay {safe(st.version)}", highlight=False)
     _print_link(st)
     t = Table(title="runs")
     for col in ("run", "state", "detail"):
         t.add_column(col)
     for r in st.runs:
-        t.add_row(r.run_id, r.state, r.detail)
+        t.add_row(safe(r.run_id), safe(r.state), safe(r.detail))
     console.print(t)
 
 
@@ -141,18 +147,17 @@ def _print_link(st) -> None:
     """One line on the daemon's link to the coordinator (PeerStatus fields 20-23)."""
     import time
 
-    from rich.markup import escape
-
     from fedrelay.cli.common import console
+    from fedrelay.text import safe
 
     if not st.coordinator:
         return
     now = time.time()
     seen = (f"last registered {now - st.last_registered:.0f} s ago" if st.last_registered
             else "[yellow]not registered yet[/]")
-    error = f"; [red]latest attempt failed: {escape(st.registration_error)}[/]" if st.registration_error else ""
+    error = f"; [red]latest attempt failed: {safe(st.registration_error)}[/]" if st.registration_error else ""
     up = f", up {now - st.started:.0f} s" if st.started else ""
-    console.print(f"coordinator {escape(st.coordinator)}: {seen}{error}{up}", highlight=False)
+    console.print(f"coordinator {safe(st.coordinator)}: {seen}{error}{up}", highlight=False)
 
 
 def _own_site(transport) -> str | None:
@@ -177,9 +182,10 @@ def health(
     transport = transport_from(tls, insecure)
     from fedrelay.cli.common import console
     from fedrelay.health import probe
+    from fedrelay.text import safe
 
     ok, line = probe(transport, peer, expect=_own_site(transport), timeout=timeout)
-    console.print(f"peer {peer}: {line}", highlight=False, soft_wrap=True)
+    console.print(f"peer {safe(peer)}: {safe(line)}", highlight=False, soft_wrap=True)
     raise typer.Exit(0 if ok else 1)
 
 
@@ -195,6 +201,7 @@ def prune(
     from a peer's state dir; never a running run's. Works while the daemon runs or not."""
     from fedrelay.cli.common import console
     from fedrelay.peer.retention import prune as do_prune
+    from fedrelay.text import safe
 
     try:
         found = do_prune(state_dir, older_than, dry_run=dry_run)
@@ -203,7 +210,7 @@ def prune(
     gone = [r for r in found if r.pruned]
     verb = "would remove" if dry_run else "removed"
     for r in gone:
-        console.print(f"{verb} run {r.run_id} ({r.status}, {r.bytes:,} bytes)", highlight=False)
+        console.print(f"{verb} run {safe(r.run_id)} ({safe(r.status)}, {r.bytes:,} bytes)", highlight=False)
     kept = len(found) - len(gone)
     console.print(f"{verb} {len(gone)} run(s), {sum(r.bytes for r in gone):,} bytes; kept {kept} "
                   f"(running, or ended within {older_than:g} days)", highlight=False)
