@@ -519,7 +519,7 @@ def _print_wide(table: Table) -> None:
     else:
         from rich.console import Console
 
-        Console(width=max(console.width, 400), file=console.file, force_terminal=False).print(table)
+        Console(width=max(console.width, 400), file=console.file, force_terminal=False, emoji=False).print(table)
 
 
 @app.command()

@@ -305,8 +305,8 @@ class OperatorClient:
 
     def forget_peer(self, name: str) -> cpb.ForgetPeerReply:
         """Remove the registered peer ``name`` from the ledger; the reply holds its name and the
-        address it was registered with. A daemon still running under that name registers again
-        at its next heartbeat. Raises ``grpc.RpcError``: NOT_FOUND (no such peer),
+        address it was registered with. The daemon registered under that name is refused from
+        then on; a daemon started there afterwards registers anew. Raises ``grpc.RpcError``: NOT_FOUND (no such peer),
         FAILED_PRECONDITION (it is a site of a running run)."""
         return self.stub.ForgetPeer(cpb.ForgetPeerRequest(name=name), timeout=wire.CONTROL_TIMEOUT)
 

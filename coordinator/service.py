@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, checks, names, params as run_params, registry, wire
+from fedrelay import __version__, checks, names, params as run_params, registry, text, wire
 from fedrelay.coordinator.ledger import TERMINAL, Ledger, LedgerConflict
 from fedrelay.coordinator.events import EventHub
 from fedrelay.coordinator.monitoring import CoordinatorMonitor
@@ -795,6 +795,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 continue
             skipped = n["site"] in self._skipped(n["run_id"])
             reason = "this site was routed around" if skipped else (n["error"] or n["cancel_reason"] or "")
+            # The error may quote sites' words (any length, any character): what EndRun takes.
+            reason = text.clean(reason)[:names.MAX_TEXT]
             try:  # a live site has registered: _peer dials its registered address
                 reply = self._peer({"name": n["site"], "address": ""}).EndRun(
                     peer_pb2.EndRunRequest(run_id=n["run_id"], status=n["status"], reason=reason,

@@ -170,6 +170,8 @@ def check_evaluation(reply, site: str) -> None:
     with fields ``SITE's EvaluateReply.FIELD``."""
     field = f"{site}'s EvaluateReply."
     check_count(reply.test_samples, field + "test_samples")
-    check_count(reply.correct, field + "correct", reply.test_samples)
+    check_count(reply.correct, field + "correct")
+    if reply.correct > reply.test_samples:
+        raise InvalidName(field + "correct", f"at most test_samples ({reply.test_samples})", reply.correct)
     check_fraction(reply.accuracy, field + "accuracy")
     check_seconds(reply.seconds, field + "seconds")

@@ -397,3 +397,31 @@ def test_a_senders_failing_streams_are_reported_a_few_times_then_counted(three_s
     assert any(f"{tries} streams from site-a failed before this one was accepted" in r.getMessage()
                for r in caplog.records)
     assert (node.state_dir / "runs" / "r" / "received.safetensors").read_bytes() == data
+
+
+# -- end notices quoting the sites' words ------------------------------------------------------------------
+def test_an_end_notice_quoting_a_long_or_odd_error_is_one_the_sites_take():
+    """A run's error may be longer than a site takes in EndRun (a site's 16 KiB failure text
+    plus its name, several sites' evaluation errors joined) or hold control characters (a
+    site's refusal details): the notice was refused by every site, and sent again forever."""
+    from fedrelay import names
+
+    ledger = Ledger(":memory:")
+    service = CoordinatorService(ledger)
+    for n in ("a", "b"):
+        ledger.upsert_peer(n, "127.0.0.1:9", [{"name": "c", "train": 5, "test": 1}], (1, 28, 28), "cpu", "x")
+    new_run(ledger, "r")
+    ledger.finish_run("r", "failed", error="b: " + "x" * names.MAX_TEXT + "\x1b[2J\n", message="run failed")
+    taken = []
+
+    class Site:
+        def EndRun(self, request, timeout):
+            names.check_end_run(request)  # what the site's servicer checks first
+            taken.append(request)
+            return peer_pb2.EndRunReply(state="ended")
+
+    service._peer = lambda site: Site()
+    service._send_end_notices()
+    assert len(taken) == 2 and ledger.pending_end_notices() == []
+    assert taken[0].reason.startswith("b: xxx") and len(taken[0].reason) == names.MAX_TEXT
+    service.close()
