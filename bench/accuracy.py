@@ -50,6 +50,7 @@ from itertools import permutations
 from pathlib import Path
 
 from bench.common import PLOTS, REPO, deploy_script, meta, record, tool
+from fedrelay.tasks import resolve as resolve_task
 
 CHAIN_METHODS = ("fedelmy", "fedseq_best_val", "fedseq_last_epoch", "pool_only", "pool_d1", "pool_d2")
 REF_METHODS = ("local_only", "centralized")
@@ -269,7 +270,7 @@ def run_chain(trial, method: str, cfg: Config, seed: int, extra: list[str] = ())
 
 
 def _load_sites(dirs: list[Path]):
-    from fedrelay.peer.data import load_site
+    from fedrelay.tasks.image_folder.data import load_site
 
     sites = [load_site(d) for d in dirs]
     class_index = sorted({c for s in sites for c in s.class_names})
@@ -280,13 +281,14 @@ def run_references(dirs: list[Path], cfg: Config, seed: int, methods: list[str])
     """local_only and centralized, in-process with the peers' training code (not daemon runs)."""
     import torch
 
-    from fedrelay.peer.data import train_val_split
-    from fedrelay.peer.models import ModelSpec, build_model
+    from fedrelay.peer.training import train_val_split
+    from fedrelay.peer.models import build_model
+    from fedrelay.tasks.image_folder import spec as image_spec
     from fedrelay.peer.training import TrainConfig, derive_seed, evaluate, run_site
 
     sites, class_index = _load_sites(dirs)
     c, h, w = sites[0].image_shape
-    spec = ModelSpec(arch="cnn", in_channels=c, image_size=(h, w), num_classes=len(class_index))
+    spec = image_spec("cnn", c, (h, w), len(class_index))
     tcfg = TrainConfig(strategy="fedseq", models_per_site=cfg.S, local_epochs=cfg.E, warmup_epochs=cfg.Ew,
                        selection="best-val")
     tests = [s.tensors("test", class_index) for s in sites]
@@ -299,7 +301,7 @@ def run_references(dirs: list[Path], cfg: Config, seed: int, methods: list[str])
     def accuracy(state) -> float:
         model = build_model(spec)
         model.load_state_dict(state)
-        correct, total = evaluate(model, test_x, test_y, device="cpu")
+        correct, total = evaluate(model, test_x, test_y, device="cpu", task=resolve_task(spec))
         return correct / total
 
     out = {}

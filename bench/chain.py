@@ -148,7 +148,7 @@ def baseline_rss(training_step: bool = False, batch_size: int = 128) -> int:
         code += (
             "from fedrelay.peer.models import ModelSpec, build_model\n"
             "import torch.nn.functional as F\n"
-            "m = build_model(ModelSpec('cnn', 1, (28, 28), 10)); opt = torch.optim.Adam(m.parameters())\n"
+            "m = build_model(image_spec('cnn', 1, (28, 28), 10)); opt = torch.optim.Adam(m.parameters())\n"
             f"x = torch.rand({batch_size}, 1, 28, 28); y = torch.randint(0, 10, ({batch_size},))\n"
             "F.cross_entropy(m(x), y).backward(); opt.step()\n"
             "m.eval()\n"

@@ -45,6 +45,7 @@ from pathlib import Path
 from bench.accuracy import (LABELS, Cache, Config, _load_sites, _pct, _stats, dir_key, log, make_split, site_dirs,
                             start_chain, write_synthetic_idx)
 from bench.common import PLOTS, REPO, RESULTS_JSON, deploy_script, meta, record
+from fedrelay.tasks import resolve as resolve_task
 
 METHODS = ("fedelmy", "fedseq_last_epoch", "fedseq_best_val")
 DEFAULT_METHODS = ("fedelmy", "fedseq_last_epoch")
@@ -96,13 +97,13 @@ def evaluate_payload(data: bytes, spec, sites: dict, class_index: list[str]) -> 
     out = {}
     for name, site in sites.items():
         images, labels = site.tensors("test", class_index)
-        out[name] = evaluate(model, images, labels, device="cpu") if len(labels) else (0, 0)
+        out[name] = evaluate(model, images, labels, device="cpu", task=resolve_task(spec)) if len(labels) else (0, 0)
     return out
 
 
 def run_cell(trial, method: str, cfg: Config, seed: int, rounds: int, sites: dict) -> dict:
     """One R-round chain; the accuracy after every T ≤ R, checks, bytes: the cell to cache."""
-    from fedrelay.peer.models import ModelSpec
+    from fedrelay.tasks.image_folder import spec as image_spec
 
     run, seconds = start_chain(trial, method, cfg, seed, ["--rounds", str(rounds)])
     run = settled(trial, run)
@@ -117,7 +118,7 @@ def run_cell(trial, method: str, cfg: Config, seed: int, rounds: int, sites: dic
     if run["class_index"] != class_index or sorted(order) != sorted(sites):
         raise RuntimeError(f"{method}: run {rid}'s class index or sites differ from the site folders'")
     c, h, w = next(iter(sites.values())).image_shape
-    spec = ModelSpec(arch=run["arch"], in_channels=c, image_size=(h, w), num_classes=len(class_index))
+    spec = image_spec(run["arch"], c, (h, w), len(class_index))
     m = run["model_bytes"]
     per_t = {}
     for t in range(1, rounds + 1):

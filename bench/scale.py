@@ -213,6 +213,15 @@ class Sites:
         self.heartbeat_seconds = 10
         self._stop = threading.Event()
         self.heartbeats = 0
+        from fedrelay import tasks
+        from fedrelay.task import DataSummary
+        from fedrelay.tasks.offers import Offer
+
+        # What every synthetic site registers: the image-folder task over three classes of 28x28 images.
+        self.offer = Offer(name=tasks.DEFAULT, version="0", sha256=tasks.find(tasks.DEFAULT).sha256,
+                           models=("cnn", "resnet18"),
+                           summary=DataSummary(classes={c: (60, 10) for c in ("T-shirt_top", "Trouser", "Pullover")},
+                                               input={"channels": 1, "height": 28, "width": 28}))
 
     def register(self, name: str) -> None:
         from fedrelay import __version__
@@ -220,9 +229,8 @@ class Sites:
 
         p = self.peers[name]
         reply = self.stubs[name].Register(cpb.RegisterRequest(
-            name=name, address=p.address, channels=1, height=28, width=28, device="cpu", version=__version__,
-            instance=p.instance, classes=[cpb.ClassCount(name=c, train=60, test=10) for c in
-                                          ("T-shirt_top", "Trouser", "Pullover")]), timeout=30)
+            name=name, address=p.address, device="cpu", version=__version__, instance=p.instance,
+            tasks=[self.offer.to_pb()]), timeout=30)
         self.heartbeat_seconds = reply.heartbeat_seconds or 10
 
     def start(self) -> None:
@@ -323,7 +331,7 @@ def measure(n: int, visit_seconds: float, work: Path) -> dict:
             time.sleep(1.5)  # past the monitor's first ticks
             cpu0, c0, beats0 = coord.cpu_seconds(), coord.counts(), sites.heartbeats
             t0 = time.monotonic()
-            reply = op.start_chain(peers=sites.names, order="given", seed=0, arch="cnn",
+            reply = op.start_chain(peers=sites.names, order="given", seed=0, model="cnn",
                                    params=run_params.to_pb(PARAMS))
             watched = []
             watcher = threading.Thread(target=lambda: watched.extend(op.watch(reply.run_id)), daemon=True)

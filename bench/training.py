@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from bench.common import record
+from fedrelay.tasks import resolve as resolve_task
 
 
 def _sync(device: str) -> None:
@@ -70,7 +71,8 @@ def plain_loop(spec, train, epochs: int, batch_size: int, lr: float, weight_deca
 def site_data(quick: bool, sites_dir: Path | None):
     import torch
 
-    from fedrelay.peer.data import load_site, train_val_split
+    from fedrelay.peer.training import train_val_split
+    from fedrelay.tasks.image_folder.data import load_site
 
     if quick or sites_dir is None or not (sites_dir / "site-00").exists():
         g = torch.Generator().manual_seed(0)
@@ -101,7 +103,9 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from fedrelay.peer.models import ModelSpec, build_model
+    from fedrelay.peer.models import build_model
+
+    from fedrelay.tasks.image_folder import spec as image_spec
     from fedrelay.peer.strategies.fedelmy import train_pool
     from fedrelay.peer.strategies.fedseq import train_fedseq
     from fedrelay.peer.training import TrainConfig, use_deterministic_kernels
@@ -114,7 +118,7 @@ def main(argv=None) -> dict:
     S, E = (2, 1) if args.quick else (args.models_per_site, args.local_epochs)
     (train, val), source = site_data(args.quick, args.sites)
     n_train = len(train[1])
-    spec = ModelSpec("cnn", 1, (28, 28), 10)
+    spec = image_spec("cnn", 1, (28, 28), 10)
     base = dict(models_per_site=S, local_epochs=E, warmup_epochs=0, lr=1e-3, batch_size=128, weight_decay=1e-4)
     torch.manual_seed(1)
     m0 = build_model(spec).state_dict()
@@ -151,7 +155,7 @@ def main(argv=None) -> dict:
     from fedrelay.peer.training import evaluate
 
     model = build_model(spec).to(device)
-    t_val = timed(lambda: [evaluate(model, *val, device=device) for _ in range(S * E)])
+    t_val = timed(lambda: [evaluate(model, *val, device=device, task=resolve_task(spec)) for _ in range(S * E)])
     seconds = {"plain_loop": t_plain, "fedseq": t_fedseq, "fedseq_best_val": t_best_val,
                "fedelmy_pool_only": t_pool, "fedelmy": t_elmy}
     ips = {k: images / t for k, t in seconds.items()}

@@ -104,14 +104,15 @@ def main(argv=None) -> dict:
 
     from fedrelay import wire
     from fedrelay.coordinator.plan import chain_plan
-    from fedrelay.peer.models import ModelSpec, build_model
+    from fedrelay.peer.models import build_model
+    from fedrelay.tasks.image_folder import spec as image_spec
     from fedrelay.peer.transfer import send_model
     from fedrelay.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
     pairs = 1 if args.quick else max(5, args.pairs)
-    models = ([("cnn", ModelSpec("cnn", 1, (28, 28), 10))] if args.quick else
-              [("resnet18", ModelSpec("resnet18", 1, (28, 28), 10)),
-               ("resnet18-27k", ModelSpec("resnet18", 1, (28, 28), 27000))])
+    models = ([("cnn", image_spec("cnn", 1, (28, 28), 10))] if args.quick else
+              [("resnet18", image_spec("resnet18", 1, (28, 28), 10)),
+               ("resnet18-27k", image_spec("resnet18", 1, (28, 28), 27000))])
     work = Path(tempfile.mkdtemp(prefix="fedrelay-bench-transfer-"))
     procs = []
     try:

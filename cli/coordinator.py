@@ -19,7 +19,8 @@ from fedrelay.cli.common import (CONTEXT_SETTINGS, ENV_COORDINATOR, ENV_INSECURE
                                  console, err_console, fail, load_config_callback, setup_logging, stop_on_sigterm,
                                  transport_from, version_option)
 from fedrelay.coordinator.planner import ORDERS
-from fedrelay.registry import ARCHS, STRATEGIES
+from fedrelay import tasks as task_registry
+from fedrelay.registry import STRATEGIES
 
 app = typer.Typer(help="fedrelay coordinator: plans chains, assigns roles, keeps the ledger.",
                   no_args_is_help=True, add_completion=False, context_settings=CONTEXT_SETTINGS)
@@ -162,8 +163,13 @@ def start_chain(
     selection: _choice(run_params.SELECTIONS) = typer.Option("best-val", "--selection",
                                   help="Which epoch's model a site keeps: best-val (best validation accuracy, the "
                                        "paper's protocol) | last-epoch."),
-    model: _choice(ARCHS) = typer.Option("cnn", "--model",
-                              help="The architecture (fedrelay/peer/models.py)."),
+    task: str = typer.Option("image-folder", "--task", help="The task every site runs: how it reads its folder, the "
+                             "model, loss and metrics (an installed task package's name, or module:attr; "
+                             "`coordinator peers` lists what each site offers)."),
+    task_sha256: str = typer.Option("", "--task-sha256", help="Pin the task's code: the SHA-256 every site's copy "
+                                    "must have \\[default: the one every site reports]."),
+    model: str = typer.Option("", "--model", help="One of the task's models (image-folder: cnn, resnet18; "
+                              "tabular-csv: mlp, logistic) \\[default: the task's first]."),
     aggregator: str = typer.Option("", "--aggregator", help="Parallel methods: the site that combines the uploads "
                                    "\\[default: chosen by --seed]."),
     init: _choice(run_params.INITS) = typer.Option(
@@ -200,13 +206,16 @@ def start_chain(
         run_params.check(chosen, strict=True)
         run_params.check_rounds(rounds)
         run_params.check_seed(seed)
+        task_registry.check_name(task)
+        if task_sha256 and not all(c in "0123456789abcdef" for c in task_sha256.lower()) or len(task_sha256) not in (0, 64):
+            raise ValueError(f"--task-sha256 must be the task's SHA-256 (64 hex digits), got {task_sha256!r}")
     except ValueError as exc:
         fail(str(exc))
     client = _client(coordinator, tls, insecure)
-    names = [p.strip() for p in peers.split(",") if p.strip()]
+    sites = [p.strip() for p in peers.split(",") if p.strip()]
     try:
-        reply = client.start_chain(peers=names, order=order, seed=seed, arch=model, params=run_params.to_pb(chosen),
-                                   rounds=rounds, aggregator=aggregator)
+        reply = client.start_chain(peers=sites, order=order, seed=seed, model=model, params=run_params.to_pb(chosen),
+                                   rounds=rounds, aggregator=aggregator, task=task, task_sha256=task_sha256.lower())
     except grpc.RpcError as exc:
         _rpc_fail(exc, coordinator)
     if not wait:
@@ -345,8 +354,11 @@ def render_summary(s: dict) -> None:
     s = safe_tree(s)
     rounds = s.get("rounds", 1)
     cycles = f", {rounds} rounds" if rounds > 1 else ""
-    console.print(f"\n[bold]run {s['run_id']}[/] ({s['strategy']}{cycles}, {s['arch']}, seed {s['seed']}): "
+    task = f"task {s['task']} {s['task_version'] or ''}".rstrip() + ", " if s.get("task") else ""
+    console.print(f"\n[bold]run {s['run_id']}[/] ({s['strategy']}{cycles}, {task}{s['arch']}, seed {s['seed']}): "
                   f"[bold]{s['status']}[/]", highlight=False)
+    if s.get("task_sha256"):
+        console.print(f"task code SHA-256 {s['task_sha256']} (the same at every site)", highlight=False)
     _render_live(s)
     if s.get("aggregator"):
         _render_star(s)
@@ -382,6 +394,34 @@ def _render_chain(s: dict) -> None:
                       "(outside the chain's total)", highlight=False)
 
 
+METRIC_HEADS = {"accuracy": "accuracy", "balanced_accuracy": "balanced acc.", "macro_f1": "macro-F1",
+                "auroc": "AUROC", "sensitivity": "sensitivity", "specificity": "specificity"}
+
+
+def _final_metrics_table(f: dict) -> Table:
+    """The final model's metrics per site (each site's exact figures on its own test split) and
+    global (from the sites' pooled statistics; README "Metrics")."""
+    names = [k for k in METRIC_HEADS if k in f.get("metrics", {}) or any(k in v.get("metrics", {})
+                                                                       for v in f["per_site"].values())]
+    own = sorted({k for v in f["per_site"].values() for k in v.get("metrics", {})} - set(METRIC_HEADS))
+    names = names or ["accuracy"]
+    t = Table(title="final model per site (own test split) and global (pooled statistics)")
+    t.add_column("site")
+    for k in names + own:
+        t.add_column(METRIC_HEADS.get(k, k), justify="right")
+    t.add_column("test samples", justify="right")
+
+    def cells(metrics: dict, accuracy: float) -> list[str]:
+        values = {"accuracy": accuracy, **metrics}
+        return [f"{values[k]:.4f}" if k in values else "-" for k in names + own]
+
+    for site, v in f["per_site"].items():
+        t.add_row(site, *cells(v.get("metrics", {}), v["accuracy"]), str(v["test_samples"]))
+    t.add_row("[bold]global[/]", *(f"[bold]{c}[/]" for c in cells(f.get("metrics", {}), f["accuracy"])),
+              str(sum(v["test_samples"] for v in f["per_site"].values())))
+    return t
+
+
 def _render_outcome(s: dict) -> None:
     disputed = [h for h in s["hops"] + s.get("uploads", []) + s["final_transfers"] if h["status"] == "disputed"]
     for h in disputed:
@@ -391,15 +431,7 @@ def _render_outcome(s: dict) -> None:
     f = s["final"]
     if f:
         console.print(f"final model sha256 {f['sha256']}", highlight=False)
-        t = Table(title="final model accuracy per site (own test split)")
-        t.add_column("site")
-        t.add_column("accuracy", justify="right")
-        t.add_column("test images", justify="right")
-        for site, v in f["per_site"].items():
-            t.add_row(site, f"{v['accuracy']:.4f}", str(v["test_samples"]))
-        t.add_row("[bold]global[/]", f"[bold]{f['accuracy']:.4f}[/]",
-                  str(sum(v["test_samples"] for v in f["per_site"].values())))
-        console.print(t)
+        _print_wide(_final_metrics_table(f))
     if s.get("skipped"):
         console.print(f"[yellow]routed around (down past --peer-timeout):[/] {', '.join(s['skipped'])}; "
                       f"the final model holds the training of {', '.join(s['contributors'])}", highlight=False)
@@ -541,17 +573,27 @@ def peers(coordinator: str = COORD,
         print(json.dumps([peer_dict(p) for p in records], indent=1))
         return
     t = Table(title="peers")
-    for col in ("site", "address", "images", "classes", "train", "test", "device", "last seen", "status"):
+    for col in ("site", "address", "tasks (classes, train/test samples, code SHA-256)", "device", "last seen",
+                "status"):
         t.add_column(col, no_wrap=col not in ("site", "address"), overflow="fold")
     for p in records:
         status = "[green]live[/]" if p.live else f"[red]stale[/] (> {p.peer_timeout:.0f} s)"
         address = safe(p.address) or ("connects out only, " + ("[green]stream open[/]" if p.connected
                                                               else "[red]no stream[/]"))
-        classes = str(len(p.classes)) + (f" (+{p.classes_omitted} not listed)" if p.classes_omitted else "")
-        t.add_row(safe(p.name), address, f"{p.channels}x{p.height}x{p.width}", classes,
-                  str(sum(c.train for c in p.classes)), str(sum(c.test for c in p.classes)), safe(p.device),
+        offers = "\n".join(_offer_line(o) for o in p.tasks) or "-"
+        if p.classes_omitted:
+            offers += f"\n(+{p.classes_omitted} classes not listed: the reply's size cap)"
+        t.add_row(safe(p.name), address, offers, safe(p.device),
                   f"{p.age_seconds:.0f} s ago", status)
     _print_wide(t)
+
+
+def _offer_line(o) -> str:
+    """One task a site offers, for the peers table (the site's words shown as text)."""
+    if o.error:
+        return f"{safe(o.name)}: [red]cannot read the data[/] ({safe(o.error, max_chars=120)})"
+    return (f"{safe(o.name)} {safe(o.version)}: {len(o.classes)} classes, {sum(c.train for c in o.classes)}/"
+            f"{sum(c.test for c in o.classes)}, {safe(o.sha256[:12])}…")
 
 
 @app.command()
@@ -575,7 +617,9 @@ def metrics(run_id: str = typer.Argument(..., help="The run's id (from start-cha
             as_csv: bool = typer.Option(False, "--csv", help="Print the rows as CSV with a header row."),
             tls: Path = TLS, insecure: bool = INSECURE) -> None:
     """Per-epoch training metrics of a run, per site and pool model: training loss, validation
-    accuracy, seconds (works while it runs)."""
+    accuracy, seconds (works while it runs); once the run has finished, the final model's
+    metrics per site and global too (--json/--csv: the epoch rows only; `show --json` has the
+    final metrics)."""
     from fedrelay.coordinator.client import METRIC_FIELDS
 
     if as_json and as_csv:
@@ -583,6 +627,7 @@ def metrics(run_id: str = typer.Argument(..., help="The run's id (from start-cha
     with _client(coordinator, tls, insecure) as client:
         try:
             rows = client.metrics(run_id)
+            final = None if (as_json or as_csv) else client.run(run_id)["final"]
         except grpc.RpcError as exc:
             _rpc_fail(exc, coordinator)
     if site:
@@ -601,6 +646,8 @@ def metrics(run_id: str = typer.Argument(..., help="The run's id (from start-cha
         writer.writerows(rows)
     else:
         _print_wide(_metrics_table(safe(run_id), safe_tree(rows)))
+        if final:
+            _print_wide(_final_metrics_table(safe_tree(final)))  # metric names are the task's words
 
 
 STAGES = {"warmup": "warm-up", "pool": "pool", "fedseq": "fedseq", "aggregate": "aggregation"}
@@ -733,15 +780,21 @@ def enroll(
 
 @app.command("split-dataset")
 def split_dataset(
-    name: str = typer.Argument(..., help="Dataset: fashion-mnist"),
+    name: str = typer.Argument(..., help="Dataset: fashion-mnist (image folders) | breast-cancer (tabular-csv "
+                               "folders from scikit-learn's Wisconsin Diagnostic Breast Cancer data; no download)."),
     sites: int = typer.Option(10, "--sites", help="N: number of sites."),
-    dirichlet: float = typer.Option(0.5, "--dirichlet", help="Dirichlet concentration of the label skew."),
-    seed: int = typer.Option(0, "--seed", help="Fixes the Dirichlet draws and the subsampling."),
+    dirichlet: float = typer.Option(None, "--dirichlet", help="Dirichlet concentration of the label skew "
+                                    "\\[default: 0.5 for fashion-mnist; none for breast-cancer: every site gets "
+                                    "the overall mix of diagnoses]."),
+    seed: int = typer.Option(0, "--seed", help="Fixes the Dirichlet draws, the shares and the subsampling."),
     out: Path = typer.Option(..., "--out", help="Folder for site-00 ... site-(N-1)."),
-    source: Path = typer.Option(None, "--source", help="Folder with the IDX files \\[default: Debian's dataset-fashion-mnist]."),
-    max_train_per_site: int = typer.Option(None, "--max-train-per-site", help="Subsample each site's train images."),
+    source: Path = typer.Option(None, "--source", help="fashion-mnist: folder with the IDX files \\[default: "
+                                "Debian's dataset-fashion-mnist]."),
+    max_train_per_site: int = typer.Option(None, "--max-train-per-site", help="fashion-mnist: subsample each "
+                                           "site's train images."),
 ) -> None:
-    """Write N label-skewed site folders (ImageFolder layout) for a trial."""
+    """Write N site folders for a trial: label-skewed image folders (fashion-mnist), or hospitals'
+    train.csv/test.csv tables (breast-cancer, for --task tabular-csv)."""
     from fedrelay.coordinator.split import DatasetNotFound, split_dataset as do_split
 
     try:
@@ -752,7 +805,13 @@ def split_dataset(
     except (ValueError, OSError) as exc:
         fail(str(exc))
     console.print(f"wrote {sites} sites under {out}", highlight=False)
-    _ = summary
+    if summary.get("name") == "breast-cancer":
+        for s in summary["per_site"]:
+            train, test = (", ".join(f"{c} {n}" for c, n in s[split].items()) for split in ("train", "test"))
+            console.print(f"  {s['site']}: train {s['n_train']} ({train}), test {s['n_test']} ({test})",
+                          highlight=False, soft_wrap=True)
+        console.print("train on them with start-chain --task tabular-csv (each folder's fedrelay.toml names the "
+                      "label column)", highlight=False, soft_wrap=True)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,11 @@ def serve(
                                            "starts in milliseconds instead of ~3 s of CPU, for ~680 MB more "
                                            "resident memory while the daemon runs (many short jobs, few sites "
                                            "per host)."),
+    task: list[str] = typer.Option(None, "--task", envvar="FEDRELAY_TASKS",
+                                   help="Offer only this task (repeat for more): an installed task's name, or "
+                                        "module:attr for a task module on this daemon's Python path \\[default: "
+                                        "every installed task (entry-point group fedrelay.tasks) and the built-in "
+                                        "ones]."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
     check: bool = typer.Option(False, "--check", help="Only validate the options (name, TLS identity, addresses, "
                                "device, state dir, data folder), print one line and exit 0; listens on nothing."),
@@ -68,19 +73,20 @@ def serve(
     transport = transport_from(tls, insecure)
     if check:
         _check_serve(data, name, listen, coordinator, state_dir or Path(".fedrelay") / name, device, advertise,
-                     transport, stall_timeout, weights_dir, outbound_only, relay_after)
+                     transport, stall_timeout, weights_dir, outbound_only, relay_after, task or None)
         return
     setup_logging(verbose, prefix=f"[{name}] ")
     stop_on_sigterm()
     from fedrelay.peer.daemon import serve as run_daemon
-    from fedrelay.peer.scan import DataError
+    from fedrelay.task import DataError
 
     try:
         run_daemon(data_dir=data, name=name, listen=listen, coordinator=coordinator,
                    state_dir=state_dir or Path(".fedrelay") / name, device=device, advertise=advertise,
                    transport=transport, stall_timeout=stall_timeout, deterministic=deterministic,
                    weights_dir=weights_dir, metrics_listen=metrics_listen, worker_slots=worker_slots,
-                   outbound_only=outbound_only, relay_after=relay_after, fork_workers=fork_workers)
+                   outbound_only=outbound_only, relay_after=relay_after, fork_workers=fork_workers,
+                   tasks=task or None)
     except (DataError, ValueError, RuntimeError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -88,7 +94,7 @@ def serve(
 
 
 def _check_serve(data, name, listen, coordinator, state_dir, device, advertise, transport, stall_timeout,
-                 weights_dir, outbound_only=False, relay_after=60.0) -> None:
+                 weights_dir, outbound_only=False, relay_after=60.0, tasks=None) -> None:
     """``peer serve --check``: ``fedrelay.peer.preflight.check_serve_options``, one line, exit 0 or fail."""
     from fedrelay.cli.common import console
     from fedrelay.peer.preflight import check_serve_options
@@ -96,14 +102,13 @@ def _check_serve(data, name, listen, coordinator, state_dir, device, advertise, 
     try:
         r = check_serve_options(data_dir=data, name=name, listen=listen, coordinator=coordinator, state_dir=state_dir,
                                 device=device, transport=transport, advertise=advertise, stall_timeout=stall_timeout,
-                                weights_dir=weights_dir, outbound_only=outbound_only, relay_after=relay_after)
+                                weights_dir=weights_dir, outbound_only=outbound_only, relay_after=relay_after,
+                                tasks=tasks)
     except ValueError as exc:
         fail(str(exc))
-    from fedrelay.text import safe
-
     reach = f"dialled at {r.address}" if r.address else "connects out only (models through the relay)"
-    console.print(safe(f"ok: site {name}, {r.images} images in {len(r.classes)} classes, device {r.device}, {reach}, "
-                       f"coordinator {coordinator}, state dir {state_dir}"), highlight=False, soft_wrap=True)
+    console.print(f"ok: site {name}, {'; '.join(r.lines())}, device {r.device}, {reach}, "
+                  f"coordinator {coordinator}, state dir {state_dir}", highlight=False, soft_wrap=True, markup=False)
 
 
 @app.command()

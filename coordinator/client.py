@@ -5,6 +5,7 @@ run summary, a peer's record and a metrics row as plain dicts (the ``--json`` sh
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from pathlib import Path
@@ -35,7 +36,11 @@ def summary_dict(s: cpb.RunSummary) -> dict:
     planned_hops (hops of the run's plan, with hops made before a reroute dropped them),
     expected_total_bytes (planned_hops * M), plan (the current plan: purpose, index, round,
     sender, receiver), final_site, final (null until the run has finished: sha256, accuracy,
-    per_site: site -> {accuracy, test_samples}), final_transfers, params, seed, arch,
+    metrics (the global metrics from the sites' pooled statistics: accuracy, balanced_accuracy,
+    macro_f1, auroc, for two classes sensitivity and specificity, and the task's own),
+    per_site: site -> {accuracy, test_samples, metrics (the site's exact metrics)}),
+    final_transfers, params, seed, arch (the task's model), task, task_version, task_sha256
+    (the digest of the task's code every site ran), model_spec (fedrelay.ModelSpec.to_dict()),
     class_index, warnings, error, insecure, created, ended (unix seconds), skipped (sites routed
     around because they stayed down) and contributors (the sites whose training is in the final
     model, in chain order), live (while the run is running, each site that has reported, in
@@ -80,7 +85,10 @@ def summary_dict(s: cpb.RunSummary) -> dict:
         "final": None,
         "final_transfers": [hop(h) for h in s.final_transfers],
         "params": run_params.to_dict(s.params),
-        "seed": s.seed, "arch": s.arch, "class_index": list(s.class_index), "warnings": list(s.warnings),
+        "seed": s.seed, "arch": s.arch, "task": s.task or None, "task_version": s.task_version or None,
+        "task_sha256": s.task_sha256 or None,
+        "model_spec": json.loads(s.model_spec_json) if s.model_spec_json else None,
+        "class_index": list(s.class_index), "warnings": list(s.warnings),
         "error": s.error or None, "insecure": s.insecure, "created": s.created, "ended": s.ended or None,
         "skipped": list(s.skipped), "contributors": list(s.contributors),
         "live": [{"site": v.site, "state": v.state, "detail": v.detail, "activity": v.activity, "stage": v.stage,
@@ -100,7 +108,9 @@ def summary_dict(s: cpb.RunSummary) -> dict:
     if s.HasField("final"):
         out["final"] = {
             "sha256": s.final.sha256, "accuracy": s.final.accuracy,
-            "per_site": {k: {"accuracy": v.accuracy, "test_samples": v.test_samples}
+            "metrics": dict(sorted(s.final.metrics.items())),
+            "per_site": {k: {"accuracy": v.accuracy, "test_samples": v.test_samples,
+                             "metrics": dict(sorted(v.metrics.items()))}
                          for k, v in sorted(s.final.per_site.items())},
         }
     return out
@@ -122,20 +132,26 @@ def planned_epochs(summary: dict) -> int:
 
 
 def peer_dict(p: cpb.PeerRecord) -> dict:
-    """A registered peer as the JSON object of ``peers --json``: name, address, device,
-    image_shape [channels, height, width], classes [{name, train, test}], train_images,
-    test_images, last_seen (unix seconds of its latest registration or heartbeat),
+    """A registered peer as the JSON object of ``peers --json``: name, address, device, tasks
+    [{name, version, sha256, models, classes [{name, train, test}], train_samples, test_samples,
+    input (the task's input description), error}], last_seen (unix seconds of its latest
+    registration or heartbeat),
     age_seconds (since then, by the coordinator's clock), live (heard from within the
     coordinator's --peer-timeout), peer_timeout (that timeout, seconds), outbound_only (it
     registered no address: it connects out only), connected (its control stream is open) and
-    classes_omitted (classes the coordinator left out of ``classes`` to keep its reply under the
-    message cap; 0 normally)."""
-    return {"name": p.name, "address": p.address, "device": p.device, "image_shape": [p.channels, p.height, p.width],
-            "classes": [{"name": c.name, "train": c.train, "test": c.test} for c in p.classes],
-            "train_images": sum(c.train for c in p.classes), "test_images": sum(c.test for c in p.classes),
+    classes_omitted (classes the coordinator left out of the tasks' ``classes`` to keep its reply
+    under the message cap; 0 normally)."""
+    return {"name": p.name, "address": p.address, "device": p.device, "tasks": [_offer_dict(t) for t in p.tasks],
             "last_seen": p.last_seen, "age_seconds": round(p.age_seconds, 3), "live": p.live,
             "peer_timeout": p.peer_timeout, "outbound_only": p.outbound_only, "connected": p.connected,
             "classes_omitted": p.classes_omitted}
+
+
+def _offer_dict(t: cpb.TaskOffer) -> dict:
+    return {"name": t.name, "version": t.version, "sha256": t.sha256, "models": list(t.models),
+            "classes": [{"name": c.name, "train": c.train, "test": c.test} for c in t.classes],
+            "train_samples": sum(c.train for c in t.classes), "test_samples": sum(c.test for c in t.classes),
+            "input": json.loads(t.input_json) if t.input_json else {}, "error": t.error}
 
 
 METRIC_FIELDS = ("site", "stage", "model", "epoch", "epochs", "train_loss", "val_accuracy", "seconds", "time")
@@ -177,7 +193,7 @@ class OperatorClient:
             chosen = dict(strategy="fedelmy", models_per_site=5, local_epochs=2, warmup_epochs=2, alpha=1.0,
                           beta=1.0, lr=1e-3, batch_size=128, weight_decay=1e-4, selection="best-val")
             params.check(chosen)
-            reply = client.start_chain(peers=[], order="random", seed=0, arch="cnn", params=params.to_pb(chosen))
+            reply = client.start_chain(peers=[], order="random", seed=0, params=params.to_pb(chosen))
             for event in client.watch(reply.run_id):
                 print(event.kind, event.message)
             summary = client.run(reply.run_id)      # the dict of `coordinator show --json`
@@ -199,19 +215,23 @@ class OperatorClient:
     def __exit__(self, *exc):
         self.close()
 
-    def start_chain(self, *, peers: list[str], order: str, seed: int, arch: str,
-                    params: common_pb2.TrainingParams, rounds: int = 1, aggregator: str = "") -> cpb.StartChainReply:
+    def start_chain(self, *, peers: list[str], order: str, seed: int, model: str = "",
+                    params: common_pb2.TrainingParams, rounds: int = 1, aggregator: str = "", task: str = "",
+                    task_sha256: str = "") -> cpb.StartChainReply:
         """Start a run; returns at once (``reply.run_id``, ``reply.order``: the site names in chain
         order, or the star's sites; ``reply.warnings``).
 
         ``peers``: site names (empty: every registered peer). ``order``: ``"random"`` (shuffled by
-        ``seed``) or ``"given"`` (as ``peers`` lists them). ``seed``: 0 .. 2**64 - 1. ``arch``:
-        one of ``fedrelay.registry.ARCHS``. ``params``: ``fedrelay.params.to_pb(d)`` of a dict
+        ``seed``) or ``"given"`` (as ``peers`` lists them). ``seed``: 0 .. 2**64 - 1. ``task``: the
+        task ("" = ``image-folder``), pinned to ``task_sha256`` when given (else the digest every
+        site reports). ``model``: one of the task's models ("" = its first).
+        ``params``: ``fedrelay.params.to_pb(d)`` of a dict
         checked with ``fedrelay.params.check(d)`` (the coordinator checks it again). ``rounds``:
         T, 1 .. 100. ``aggregator``: the star plans' aggregating site ("" = chosen by the seed).
         Waits up to 120 s (the coordinator asks every chosen peer first)."""
-        return self.stub.StartChain(cpb.StartChainRequest(peers=peers, order=order, seed=seed, arch=arch,
-                                                          params=params, rounds=rounds, aggregator=aggregator),
+        return self.stub.StartChain(cpb.StartChainRequest(peers=peers, order=order, seed=seed, model=model,
+                                                          params=params, rounds=rounds, aggregator=aggregator,
+                                                          task=task, task_sha256=task_sha256),
                                     timeout=120.0)
 
     def watch(self, run_id: str, after_seq: int = 0) -> Iterator[cpb.RunEvent]:
@@ -346,8 +366,7 @@ class OperatorClient:
                              "(a coordinator older than this client?)")
         spec, run = json.loads(spec_json), self.run(run_id)
         data = final_model.with_metadata(data, final_model.describe(
-            arch=spec["arch"], input_shape=(spec["in_channels"], spec["height"], spec["width"]),
-            class_names=run["class_index"], run_id=run_id, strategy=run["strategy"], final_sha256=h.sha256))
+            spec=spec, class_names=run["class_index"], run_id=run_id, strategy=run["strategy"], final_sha256=h.sha256))
         wire.atomic_write(out, data)
         os.chmod(out, 0o644)
         return h.sha256, h.total_bytes

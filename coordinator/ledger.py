@@ -28,8 +28,9 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS peers (
     name TEXT PRIMARY KEY,
     address TEXT NOT NULL,
-    classes TEXT NOT NULL,          -- JSON [{"name", "train", "test"}]
-    channels INTEGER, height INTEGER, width INTEGER,
+    classes TEXT NOT NULL,          -- unused since tasks (kept for older ledgers): '[]'
+    channels INTEGER, height INTEGER, width INTEGER,  -- unused since tasks
+    tasks TEXT NOT NULL DEFAULT '[]',  -- JSON [fedrelay.tasks.offers.Offer.to_dict()]: what the site offers
     device TEXT, version TEXT,
     registered REAL, last_seen REAL,
     instance TEXT                   -- the daemon process's random id (RegisterRequest.instance)
@@ -54,7 +55,10 @@ CREATE TABLE IF NOT EXISTS runs (
     upload_bytes INTEGER,           -- star plans: size of one upload payload (M + the aggregator's extras)
     upload_schema_sha256 TEXT,      -- star plans: the uploads' payload schema
     cancelled_by TEXT,              -- status cancelled: the operator's identity (or "insecure operator")
-    cancel_reason TEXT              -- status cancelled: the reason given
+    cancel_reason TEXT,             -- status cancelled: the reason given
+    task TEXT, task_version TEXT,   -- the run's task (model: its fedrelay.ModelSpec)
+    task_sha256 TEXT,               -- the digest of the task's code every site ran
+    metrics TEXT                    -- JSON {name: value}: the global metrics (fedrelay.scoring)
 );
 CREATE TABLE IF NOT EXISTS plans (
     run_id TEXT NOT NULL, version INTEGER NOT NULL,
@@ -93,6 +97,8 @@ CREATE TABLE IF NOT EXISTS evaluations (
     sha256 TEXT NOT NULL,
     correct INTEGER NOT NULL, test_samples INTEGER NOT NULL, accuracy REAL NOT NULL,
     seconds REAL,
+    metrics TEXT NOT NULL DEFAULT '{}',  -- JSON {name: value}: the site's exact metrics
+    stats TEXT NOT NULL DEFAULT '{}',    -- JSON fedrelay.scoring.Stats: the site's aggregate statistics
     PRIMARY KEY (run_id, site)
 );
 CREATE TABLE IF NOT EXISTS metrics (
@@ -223,8 +229,10 @@ class Ledger:
                           "sealed_sha256 TEXT NOT NULL DEFAULT ''", "relay TEXT NOT NULL DEFAULT ''"),
                  "receipts": ("route TEXT NOT NULL DEFAULT 'direct'", "relay_wire_bytes INTEGER NOT NULL DEFAULT 0"),
                  "runs": ("rounds INTEGER NOT NULL DEFAULT 1", "schema_sha256 TEXT", "upload_bytes INTEGER",
-                          "upload_schema_sha256 TEXT", "cancelled_by TEXT", "cancel_reason TEXT"),
-                 "peers": ("instance TEXT",)}
+                          "upload_schema_sha256 TEXT", "cancelled_by TEXT", "cancel_reason TEXT", "task TEXT",
+                          "task_version TEXT", "task_sha256 TEXT", "metrics TEXT"),
+                 "evaluations": ("metrics TEXT NOT NULL DEFAULT '{}'", "stats TEXT NOT NULL DEFAULT '{}'"),
+                 "peers": ("instance TEXT", "tasks TEXT NOT NULL DEFAULT '[]'")}
         for table, columns in added.items():
             have = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
             for column in columns:
@@ -281,15 +289,15 @@ class Ledger:
             return [dict(r) for r in self._db.execute(sql, args).fetchall()]
 
     # -- peers ---------------------------------------------------------------------------------
-    def upsert_peer(self, name: str, address: str, classes: list[dict], shape: tuple[int, int, int],
-                    device: str, version: str) -> bool:
+    def upsert_peer(self, name: str, address: str, tasks: list[dict], device: str, version: str) -> bool:
         """Record a registration (or a heartbeat: the same registration again) at the current
         time. A heartbeat that changes nothing but ``last_seen`` writes nothing: its time is kept
         in memory (``peer`` and ``peers`` show it) and written, for every site at once, when
         ``last_seen_flush`` seconds have passed since the last such write, and at ``close``.
-        Returns True when the registration was written."""
+        ``tasks``: the site's offers (``Offer.to_dict()``). Returns True when the registration was
+        written."""
         now = time.time()
-        row = (address, json.dumps(classes), *shape, device, version)
+        row = (address, json.dumps(tasks, sort_keys=True), device, version)
         with self._lock:
             if self._peer_rows.get(name) == row:
                 self._seen[name] = now
@@ -320,18 +328,15 @@ class Ledger:
             return len(seen)
 
     def _write_peer(self, name: str, row: tuple, now: float) -> None:
-        address, classes = row[0], row[1]
         self._seen.pop(name, None)
         self._peer_rows.pop(name, None)
         self._peer_memo.pop(name, None)
         self._exec(
-            """INSERT INTO peers (name, address, classes, channels, height, width, device, version,
-                                  registered, last_seen)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-               ON CONFLICT(name) DO UPDATE SET address=excluded.address, classes=excluded.classes,
-                   channels=excluded.channels, height=excluded.height, width=excluded.width,
+            """INSERT INTO peers (name, address, classes, tasks, device, version, registered, last_seen)
+               VALUES (?, ?, '[]', ?, ?, ?, ?, ?)
+               ON CONFLICT(name) DO UPDATE SET address=excluded.address, tasks=excluded.tasks,
                    device=excluded.device, version=excluded.version, last_seen=excluded.last_seen""",
-            (name, address, classes, *row[2:5], row[5], row[6], now, now),
+            (name, *row, now, now),
         )
         self._peer_rows[name] = row
 
@@ -404,7 +409,9 @@ class Ledger:
         with self._lock:
             rows = [self._overlay(r) for r in self._all("SELECT * FROM peers ORDER BY name")]
         for r in rows:
-            r["classes"] = json.loads(r["classes"])
+            r["tasks"] = json.loads(r["tasks"] or "[]")
+            for k in ("classes", "channels", "height", "width"):
+                r.pop(k, None)
         return rows
 
     def last_seen(self) -> dict[str, float]:
@@ -417,17 +424,21 @@ class Ledger:
     def create_run(self, run_id: str, *, strategy: str, arch: str, seed: int, params: dict,
                    chain: list[dict], class_index: list[str], model: dict, warnings: list[str],
                    insecure: bool, rounds: int = 1, plan: dict | None = None) -> None:
-        """Record a new running run and, when given, version 0 of its plan (one transaction)."""
+        """Record a new running run and, when given, version 0 of its plan (one transaction).
+        ``model``: the run's ``fedrelay.ModelSpec.to_dict()`` (its task, version and digest are
+        also kept in columns of their own); ``arch``: the task's model name."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 now = time.time()
                 self._db.execute(
                     """INSERT INTO runs (run_id, created, status, strategy, arch, seed, params, chain,
-                                         class_index, model, warnings, insecure, rounds)
-                       VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                                         class_index, model, warnings, insecure, rounds, task, task_version,
+                                         task_sha256)
+                       VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                     (run_id, now, strategy, arch, seed, json.dumps(params), json.dumps(chain),
-                     json.dumps(class_index), json.dumps(model), json.dumps(warnings), int(insecure), rounds),
+                     json.dumps(class_index), json.dumps(model), json.dumps(warnings), int(insecure), rounds,
+                     model.get("task", ""), model.get("task_version", ""), model.get("task_sha256", "")),
                 )
                 if plan is not None:
                     self._db.execute("INSERT INTO plans (run_id, version, plan, time) VALUES (?, 0, ?, ?)",
@@ -487,6 +498,7 @@ class Ledger:
         r = rows[0]
         for key in ("params", "chain", "class_index", "model", "warnings"):
             r[key] = json.loads(r[key])
+        r["metrics"] = json.loads(r["metrics"]) if r.get("metrics") else {}
         return r
 
     def running_run_ids(self) -> list[str]:
@@ -507,25 +519,28 @@ class Ledger:
 
     def finish_run(self, run_id: str, status: str, *, error: str | None = None,
                    accuracy: float | None = None, message: str = "", site: str = "",
-                   cancelled_by: str | None = None, cancel_reason: str | None = None, **data: Any) -> bool:
+                   cancelled_by: str | None = None, cancel_reason: str | None = None,
+                   metrics: dict[str, float] | None = None, **data: Any) -> bool:
         """Move a running run to ``status`` (finished|failed|cancelled) and, when ``message`` is given, add
         the event of kind ``status`` that says so, in one transaction: a watcher that sees the
         terminal status has also seen that event (its data holds ``error`` and ``accuracy`` when
         given, and ``data``). The same transaction owes every site of the chain an end notice
-        (:meth:`pending_end_notices`) and sets ``cancelled_by`` / ``cancel_reason`` when given.
-        False (nothing written) when it had already ended."""
+        (:meth:`pending_end_notices`) and sets ``cancelled_by`` / ``cancel_reason`` / the global
+        ``metrics`` when given. False (nothing written) when it had already ended."""
         data = {**({"error": error} if error is not None else {}),
                 **({"accuracy": accuracy} if accuracy is not None else {}),
-                **({"cancelled_by": cancelled_by} if cancelled_by is not None else {}), **data}
+                **({"cancelled_by": cancelled_by} if cancelled_by is not None else {}),
+                **({"metrics": metrics} if metrics is not None else {}), **data}
         with self._events:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 now = time.time()
                 cur = self._db.execute(
                     "UPDATE runs SET status = ?, error = ?, accuracy = ?, ended = ?, "
-                    "cancelled_by = coalesce(?, cancelled_by), cancel_reason = coalesce(?, cancel_reason) "
-                    "WHERE run_id = ? AND status = 'running'",
-                    (status, error, accuracy, now, cancelled_by, cancel_reason, run_id),
+                    "cancelled_by = coalesce(?, cancelled_by), cancel_reason = coalesce(?, cancel_reason), "
+                    "metrics = coalesce(?, metrics) WHERE run_id = ? AND status = 'running'",
+                    (status, error, accuracy, now, cancelled_by, cancel_reason,
+                     json.dumps(metrics, sort_keys=True) if metrics is not None else None, run_id),
                 )
                 ended = cur.rowcount == 1
                 if ended:
@@ -684,15 +699,35 @@ class Ledger:
 
     # -- evaluations and metrics -----------------------------------------------------------------
     def record_evaluation(self, run_id: str, site: str, sha256: str, correct: int, test_samples: int,
-                          accuracy: float, seconds: float) -> None:
+                          accuracy: float, seconds: float, metrics: dict[str, float] | None = None,
+                          stats: dict | None = None) -> None:
+        """A site's evaluation of the final model: its top-1 count, exact ``metrics`` and aggregate
+        ``stats`` (``fedrelay.scoring``)."""
         self._exec(
-            """INSERT OR REPLACE INTO evaluations (run_id, site, sha256, correct, test_samples, accuracy, seconds)
-               VALUES (?, ?, ?, ?, ?, ?, ?)""",
-            (run_id, site, sha256, correct, test_samples, accuracy, seconds),
+            """INSERT OR REPLACE INTO evaluations (run_id, site, sha256, correct, test_samples, accuracy, seconds,
+                                                   metrics, stats)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+            (run_id, site, sha256, correct, test_samples, accuracy, seconds, json.dumps(metrics or {}, sort_keys=True),
+             json.dumps(stats or {}, sort_keys=True)),
         )
 
     def evaluations(self, run_id: str) -> list[dict[str, Any]]:
-        return self._all("SELECT * FROM evaluations WHERE run_id = ? ORDER BY site", (run_id,))
+        """The sites' evaluations, ``metrics`` and ``stats`` parsed."""
+        rows = self._all("SELECT * FROM evaluations WHERE run_id = ? ORDER BY site", (run_id,))
+        for r in rows:
+            r["metrics"] = json.loads(r.get("metrics") or "{}")
+            r["stats"] = json.loads(r.get("stats") or "{}")
+        return rows
+
+    def recent_results(self, limit: int) -> list[dict[str, Any]]:
+        """The ``limit`` most recently ended finished runs: ``run_id``, ``task``, ``accuracy``,
+        ``metrics`` (global, parsed) and ``evaluations`` (per site, as :meth:`evaluations`)."""
+        rows = self._all("SELECT run_id, task, accuracy, metrics FROM runs WHERE status = 'finished' "
+                         "ORDER BY ended DESC LIMIT ?", (int(limit),))
+        for r in rows:
+            r["metrics"] = json.loads(r["metrics"]) if r["metrics"] else {}
+            r["evaluations"] = self.evaluations(r["run_id"])
+        return rows
 
     def record_metric(self, run_id: str, site: str, stage: str, model: int, epoch: int, epochs: int,
                       train_loss: float, val_accuracy: float | None, seconds: float) -> None:

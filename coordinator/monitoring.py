@@ -23,6 +23,11 @@ when the daemon starts):
   (*in process*, running runs only): the latest epoch a site reported (``ReportProgress``) and
   the epochs of that stage (``warmup``, ``pool`` model j, ``train``, ``aggregate``...);
   ``fedrelay_coordinator_site_epoch_progress_ratio{run_id,site}``: epoch / epochs.
+- ``fedrelay_coordinator_final_metric{run_id,task,site,metric}``: the final model's metrics of the
+  ``RECENT_RESULTS`` most recently finished runs, per site (its exact figures on its own test
+  split) and with ``site="global"`` (from the sites' pooled statistics): ``accuracy``,
+  ``balanced_accuracy``, ``macro_f1``, ``auroc``, two classes ``sensitivity`` and
+  ``specificity``, and the task's own metrics (``fedrelay.scoring``).
 
 Log lines (logger ``fedrelay.coordinator``), one per event: a site's first registration and a
 change of its address (INFO; a heartbeat that changes nothing is DEBUG), a run started (id,
@@ -48,6 +53,7 @@ MAX_CONTROL_STREAMS = 256  # sites that connect out only, per coordinator (a wor
 
 log = logging.getLogger("fedrelay.coordinator")
 
+RECENT_RESULTS = 20  # finished runs whose final metrics are exported (older ones stay in the ledger)
 RUN_STATES = ("running", "finished", "failed", "cancelled")  # always exported, 0 when no run has them
 TRANSFER_PURPOSES = ("chain", "upload", "final")
 
@@ -200,3 +206,15 @@ class _LedgerCollector:
         yield epoch
         yield epochs
         yield ratio
+
+        final = GaugeMetricFamily("fedrelay_coordinator_final_metric", "The final model's metrics of a recently "
+                                  "finished run: per site on its own test split, and site=\"global\" from the "
+                                  "sites' pooled statistics.", labels=["run_id", "task", "site", "metric"])
+        for run in ledger.recent_results(RECENT_RESULTS):
+            task = run["task"] or ""
+            for name, value in {"accuracy": run["accuracy"] or 0.0, **run["metrics"]}.items():
+                final.add_metric([run["run_id"], task, "global", name], value)
+            for e in run["evaluations"]:
+                for name, value in {"accuracy": e["accuracy"], **e["metrics"]}.items():
+                    final.add_metric([run["run_id"], task, e["site"], name], value)
+        yield final

@@ -12,8 +12,9 @@ transfers) and with the ledger (runs, peers, metric rows), so:
 - :func:`page`: ``ListRuns``, ``ListPeers`` and ``GetMetrics`` answer in pages of at most
   ``PAGE_BYTES`` (and at least one item); the reply names where the next page starts
   (``next_after`` / ``next_offset``) and the client asks again (``coordinator/client.py``).
-- :func:`bounded_peer`: a ``PeerRecord`` over ``PAGE_BYTES`` (tens of thousands of long class
-  names) keeps the classes that fit; ``classes_omitted`` says how many it left out.
+- :func:`bounded_peer`: a ``PeerRecord`` too big for one reply (tens of thousands of long class
+  names in its task offers) keeps the classes that fit; ``classes_omitted`` says how many it
+  left out.
 """
 
 from __future__ import annotations
@@ -82,12 +83,21 @@ def page(items: Iterable[T], size: Callable[[T], int], budget: int | None = None
 
 
 def bounded_peer(record: cpb.PeerRecord, budget: int | None = None) -> cpb.PeerRecord:
-    """``record`` with its classes cut (halved until it fits ``budget`` bytes, default
-    ``PAGE_BYTES``) and ``classes_omitted`` set when it is over ``budget``; changed in place and
-    returned."""
-    budget = PAGE_BYTES if budget is None else budget
-    while record.ByteSize() > budget and len(record.classes):
-        keep = len(record.classes) // 2
-        record.classes_omitted += len(record.classes) - keep
-        del record.classes[keep:]
+    """``record`` cut to ``budget`` bytes (default ``SUMMARY_BYTES``) when it is over: the class
+    lists of its largest task offers halved (``classes_omitted`` counts what was left out), then,
+    if still over, the input and statistics descriptions of its largest offers cleared. Changed
+    in place and returned. (A registration is under the message cap itself, so this is rare.)"""
+    budget = SUMMARY_BYTES if budget is None else budget
+    while record.ByteSize() > budget:
+        offers = [o for o in record.tasks if len(o.classes)]
+        if not offers:
+            break
+        offer = max(offers, key=lambda o: o.ByteSize())
+        keep = len(offer.classes) // 2
+        record.classes_omitted += len(offer.classes) - keep
+        del offer.classes[keep:]
+    for offer in sorted(record.tasks, key=lambda o: o.ByteSize(), reverse=True):
+        if record.ByteSize() <= budget:
+            break
+        offer.input_json = offer.stats_json = ""
     return record

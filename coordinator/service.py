@@ -29,6 +29,7 @@ import grpc
 
 from fedrelay import __version__, checks, names, params as run_params, registry, text, wire
 from fedrelay.coordinator.ledger import TERMINAL, Ledger, LedgerConflict
+from fedrelay.coordinator import evaluation
 from fedrelay.coordinator.events import EventHub
 from fedrelay.coordinator.monitoring import CoordinatorMonitor
 from fedrelay.health import COORDINATOR_SERVICE, Health
@@ -40,6 +41,7 @@ from fedrelay.coordinator.relay import RelayService
 from fedrelay.coordinator import forgotten, replies
 from fedrelay.coordinator.tunnel import Tunnels
 from fedrelay.final_model import MODEL_SPEC_METADATA
+from fedrelay.tasks.offers import Offer
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc, relay_pb2_grpc
 
 log = logging.getLogger("fedrelay.coordinator")
@@ -168,10 +170,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         pem = (context.auth_context() or {}).get("x509_pem_cert") or []
         if pem:
             self._certificates[request.name] = pem[0]
-        classes = [{"name": c.name, "train": c.train, "test": c.test} for c in request.classes]
-        self.ledger.upsert_peer(request.name, request.address, classes,
-                                (request.channels, request.height, request.width),
-                                request.device, request.version)
+        try:
+            offers = [Offer.from_pb(t).to_dict() for t in request.tasks]
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.ledger.upsert_peer(request.name, request.address, offers, request.device, request.version)
         self.monitor.registered(request.name, request.address, before)
         if request.instance:
             self.ledger.set_peer_instance(request.name, request.instance)
@@ -894,27 +897,37 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self._wait_relayed_copy(run_id, site["name"])
                 reply = self._call_peer(site, "Evaluate", peer_pb2.EvaluateRequest(run_id=run_id, sha256=sha),
                                         timeout=wire.EVALUATE_TIMEOUT)
-                checks.check_evaluation(reply, site["name"])
-                results[site["name"]] = reply
+                checks.check_evaluation(reply, site["name"])  # counts, accuracy, seconds (InvalidName)
+                stats = evaluation.site_stats(reply, len(run["class_index"]))
+                results[site["name"]] = (reply, stats)
                 self.ledger.record_evaluation(run_id, site["name"], sha, reply.correct, reply.test_samples,
-                                              reply.accuracy, reply.seconds)
+                                              reply.accuracy, reply.seconds, dict(reply.metrics), stats.to_dict())
                 self.ledger.add_event(run_id, "evaluated",
                                       f"{site['name']}: accuracy {reply.accuracy:.4f} on "
-                                      f"{reply.test_samples} test images", site=site["name"],
-                                      accuracy=reply.accuracy, test_samples=reply.test_samples)
-            except (grpc.RpcError, names.InvalidName) as exc:  # InvalidName: a value out of its range
+                                      f"{reply.test_samples} test samples{evaluation.metrics_line(reply.metrics)}",
+                                      site=site["name"], accuracy=reply.accuracy, test_samples=reply.test_samples,
+                                      metrics=dict(reply.metrics))
+            except grpc.RpcError as exc:
                 errors.append(f"{site['name']}: {wire.status_message(exc)}")
+            except ValueError as exc:
+                errors.append(f"{site['name']}: its evaluation does not check: {exc}")
 
         with ThreadPoolExecutor(max_workers=4) as pool:
             list(pool.map(one, self._live_order(run)))
         if errors:
             self._fail(run_id, "evaluation failed at " + "; ".join(errors))
             return
-        correct = sum(r.correct for r in results.values())
-        total = sum(r.test_samples for r in results.values())
+        correct = sum(r.correct for r, _ in results.values())
+        total = sum(r.test_samples for r, _ in results.values())
         accuracy = correct / total if total else 0.0
-        self.ledger.finish_run(run_id, "finished", accuracy=accuracy,
-                               message=f"run finished: global accuracy {accuracy:.4f} on {total} test images",
+        try:
+            metrics = evaluation.pooled(results.values())
+        except ValueError as exc:
+            self._fail(run_id, f"the sites' evaluations do not combine: {exc}")
+            return
+        self.ledger.finish_run(run_id, "finished", accuracy=accuracy, metrics=metrics,
+                               message=f"run finished: global accuracy {accuracy:.4f} on {total} test samples"
+                                       f"{evaluation.metrics_line(metrics)}",
                                test_samples=total)
 
     # -- operator calls ---------------------------------------------------------------------------
@@ -923,9 +936,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._as_operator(context)
         stale_warnings: list[str] = []
         peers = [
-            PeerInfo(name=p["name"], address=p["address"],
-                     classes={c["name"]: (c["train"], c["test"]) for c in p["classes"]},
-                     shape=(p["channels"], p["height"], p["width"]), device=p["device"])
+            PeerInfo(name=p["name"], address=p["address"], device=p["device"],
+                     offers={o["name"]: Offer.from_dict(o) for o in p["tasks"]})
             for p in self._fresh_peers(list(request.peers), stale_warnings, context)
         ]
         rounds = request.rounds or 1
@@ -934,7 +946,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             run_params.check(params)  # once, completely, before anything is written
             run_params.check_rounds(rounds)
             chosen = plan_chain(peers, names=list(request.peers) or None, order=request.order or "random",
-                                seed=request.seed, arch=request.arch or "cnn")
+                                seed=request.seed, task=request.task, model=request.model,
+                                task_sha256=request.task_sha256)
             plan = self._new_plan(params["strategy"], chosen.names, rounds, request.aggregator, request.seed)
         except ValueError as exc:  # PlanError too
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join([str(exc), *stale_warnings]))
@@ -952,25 +965,32 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                           "peers not reachable: " + "; ".join(unreachable))
         run_id = new_run_id()
         chain = [{"name": p.name, "address": p.address} for p in chosen.order]
-        self.ledger.create_run(run_id, strategy=params["strategy"], arch=chosen.model["arch"], seed=request.seed,
-                               params=params, chain=chain, class_index=chosen.class_index, model=chosen.model,
+        self.ledger.create_run(run_id, strategy=params["strategy"], arch=chosen.model.model, seed=request.seed,
+                               params=params, chain=chain, class_index=chosen.class_index,
+                               model=chosen.model.to_dict(),
                                warnings=chosen.warnings, insecure=self.insecure, rounds=rounds, plan=plan.to_json())
         cycles = f", {rounds} rounds ({len(plan.hops)} hops)" if rounds > 1 else ""
         shape = (f"{len(chain)} sites in parallel, aggregated at {plan.aggregator}: {', '.join(chosen.names)}"
                  if plan.aggregator else f"{len(chain)} sites{cycles}: {' -> '.join(chosen.names)}")
-        self.ledger.add_event(run_id, "started", f"run {run_id}: {params['strategy']} over {shape}",
-                              order=chosen.names, rounds=rounds, aggregator=plan.aggregator)
+        self.ledger.add_event(run_id, "started", f"run {run_id}: {params['strategy']} over {shape}; task "
+                              f"{chosen.model.task} {chosen.model.task_version} (code SHA-256 "
+                              f"{chosen.model.task_sha256[:12]}…), model {chosen.model.model}",
+                              order=chosen.names, rounds=rounds, aggregator=plan.aggregator, task=chosen.model.task,
+                              task_version=chosen.model.task_version, task_sha256=chosen.model.task_sha256)
         self.monitor.run_started(run_id, params["strategy"], chosen.names, plan.aggregator, context)
         for w in chosen.warnings:
             self.ledger.add_event(run_id, "warning", w)
-        spec = common_pb2.ModelSpec(arch=chosen.model["arch"], in_channels=chosen.model["in_channels"],
-                                    height=chosen.model["height"], width=chosen.model["width"],
-                                    num_classes=chosen.model["num_classes"])
+        spec = chosen.model.to_pb()
         address = {c["name"]: c["address"] for c in chain}
         n = len(chain)
         # Assign from the last site back to the first, so every receiver knows the run before its
-        # sender can finish; the first site starts training as soon as it is assigned.
-        for pos in reversed(range(n)):
+        # sender can finish; the first site starts training as soon as it is assigned. A star plan
+        # assigns its aggregating site first: it checks that its aggregator can handle the task's
+        # model before any site trains.
+        positions = list(reversed(range(n)))
+        if plan.aggregator:
+            positions.sort(key=lambda pos: chosen.names[pos] != plan.aggregator)
+        for pos in positions:
             site = chosen.names[pos]
             a = peer_pb2.Assignment(
                 run_id=run_id, position=pos, chain_length=n, seed=request.seed, params=request.params,
@@ -1080,10 +1100,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
         def record(p: dict) -> cpb.PeerRecord:
             return replies.bounded_peer(cpb.PeerRecord(
-                name=p["name"], address=p["address"], channels=p["channels"] or 0,
-                height=p["height"] or 0, width=p["width"] or 0, device=p["device"] or "",
+                name=p["name"], address=p["address"], device=p["device"] or "",
                 last_seen=p["last_seen"] or 0,
-                classes=[cpb.ClassCount(**c) for c in p["classes"]], **self._liveness(p),
+                tasks=[Offer.from_dict(o).to_pb() for o in p["tasks"]], **self._liveness(p),
                 outbound_only=not p["address"],
                 connected=not p["address"] and self.tunnels.get(p["name"]) is not None))
 
@@ -1206,6 +1225,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             params=run_params.to_pb(run["params"]), rounds=run["rounds"], final_site=run["final_site"] or "",
             upload_bytes=run["upload_bytes"] or 0,
             cancelled_by=run["cancelled_by"] or "", cancel_reason=run["cancel_reason"] or "",
+            task=run["task"] or "", task_version=run["task_version"] or "", task_sha256=run["task_sha256"] or "",
+            model_spec_json=json.dumps(run["model"], sort_keys=True),
         )
         s.live.extend(now.to_pb() for now in self.live.sites(run))
         plans = self.ledger.plans(run_id)
@@ -1236,9 +1257,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if run["status"] == "finished":
             s.final.sha256 = run["final_sha256"] or ""
             s.final.accuracy = run["accuracy"] or 0.0
+            s.final.metrics.update(run["metrics"] or {})
             for e in self.ledger.evaluations(run_id):
                 s.final.per_site[e["site"]].accuracy = e["accuracy"]
                 s.final.per_site[e["site"]].test_samples = e["test_samples"]
+                s.final.per_site[e["site"]].metrics.update(e["metrics"])
         return s
 
 

@@ -1,4 +1,5 @@
-"""Building trial sites from a public data set (Fashion-MNIST), for simulations and demos.
+"""Building trial sites from a public data set (Fashion-MNIST; the breast-cancer table is
+``split_tabular``), for simulations and demos.
 
 ``split_dataset("fashion-mnist", sites=10, dirichlet=0.5, seed=0, out=Path("sites"))`` reads
 the four Fashion-MNIST IDX files, gives each site a Dirichlet label-skewed share of the
@@ -58,7 +59,8 @@ FASHION_MNIST_CLASSES = [
     "Sandal", "Shirt", "Sneaker", "Bag", "Ankle_boot",
 ]
 DEFAULT_FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
-SUPPORTED_DATASETS = ("fashion-mnist",)
+SUPPORTED_DATASETS = ("fashion-mnist", "breast-cancer")  # breast-cancer: coordinator/split_tabular.py
+DEFAULT_DIRICHLET = 0.5  # fashion-mnist's label skew when none is given (the FedELMY paper's)
 FASHION_MNIST_FILES = {
     "train_x": "train-images-idx3-ubyte",
     "train_y": "train-labels-idx1-ubyte",
@@ -368,6 +370,59 @@ def _previous_site_dirs(out: Path) -> list[Path]:
     return dirs
 
 
+def prepare_out(out: Path, names: Sequence[str]) -> list[Path]:
+    """Check that the site folders ``names`` may be written under ``out`` and create ``out``;
+    return the site folders a previous split recorded there (to be replaced by
+    :func:`swap_in`). Staging folders left by an interrupted split are removed.
+
+    Raises ``ValueError``: ``out`` is a file, or non-empty without a previous split.json, or
+    a target site folder exists but was not written by the previous split."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output path {out} exists and is not a folder; choose another --out")
+    old_dirs: list[Path] = []
+    if out.is_dir():
+        # staging folders left behind by an interrupted split
+        for stale in out.glob(f"{_STAGING_PREFIX}*"):
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / SPLIT_JSON).is_file():
+            raise ValueError(
+                f"output folder {out} is not empty and holds no {SPLIT_JSON} from a previous split; "
+                f"refusing to write into it: choose an empty or new folder"
+            )
+        old_dirs = _previous_site_dirs(out)
+    old_set = {d.name for d in old_dirs}
+    for name in names:
+        if (out / name).exists() and name not in old_set:
+            raise ValueError(
+                f"{out / name} exists but is not listed in {out / SPLIT_JSON}; refusing to overwrite "
+                f"it: move it away or choose another output folder"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    return old_dirs
+
+
+def staging_dir(out: Path) -> Path:
+    """A fresh hidden folder inside ``out`` to write a split into before :func:`swap_in`."""
+    return Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=out))
+
+
+def swap_in(out: Path, staging: Path, names: Sequence[str], old_dirs: Sequence[Path], summary: dict) -> None:
+    """Move the site folders ``names`` written under ``staging`` into ``out``: the previous
+    split's folders ``old_dirs`` out, the new ones in, ``split.json`` (``summary``) last."""
+    for d in old_dirs:
+        if d.is_dir() and not d.is_symlink():
+            shutil.rmtree(d)
+        elif d.exists() or d.is_symlink():
+            d.unlink()
+    for name in names:
+        os.replace(staging / name, out / name)
+    tmp_json = staging / SPLIT_JSON
+    tmp_json.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp_json, out / SPLIT_JSON)
+
+
 def _plan_tasks(
     staging: Path,
     names: list[str],
@@ -456,38 +511,15 @@ def write_sites(
         raise ValueError("train_x / test_x must be uint8 arrays (n, H, W)")
     class_names = list(class_names)
 
-    # --- where we may write
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"output path {out} exists and is not a folder; choose another --out")
-    old_dirs: list[Path] = []
-    if out.is_dir():
-        # staging folders left behind by an interrupted run of this function
-        for stale in out.glob(f"{_STAGING_PREFIX}*"):
-            if stale.is_dir() and not stale.is_symlink():
-                shutil.rmtree(stale, ignore_errors=True)
-    if out.is_dir() and any(out.iterdir()):
-        if not (out / SPLIT_JSON).is_file():
-            raise ValueError(
-                f"output folder {out} is not empty and holds no {SPLIT_JSON} from a previous split; "
-                f"refusing to write into it: choose an empty or new folder"
-            )
-        old_dirs = _previous_site_dirs(out)
     names = [site_dir_name(i, n_sites) for i in range(n_sites)]
-    old_set = {d.name for d in old_dirs}
-    for name in names:
-        if (out / name).exists() and name not in old_set:
-            raise ValueError(
-                f"{out / name} exists but is not listed in {out / SPLIT_JSON}; refusing to overwrite "
-                f"it: move it away or choose another output folder"
-            )
-    out.mkdir(parents=True, exist_ok=True)
+    old_dirs = prepare_out(out, names)
 
     # --- plan the work: one task per (site, split, chunk)
     splits = {"train": (train_x, np.asarray(train_y), train_parts), "test": (test_x, np.asarray(test_y), test_parts)}
     per_site: list[dict] = [
         {"site": name, "n_train": 0, "n_test": 0, "train": {}, "test": {}} for name in names
     ]
-    staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=out))
+    staging = staging_dir(out)
     try:
         tasks = _plan_tasks(staging, names, splits, class_names, per_site)
         total = sum(len(t[1]) for t in tasks)
@@ -526,17 +558,7 @@ def write_sites(
                 "per_site": per_site,
             }
         )
-        # --- swap into place: old site folders out, new ones in, split.json last
-        for d in old_dirs:
-            if d.is_dir() and not d.is_symlink():
-                shutil.rmtree(d)
-            elif d.exists() or d.is_symlink():
-                d.unlink()
-        for name in names:
-            os.replace(staging / name, out / name)
-        tmp_json = staging / SPLIT_JSON
-        tmp_json.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp_json, out / SPLIT_JSON)
+        swap_in(out, staging, names, old_dirs, summary)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return summary
@@ -549,7 +571,7 @@ def split_dataset(
     name: str,
     *,
     sites: int,
-    dirichlet: float,
+    dirichlet: float | None = None,
     seed: int,
     out: str | Path,
     source: str | Path | None = None,
@@ -566,10 +588,15 @@ def split_dataset(
     ``max_train_per_site`` of its (already seeded-shuffled) train indices, i.e. a seeded
     uniform subsample, for quick trials; test shares are not subsampled.
 
+    ``breast-cancer`` (the Wisconsin Diagnostic Breast Cancer table bundled with scikit-learn)
+    writes tabular-csv folders instead: :func:`fedrelay.coordinator.split_tabular.split_breast_cancer`
+    (``source``, ``max_train_per_site``, ``min_size`` and ``workers`` do not apply to it).
+
     Args:
-        name: data set name; only "fashion-mnist" is supported.
+        name: data set name: "fashion-mnist" or "breast-cancer".
         sites: number of sites (>= 1).
-        dirichlet: Dirichlet concentration alpha (> 0), e.g. 0.5 as in the paper.
+        dirichlet: Dirichlet concentration alpha (> 0), e.g. 0.5 as in the paper; None: 0.5 for
+            fashion-mnist, no label skew (stratified shares) for breast-cancer.
         seed: seed of every random choice; same arguments -> same folders.
         out: output folder (see :func:`write_sites` for what may be overwritten).
         source: folder of the IDX files (default :data:`DEFAULT_FASHION_MNIST_DIR`).
@@ -590,6 +617,17 @@ def split_dataset(
     key = name.strip().lower().replace("_", "-")
     if key not in SUPPORTED_DATASETS:
         raise ValueError(f"unsupported data set {name!r}; supported: {', '.join(SUPPORTED_DATASETS)}")
+    if key == "breast-cancer":
+        from fedrelay.coordinator.split_tabular import split_breast_cancer
+
+        given = [flag for flag, value in (("--source", source), ("--max-train-per-site", max_train_per_site))
+                 if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} do(es) not apply to breast-cancer (scikit-learn ships the whole "
+                             "table; every patient is used)")
+        return split_breast_cancer(sites=sites, seed=seed, out=out, dirichlet=dirichlet)
+    if dirichlet is None:
+        dirichlet = DEFAULT_DIRICHLET
     if max_train_per_site is not None and (int(max_train_per_site) != max_train_per_site or max_train_per_site < 1):
         raise ValueError(f"max_train_per_site must be an integer >= 1, not {max_train_per_site!r}")
     src = Path(source) if source is not None else DEFAULT_FASHION_MNIST_DIR

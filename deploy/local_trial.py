@@ -8,7 +8,13 @@ This is what ``make demo`` runs::
 
     python deploy/local_trial.py --sites 10 --dirichlet 0.5 --seed 0 --workdir demo
 
-Everything after ``--`` goes to ``coordinator start-chain`` (e.g. ``-- --strategy fedseq -S 3``).
+and ``make demo-breast-cancer`` (three hospitals' tables, the built-in ``tabular-csv`` task)::
+
+    python deploy/local_trial.py --dataset breast-cancer --sites 3 --seed 0 --workdir demo-breast-cancer \
+        -- --models-per-site 3 --local-epochs 5 --warmup-epochs 5 --lr 0.01 --batch-size 32
+
+Everything after ``--`` goes to ``coordinator start-chain`` (e.g. ``-- --strategy fedseq -S 3``);
+with ``--dataset breast-cancer``, ``--task tabular-csv`` is added unless it names a ``--task``.
 Logs of every process are in ``<workdir>/logs``; the ledger is ``<workdir>/ledger.sqlite``; each
 site's state dir (received, pool and outgoing models) is ``<workdir>/state/<site>``.
 
@@ -31,6 +37,7 @@ import time
 from pathlib import Path
 
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
+DATASETS = ("fashion-mnist", "breast-cancer")
 BIN = Path(sys.executable).parent
 
 
@@ -355,8 +362,12 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--")
         argv, chain_args = argv[:i], argv[i + 1:]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", choices=DATASETS, default="fashion-mnist",
+                    help="fashion-mnist (image folders, the default task) | breast-cancer (three hospitals' "
+                         "tables from scikit-learn, task tabular-csv)")
     ap.add_argument("--sites", type=int, default=10, help="N sites (default 10)")
-    ap.add_argument("--dirichlet", type=float, default=0.5, help="label skew (default 0.5)")
+    ap.add_argument("--dirichlet", type=float, default=None,
+                    help="label skew (default 0.5 for fashion-mnist, none for breast-cancer)")
     ap.add_argument("--seed", type=int, default=0, help="split and chain seed (default 0)")
     ap.add_argument("--workdir", type=Path, default=Path("demo"), help="where sites, logs, ledger go (default ./demo)")
     ap.add_argument("--source", type=Path, default=None, help="folder with the Fashion-MNIST IDX files")
@@ -372,17 +383,32 @@ def main(argv: list[str] | None = None) -> int:
                     help="plaintext gRPC everywhere instead of mutual TLS with a PKI made in <workdir>/pki")
     args = ap.parse_args(argv)
 
-    ensure_fashion_mnist(args.source)
     sites_dir = args.workdir / "sites"
-    split_args = ["split-dataset", "fashion-mnist", "--sites", str(args.sites), "--dirichlet", str(args.dirichlet),
-                  "--seed", str(args.seed), "--out", str(sites_dir)]
-    if args.source:
-        split_args += ["--source", str(args.source)]
-    if args.max_train_per_site:
-        split_args += ["--max-train-per-site", str(args.max_train_per_site)]
+    if args.dataset == "fashion-mnist":
+        ensure_fashion_mnist(args.source)
+        dirichlet = 0.5 if args.dirichlet is None else args.dirichlet
+        split_args = ["split-dataset", "fashion-mnist", "--sites", str(args.sites), "--dirichlet", str(dirichlet),
+                      "--seed", str(args.seed), "--out", str(sites_dir)]
+        if args.source:
+            split_args += ["--source", str(args.source)]
+        if args.max_train_per_site:
+            split_args += ["--max-train-per-site", str(args.max_train_per_site)]
+        what = f"Fashion-MNIST into {args.sites} sites (Dirichlet {dirichlet}, seed {args.seed})"
+    else:
+        if args.source or args.max_train_per_site:
+            print("--source and --max-train-per-site apply to fashion-mnist only", file=sys.stderr)
+            return 2
+        split_args = ["split-dataset", "breast-cancer", "--sites", str(args.sites), "--seed", str(args.seed),
+                      "--out", str(sites_dir)]
+        if args.dirichlet is not None:
+            split_args += ["--dirichlet", str(args.dirichlet)]
+        skew = "stratified" if args.dirichlet is None else f"Dirichlet {args.dirichlet}"
+        what = f"the Wisconsin breast-cancer table into {args.sites} hospitals ({skew}, seed {args.seed})"
+        if not any(a == "--task" or a.startswith("--task=") for a in chain_args):
+            chain_args = ["--task", "tabular-csv", *chain_args]
     marker = args.workdir / "split-args.json"
     if not (marker.exists() and json.loads(marker.read_text()) == split_args):
-        print(f"splitting Fashion-MNIST into {args.sites} sites (Dirichlet {args.dirichlet}, seed {args.seed}) ...", flush=True)
+        print(f"splitting {what} ...", flush=True)
         if subprocess.call([_tool("coordinator"), *split_args]) != 0:
             return 2
         marker.write_text(json.dumps(split_args))

@@ -7,8 +7,12 @@ the same tensors, byte for byte, under a header that also carries this metadata 
 strings, as safetensors requires):
 
 =========================  ====================================================================
-``fedrelay.arch``          the architecture (``fedrelay.registry.ARCHS``: ``cnn``, ``resnet18``)
-``fedrelay.input_shape``   the input image shape ``[C, H, W]`` (JSON), pixels
+``fedrelay.task``          the run's task (e.g. ``image-folder``), which builds the model
+``fedrelay.task_version``  the task's version the sites reported
+``fedrelay.task_sha256``   the SHA-256 of the task's code every site ran
+``fedrelay.model``         the task's model (e.g. ``cnn``, ``resnet18``)
+``fedrelay.input``         the sites' common input description (JSON), e.g. ``{"channels": 1,
+                           "height": 28, "width": 28}`` for image-folder
 ``fedrelay.class_names``   the class names in logit order (JSON list): logit ``i`` is class ``i``
 ``fedrelay.run_id``        the run that trained it
 ``fedrelay.strategy``      the run's strategy
@@ -33,9 +37,11 @@ from pathlib import Path
 
 PREFIX = "fedrelay."
 # gRPC metadata key of the coordinator's FetchModel reply: the run's ModelSpec as JSON
-# ({"arch", "in_channels", "height", "width", "num_classes"}), for the file's metadata.
+# (fedrelay.ModelSpec.to_dict()), for the file's metadata.
 MODEL_SPEC_METADATA = "fedrelay-model-spec"
-KEYS = ("arch", "input_shape", "class_names", "run_id", "strategy", "final_sha256", "version")
+KEYS = ("task", "task_version", "task_sha256", "model", "input", "class_names", "run_id", "strategy",
+        "final_sha256", "version")
+OPTIONAL = ("task_version", "task_sha256", "version")
 
 
 class ModelFileError(ValueError):
@@ -73,18 +79,24 @@ def with_metadata(data: bytes, metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(head)) + head + body
 
 
-def describe(*, arch: str, input_shape, class_names, run_id: str, strategy: str, final_sha256: str) -> dict[str, str]:
-    """The metadata of a final model (module docstring), as safetensors' strings."""
+def describe(*, spec: dict, class_names, run_id: str, strategy: str, final_sha256: str) -> dict[str, str]:
+    """The metadata of a final model (module docstring), as safetensors' strings; ``spec``: the
+    run's ``fedrelay.ModelSpec.to_dict()``."""
     from fedrelay import __version__
+    from fedrelay.task import canonical_json
 
-    return {PREFIX + "arch": arch, PREFIX + "input_shape": json.dumps([int(v) for v in input_shape]),
+    return {PREFIX + "task": spec["task"], PREFIX + "task_version": spec.get("task_version", ""),
+            PREFIX + "task_sha256": spec.get("task_sha256", ""), PREFIX + "model": spec["model"],
+            PREFIX + "input": canonical_json(spec.get("input") or {}),
             PREFIX + "class_names": json.dumps(list(class_names)), PREFIX + "run_id": run_id,
             PREFIX + "strategy": strategy, PREFIX + "final_sha256": final_sha256, PREFIX + "version": __version__}
 
 
 def read_metadata(path: str | Path) -> dict:
-    """The fedrelay metadata of a final model file: ``arch`` (str), ``input_shape`` ((C, H, W)
-    ints), ``class_names`` (list of str), ``run_id``, ``strategy``, ``final_sha256``, ``version``.
+    """The fedrelay metadata of a final model file: ``task``, ``task_version``, ``task_sha256``,
+    ``model`` (str), ``input`` (dict), ``class_names`` (list of str), ``run_id``, ``strategy``,
+    ``final_sha256``, ``version``. A file fetched by an older fedrelay (``arch`` and
+    ``input_shape``) reads as the image-folder task's.
     Reads the header only. Raises ``ModelFileError`` for a file without it (e.g. a model file
     taken from a site's state dir: fetch it with ``coordinator fetch-model``), ``OSError`` if
     it cannot be read."""
@@ -101,17 +113,24 @@ def read_metadata(path: str | Path) -> dict:
         except ValueError as exc:
             raise ModelFileError(f"{path}: not a safetensors file: {exc}") from None
     meta = (header.get("__metadata__") or {}) if isinstance(header, dict) else {}
-    missing = [PREFIX + k for k in KEYS if PREFIX + k not in meta and k != "version"]
+    if PREFIX + "arch" in meta and PREFIX + "task" not in meta:  # written before tasks existed
+        try:
+            c, h, w = json.loads(meta[PREFIX + "input_shape"])
+        except (ValueError, TypeError, KeyError):
+            raise ModelFileError(f"{path}: malformed fedrelay metadata (input_shape)") from None
+        meta = {**meta, PREFIX + "task": "image-folder", PREFIX + "model": meta[PREFIX + "arch"],
+                PREFIX + "input": json.dumps({"channels": c, "height": h, "width": w})}
+    missing = [PREFIX + k for k in KEYS if PREFIX + k not in meta and k not in OPTIONAL]
     if missing:
         raise ModelFileError(f"{path} has no fedrelay metadata ({', '.join(missing)} missing): it is not a final model "
                              "written by `coordinator fetch-model RUN -o FILE` (a site's model file carries only "
                              "tensors); fetch the run's final model with that command")
     try:
         out = {k: meta.get(PREFIX + k, "") for k in KEYS}
-        out["input_shape"] = tuple(int(v) for v in json.loads(out["input_shape"]))
+        out["input"] = json.loads(out["input"])
         out["class_names"] = [str(c) for c in json.loads(out["class_names"])]
-        if len(out["input_shape"]) != 3:
-            raise ValueError("input_shape must be [C, H, W]")
+        if not isinstance(out["input"], dict):
+            raise ValueError("input must be a JSON object")
     except (ValueError, TypeError) as exc:
         raise ModelFileError(f"{path}: malformed fedrelay metadata: {exc}") from None
     return out
@@ -134,9 +153,10 @@ def original_sha256(path: str | Path) -> str:
 def load_model(path: str | Path, device: str = "cpu", *, verify: bool = True):
     """Load a final model written by ``coordinator fetch-model``: ``(model, class_names)``.
 
-    ``model`` is a ``torch.nn.Module`` of the run's architecture (fedrelay/peer/models.py) on
-    ``device``, in eval mode, with the run's weights; it maps float32 images ``N x C x H x W``
-    with pixel values in ``[0, 1]`` (uint8 pixels ``/ 255``, no other normalisation) to float32
+    ``model`` is a ``torch.nn.Module`` built by the run's task (which must be installed here:
+    ``fedrelay.tasks``; its digest is not required to be the run's) on ``device``, in eval mode,
+    with the run's weights; it maps a batch as the task feeds it (``Task.batch``: for
+    image-folder, float32 images ``N x C x H x W`` with pixel values in ``[0, 1]``) to float32
     logits ``N x K``. ``class_names``: the K class names in logit order.
 
     ``verify``: re-encode the tensors as the sites did (``fedrelay.wire.encode_state``) and check
@@ -150,7 +170,8 @@ def load_model(path: str | Path, device: str = "cpu", *, verify: bool = True):
     import torch
 
     from fedrelay import wire
-    from fedrelay.peer.models import ModelSpec, build_model
+    from fedrelay.peer.models import build_model
+    from fedrelay.task import ModelSpec, canonical_json
 
     path = Path(path)
     meta = read_metadata(path)
@@ -164,12 +185,13 @@ def load_model(path: str | Path, device: str = "cpu", *, verify: bool = True):
             raise ModelFileError(f"{path}: its tensors encode to sha256 {digest}, not the run's final model "
                                  f"{meta['final_sha256']} (a damaged or altered file; pass verify=False to load "
                                  "it anyway)")
-    c, h, w = meta["input_shape"]
+    spec = ModelSpec(task=meta["task"], model=meta["model"], num_classes=len(meta["class_names"]),
+                     input_json=canonical_json(meta["input"]), task_version=meta["task_version"])
     try:
-        model = build_model(ModelSpec(meta["arch"], c, (h, w), len(meta["class_names"])))
+        model = build_model(spec)
         model.load_state_dict(state, strict=True)
-    except (ValueError, RuntimeError) as exc:
-        raise ModelFileError(f"{path}: the tensors do not fit {meta['arch']} for {c}x{h}x{w} images and "
-                             f"{len(meta['class_names'])} classes: {exc}") from None
+    except (ValueError, RuntimeError, LookupError, ImportError) as exc:
+        raise ModelFileError(f"{path}: the tensors do not fit task {spec.task}'s model {spec.model} for input "
+                             f"{spec.input_json} and {spec.num_classes} classes: {exc}") from None
     model.eval()
     return model.to(torch.device(device)), meta["class_names"]

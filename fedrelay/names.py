@@ -223,7 +223,7 @@ def check_assignment(a) -> None:
     check_site_names(a.order, "order")
     check_part(a)
     check_class_names(a.class_index)
-    check_label(a.model.arch, "model.arch")
+    check_model_spec(a.model, "model")
     check_params(a.params)
     if a.aggregator:
         check_site_name(a.aggregator, "aggregator")
@@ -267,13 +267,58 @@ def check_end_run(r) -> None:
     check_label(r.cancelled_by, "cancelled_by")
 
 
+MAX_TASKS = 64          # tasks one site may offer
+MAX_TASK_JSON = 1 << 20  # bytes of a task's input or statistics description
+
+
+def check_task_name(s: str, field: str) -> str:
+    """A task's name (``fedrelay.tasks.check_name``). Returns it; raises ``InvalidName``."""
+    from fedrelay import tasks
+
+    try:
+        tasks.check_name(s, field)
+    except ValueError:
+        raise InvalidName(field, "a task name: letters, digits, '-', '_', '.' or module:attr, at most "
+                                 f"{tasks.MAX_NAME} characters", s) from None
+    return s
+
+
+def check_model_spec(m, field: str) -> None:
+    """A ``ModelSpec``: task name, model label, digest (64 hex digits or empty), JSON size."""
+    check_task_name(m.task, f"{field}.task")
+    check_label(m.model, f"{field}.model")
+    check_label(m.task_version, f"{field}.task_version")
+    check_sha256(m.task_sha256, f"{field}.task_sha256", optional=True)
+    if len(m.input_json) > MAX_TASK_JSON:
+        raise InvalidName(f"{field}.input_json", f"at most {MAX_TASK_JSON} bytes", f"{len(m.input_json)} bytes")
+
+
+def check_task_offer(t, field: str) -> None:
+    """One ``TaskOffer`` of a registration: names, digest, class names, JSON sizes, error text."""
+    check_task_name(t.name, f"{field}.name")
+    check_label(t.version, f"{field}.version")
+    check_sha256(t.sha256, f"{field}.sha256", optional=True)
+    for i, m in enumerate(t.models):
+        check_label(m, f"{field}.models[{i}]")
+    check_class_names([c.name for c in t.classes], f"{field}.classes")
+    for key in ("input_json", "stats_json"):
+        if len(getattr(t, key)) > MAX_TASK_JSON:
+            raise InvalidName(f"{field}.{key}", f"at most {MAX_TASK_JSON} bytes", f"{len(getattr(t, key))} bytes")
+    check_text(t.error, f"{field}.error")
+    if t.positive_class:
+        check_class_name(t.positive_class, f"{field}.positive_class")
+
+
 def check_registration(r) -> None:
     """``Coordinator.Register``'s ``RegisterRequest``: name, address (none for a site that only
-    connects out), class names, labels."""
+    connects out), the task offers, labels."""
     check_site_name(r.name, "name")
     if r.address or not getattr(r, "outbound_only", False):
         check_address(r.address, "address")
-    check_class_names([c.name for c in r.classes], "classes")
+    if len(r.tasks) > MAX_TASKS:
+        raise InvalidName("tasks", f"at most {MAX_TASKS} tasks", f"{len(r.tasks)} tasks")
+    for i, t in enumerate(r.tasks):
+        check_task_offer(t, f"tasks[{i}]")
     check_label(r.device, "device")
     check_label(r.version, "version")
     check_label(r.instance, "instance")
@@ -329,10 +374,13 @@ def check_resolve(r) -> None:
 
 
 def check_start_chain(r) -> None:
-    """``Coordinator.StartChain``'s request: the sites named, order and arch labels."""
+    """``Coordinator.StartChain``'s request: the sites named, order, task and model labels."""
     check_site_names(r.peers, "peers")
     check_label(r.order, "order")
-    check_label(r.arch, "arch")
+    check_label(r.model, "model")
+    if r.task:
+        check_task_name(r.task, "task")
+    check_sha256(r.task_sha256, "task_sha256", optional=True)
     check_params(r.params)
     if r.aggregator:
         check_site_name(r.aggregator, "aggregator")

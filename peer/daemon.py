@@ -1,10 +1,13 @@
-"""``peer serve``: check the site's data once, listen, register with the coordinator, heartbeat.
+"""``peer serve``: check the site's data once per task, listen, register with the coordinator,
+heartbeat.
 
-The daemon never imports torch (issue 13: a light daemon; an idle one holds about 60 MB): it
-registers what ``peer.scan`` reads from the folder's listings and image headers, and its
-training, evaluation and payload schemas run in worker processes (``peer/workers.py``) that
-decode the pixels and exit after their job. At start, one such worker decodes every image once
-(a corrupt file is named now, not at the first run) and resolves ``--device auto``.
+The daemon never imports torch nor any task's code (a light daemon; an idle one holds about
+60 MB): it finds the tasks installed here and their code's digests from files alone
+(``fedrelay.tasks``), and its training, evaluation and payload schemas run in worker processes
+(``peer/workers.py``) that load the run's task and exit after their job. At start, one such
+worker has every offered task describe and read the site's folder once (a corrupt file is named
+now, not at the first run) and resolves ``--device auto``; the site registers each task with
+what it found (``fedrelay.tasks.offers.Offer``).
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, names, wire
+from fedrelay import __version__, names, tasks as task_registry, wire
 from fedrelay.guard import Guard
 from fedrelay.health import PEER_SERVICE, Health
 from fedrelay.peer.control import ControlLink
 from fedrelay.peer.node import DEFAULT_RELAY_AFTER, DEFAULT_STALL_TIMEOUT, PeerNode
-from fedrelay.peer.scan import DataError, SiteSummary, scan_site
+from fedrelay.task import DataError
+from fedrelay.tasks.offers import Offer
 from fedrelay.peer.slots import DEFAULT_SLOTS, HostSlots
 from fedrelay.peer.workers import WorkerDied, WorkerError, WorkerPool
 from fedrelay.peer.reporting import CoordinatorLink
@@ -65,31 +69,42 @@ def check_outbound(outbound_only: bool, advertise: str | None, transport: wire.T
                          "sealed to its certificate key")
 
 
-def check_site(pool: WorkerPool) -> dict:
-    """Decode the site's every image and resolve the device once, in a short-lived worker of
-    ``pool`` (its ``prepare``): the worker's answer (``device``, ``train``, ``test`` images).
-    Raises ``DataError`` (an image that does not decode, named) or ``ValueError`` (the device)."""
+def check_site(pool: WorkerPool, offered: dict) -> tuple[list[Offer], str, float]:
+    """Have every offered task read the site's folder once, in a short-lived worker of ``pool``
+    (``describe``), and resolve the device: ``(offers, device, seconds)``. ``offered``:
+    ``fedrelay.tasks.installed()``'s result (a task that is not installed becomes an offer with
+    its error). Raises ``ValueError`` (the device) or ``RuntimeError`` (the worker failed)."""
+    usable = {n: i.sha256 for n, i in offered.items() if isinstance(i, task_registry.Installed)}
     try:
-        return pool.check()
+        answer = pool.check(usable) if usable else {"device": pool.device, "seconds": 0.0, "tasks": {}}
     except WorkerDied as exc:
         raise RuntimeError(f"the worker that checks the site's data died: {exc}") from None
     except WorkerError as exc:
         kind, _, message = str(exc).partition(": ")
-        if kind == "DataError":
-            raise DataError(message) from None
         if kind == "ValueError":
             raise ValueError(message) from None
         raise RuntimeError(f"the worker that checks the site's data failed: {exc}") from None
+    offers = []
+    for name, inst in offered.items():
+        if not isinstance(inst, task_registry.Installed):
+            offers.append(Offer(name=name, version="", sha256="", error=f"{type(inst).__name__}: {inst}"))
+            continue
+        found = answer["tasks"].get(name) or {"error": "the worker did not describe it"}
+        if "error" in found:
+            offers.append(Offer(name=name, version=inst.version, sha256=inst.sha256, error=found["error"]))
+            continue
+        from fedrelay.task import DataSummary
+
+        offers.append(Offer(name=name, version=inst.version, sha256=inst.sha256, models=tuple(found["models"]),
+                            summary=DataSummary.from_dict(found["summary"]),
+                            positive_class=found.get("positive_class") or ""))
+    return offers, answer["device"], answer["seconds"]
 
 
-def registration(name: str, address: str, data: SiteSummary, device: str, instance: str = "") -> cpb.RegisterRequest:
+def registration(name: str, address: str, offers: list[Offer], device: str, instance: str = "") -> cpb.RegisterRequest:
     """The site's ``RegisterRequest``; ``address`` "" registers a site that only connects out."""
-    c, h, w = data.image_shape
-    return cpb.RegisterRequest(
-        name=name, address=address, channels=c, height=h, width=w, device=device, version=__version__,
-        instance=instance, outbound_only=not address,
-        classes=[cpb.ClassCount(name=k, train=data.train_counts.get(k, 0), test=data.test_counts.get(k, 0))
-                 for k in data.class_names])
+    return cpb.RegisterRequest(name=name, address=address, device=device, version=__version__, instance=instance,
+                               outbound_only=not address, tasks=[o.to_pb() for o in offers])
 
 
 def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: threading.Event,
@@ -152,7 +167,8 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
           ready: threading.Event | None = None, stall_timeout: float = DEFAULT_STALL_TIMEOUT,
           deterministic: bool = True, weights_dir: Path | None = None, metrics_listen: str | None = None,
           worker_slots: int = DEFAULT_SLOTS, slots_dir: Path | None = None, outbound_only: bool = False,
-          relay_after: float = DEFAULT_RELAY_AFTER, fork_workers: bool = False) -> None:
+          relay_after: float = DEFAULT_RELAY_AFTER, fork_workers: bool = False,
+          tasks: list[str] | None = None) -> None:
     """Run a peer daemon until ``stop`` is set (or forever), with mutual TLS on every channel
     unless ``transport`` is insecure. ``stall_timeout``: seconds a handoff may send nothing
     before it is dropped. ``deterministic``: on a CUDA device, use deterministic kernels
@@ -173,12 +189,16 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     mutual TLS. ``relay_after``: seconds a receiver with an address may stay unreachable before
     this site sends to it through the relay (0: never; TLS only).
 
+    ``tasks``: offer only these tasks (names, or ``module:attr`` for a task module on the
+    daemon's path); None: every task installed here (``fedrelay.tasks``).
+
     ``fork_workers``: fork each worker from a template process that imported torch once
     (``peer/forking.py``): a job starts in milliseconds instead of ~3 s of CPU, and the daemon's
     host holds ~680 MB more while idle (the template: torch imported).
 
-    Raises ``DataError`` (bad data folder), ``ValueError`` (bad device or address, a name or class
-    folder name that breaks its ``fedrelay.names`` rule, or a TLS identity that is not ``name``)
+    Raises ``DataError`` (no offered task can read the data folder: each task's reason),
+    ``ValueError`` (bad device, address or task name, a name or class name that breaks its
+    ``fedrelay.names`` rule, or a TLS identity that is not ``name``)
     or ``RuntimeError`` (cannot listen) before serving anything; ``RuntimeError`` also when the
     coordinator refuses the site's name because another live daemon serves it (ALREADY_EXISTS).
     """
@@ -192,22 +212,32 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     check_state_dir(Path(state_dir))
     if device not in ("auto", "cpu") and not device.startswith("cuda"):
         raise ValueError(f"--device must be auto, cpu or cuda:N, not {device!r}")
-    log.info("reading site data from %s", data_dir)
-    data = scan_site(data_dir)
+    for t in tasks or ():
+        task_registry.check_name(t)
+    offered = task_registry.installed(extra=[t for t in tasks or () if ":" in t], only=tasks)
+    log.info("reading site data from %s with %d task(s): %s", data_dir, len(offered), ", ".join(offered))
     stop = stop or threading.Event()
     pool = WorkerPool(data_dir, device, HostSlots(worker_slots, slots_dir), deterministic=deterministic, stop=stop,
-                      fork=fork_workers)
-    checked = check_site(pool)
-    device = pool.device = checked["device"]
+                      fork=fork_workers, extra_tasks=[t for t in tasks or () if ":" in t])
+    offers, device, seconds = check_site(pool, offered)
+    pool.device = device
     if not deterministic and device.startswith("cuda"):
         log.warning("--no-deterministic: CUDA kernels may differ from run to run; the same seed will "
                     "not give the same model digests")
-    if data.skipped:
-        log.warning("%s: %s", data_dir, data.skipped_message())
-    names.check_class_names(data.class_names, f"the class folders of {data_dir}")
-    log.info("site %s: %d classes, %s images, train %d, test %d", name, len(data.class_names),
-             "x".join(map(str, data.image_shape)), sum(data.train_counts.values()), sum(data.test_counts.values()))
-    log.info("site data checked by a worker in %.1f s (every image decoded); device %s", checked["seconds"], device)
+    for o in offers:
+        if not o.usable:
+            log.warning("task %s cannot read %s: %s", o.name, data_dir, o.error)
+            continue
+        names.check_class_names(sorted(o.summary.classes), f"the classes task {o.name} reads in {data_dir}")
+        for note in o.summary.notes:
+            log.warning("%s (task %s): %s", data_dir, o.name, note)
+        log.info("task %s %s (code SHA-256 %s…): %d classes, input %s, train %d, test %d", o.name, o.version or "",
+                 o.sha256[:12], len(o.summary.classes), o.to_pb().input_json,
+                 sum(a for a, _ in o.summary.classes.values()), sum(b for _, b in o.summary.classes.values()))
+    if not any(o.usable for o in offers):
+        raise DataError(f"no task installed at this site can read {data_dir}: " + "; ".join(
+            f"{o.name}: {o.error.removeprefix('DataError: ')}" for o in offers))
+    log.info("site data checked by a worker in %.1f s (every sample read once); device %s", seconds, device)
     guard = Guard()
     server, port = wire.make_server(listen, transport=transport, guard=guard)
     address = "" if outbound_only else advertise or wire.with_port(listen, port)
@@ -217,8 +247,9 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
         if host in ("0.0.0.0", "::"):
             raise ValueError(f"listening on {listen}: pass --advertise HOST:PORT, the address other sites can reach")
     link = CoordinatorLink(coordinator, transport)
-    node = PeerNode(name, address, data, Path(state_dir), device, link, transport=transport,
-                    stall_timeout=stall_timeout, weights_dir=weights_dir, jobs=pool)
+    node = PeerNode(name, address, offers, Path(state_dir), device, link, transport=transport,
+                    stall_timeout=stall_timeout, weights_dir=weights_dir, jobs=pool,
+                    extra_tasks=[t for t in tasks or () if ":" in t])
     node.instance = secrets.token_hex(8)  # this process's id: a second daemon under the same name is refused
     node.relay_after = relay_after
     refused: list[str] = []
@@ -234,7 +265,7 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
              ", connects out only: no address registered" if outbound_only else f", dialled at {address}",
              state_dir, device)
     node.stop = stop
-    request = registration(name, address, data, device, node.instance)
+    request = registration(name, address, offers, device, node.instance)
     claim = _claim_name(link, request)
     if claim is not None:  # another live daemon serves this name: resume nothing of its state
         server.stop(grace=None).wait()

@@ -1,8 +1,9 @@
-"""The torch side of a site's work, as jobs a worker process runs (issue 13: the light daemon).
+"""The torch side of a site's work, as jobs a worker process runs.
 
-The daemon (``peer/node.py``) never imports torch: it describes each piece of work as a JSON
-request and hands it to a worker (``peer/worker.py``, a process started by ``peer/workers.py``),
-which calls :func:`run` here with the site's decoded data. Every file a job writes is written
+The daemon (``peer/node.py``) never imports torch nor task code: it describes each piece of work
+as a JSON request and hands it to a worker (``peer/worker.py``, a process started by
+``peer/workers.py``), which calls :func:`run` here with the site's data as the run's task read it
+(a :class:`fedrelay.SiteData`). Every file a job writes is written
 atomically into the run's folder (the same files, names and contents the daemon wrote when it
 trained in its own process), so that a daemon restarted after a crash carries on from the last
 persisted step with the same final digest.
@@ -16,10 +17,12 @@ Jobs (``req["op"]``), their requests and answers (JSON-able dicts):
   payload prefix; ``{}`` for a chain).
 * ``train``: one visit's local training (``peer.training.run_site``), see :func:`train`.
 * ``aggregate``: a star plan's aggregation at the aggregating site, see :func:`aggregate`.
-* ``evaluate``: ``{model, spec, class_index}`` -> ``{"correct", "total", "seconds"}``, the
-  accuracy of a safetensors model on the site's test split.
+* ``evaluate``: ``{model, spec, class_index}`` -> ``{"correct", "total", "metrics", "stats",
+  "seconds"}``: a safetensors model on the site's test split, its top-1 count, its metrics and
+  aggregate statistics (``fedrelay.scoring``, plus the task's own metrics).
 
-``SPEC`` is ``{"arch", "in_channels", "height", "width", "num_classes"}``. Progress goes through
+``SPEC`` is :meth:`fedrelay.ModelSpec.to_dict`; the task named there is loaded (its digest
+checked against the pinned one) by ``fedrelay.tasks.resolve``. Progress goes through
 ``emit(event)``: ``{"event": "epoch", ...}`` per finished epoch (the dict
 ``peer.training`` passes to ``on_epoch``). A job raises on failure (the worker answers it as an
 error; the daemon fails or retries the run).
@@ -36,11 +39,23 @@ Emit = Callable[[dict], None]
 
 
 def spec_from(d: dict):
-    """A ``peer.models.ModelSpec`` from a ``SPEC`` dict."""
-    from fedrelay.peer.models import ModelSpec
+    """A :class:`fedrelay.ModelSpec` from a ``SPEC`` dict."""
+    from fedrelay.task import ModelSpec
 
-    return ModelSpec(arch=d["arch"], in_channels=int(d["in_channels"]),
-                     image_size=(int(d["height"]), int(d["width"])), num_classes=int(d["num_classes"]))
+    return ModelSpec.from_dict(d)
+
+
+def check_input(data, spec) -> None:
+    """The site's data, as its task read it now, must have the input description the run's model
+    was made for (the one the site registered). Raises ``ValueError``."""
+    from fedrelay.task import canonical_json
+
+    want = canonical_json({k: v for k, v in spec.input.items() if k != "stats"})
+    have = canonical_json(data.input)
+    if have != want:
+        raise ValueError(f"this site's data for task {spec.task!r} are now described as {have}, the run's model "
+                         f"expects {want}: the site's data changed since the daemon registered them; restart the "
+                         "daemon")
 
 
 def _schema_json(signature: dict) -> dict:
@@ -82,7 +97,7 @@ def initial_state(req: dict, spec):
     a chain's first site keeps the draw it always made, so chain runs keep their digests).
     Raises ``ValueError``."""
     from fedrelay import wire
-    from fedrelay.peer.models import _build_seeded, check_state
+    from fedrelay.peer.models import build_seeded, check_state
 
     init = req.get("initial") or {}
     if init.get("kind") == "file":
@@ -99,7 +114,7 @@ def initial_state(req: dict, spec):
     if init.get("kind") == "shared":
         from fedrelay.peer.training import derive_seed
 
-        return _build_seeded(spec, derive_seed(req["seed"], "init")).state_dict()
+        return build_seeded(spec, derive_seed(req["seed"], "init")).state_dict()
     return None
 
 
@@ -111,9 +126,9 @@ def _config(req: dict):
 
 
 def _split(data, req: dict):
-    from fedrelay.peer.data import train_val_split
-    from fedrelay.peer.training import derive_seed
+    from fedrelay.peer.training import derive_seed, train_val_split
 
+    check_input(data, spec_from(req["spec"]))
     images, labels = data.tensors("train", req["class_index"])
     return train_val_split(images, labels, seed=derive_seed(req["seed"], "split", req["site"]))
 
@@ -212,17 +227,53 @@ def aggregate(req: dict, data, device: str, emit: Emit | None = None) -> dict:
 
 
 def evaluate(req: dict, data, device: str, emit: Emit | None = None) -> dict:
-    """Accuracy of the safetensors model ``req["model"]`` on the site's test split: ``{"correct",
-    "total", "seconds"}`` (0 of 0 for a site without test images)."""
+    """The safetensors model ``req["model"]`` on the site's test split: ``{"correct", "total",
+    "metrics", "stats", "seconds"}`` (top-1 count; the site's exact metrics, built-in and the
+    task's own; its aggregate statistics for the run's global figures: ``fedrelay.scoring``).
+    A site without test samples answers 0 of 0, no metrics. Raises ``ValueError`` for a task
+    metric that is not a finite number or takes a built-in metric's name."""
+    import math
+
+    import torch
+
+    from fedrelay import scoring, tasks
     from fedrelay.peer.models import build_model
-    from fedrelay.peer.training import evaluate as accuracy
+    from fedrelay.peer.training import check_outputs
 
     started = time.time()
-    model = build_model(spec_from(req["spec"]))
+    spec = spec_from(req["spec"])
+    task = tasks.resolve(spec)
+    check_input(data, spec)
+    model = build_model(spec)
     model.load_state_dict(_read_state(req["model"]))
-    images, labels = data.tensors("test", req["class_index"])
-    correct, total = accuracy(model.to(device), images, labels, device=device) if len(labels) else (0, 0)
-    return {"event": "evaluated", "correct": int(correct), "total": int(total), "seconds": time.time() - started}
+    model.to(device).eval()
+    inputs, labels = data.tensors("test", req["class_index"])
+    scores, predictions = [], []
+    if len(labels):
+        check_outputs(model, task, spec, inputs)
+        with torch.inference_mode():
+            for start in range(0, int(labels.shape[0]), 512):
+                logits = model(task.batch(inputs[start:start + 512].to(device), train=False))
+                predictions.append(logits.argmax(dim=1).cpu())
+                scores.append(torch.softmax(logits.to(torch.float64), dim=1).cpu())
+    k = spec.num_classes
+    scores_t = torch.cat(scores) if scores else torch.empty((0, k), dtype=torch.float64)
+    pred_t = torch.cat(predictions) if predictions else torch.empty(0, dtype=torch.int64)
+    positive = scoring.positive_index(list(req["class_index"]), task.positive_class)
+    metrics, stats = scoring.site_metrics(scores_t.numpy(), labels.numpy(), k, positive, pred_t.numpy())
+    if len(labels):
+        own = task.metrics(scores_t.to(torch.float32), labels, list(req["class_index"])) or {}
+        for name, value in own.items():
+            if not isinstance(name, str) or not name or name in scoring.BUILTIN:
+                raise ValueError(f"task {spec.task!r}: metrics() returned the name {name!r}: use a name of its own, "
+                                 f"not one of {', '.join(scoring.BUILTIN)}")
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"task {spec.task!r}: metric {name!r} is {value}, not a finite number")
+            metrics[name] = value
+    correct = int((pred_t == labels).sum()) if len(labels) else 0
+    return {"event": "evaluated", "correct": correct, "total": int(len(labels)), "metrics": metrics,
+            "stats": stats.to_dict(), "seconds": time.time() - started}
 
 
 JOBS = {"schema": schema, "train": train, "aggregate": aggregate, "evaluate": evaluate}

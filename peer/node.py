@@ -13,6 +13,7 @@ trained again, an unsent model is sent, an unreported receipt is reported).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -20,7 +21,9 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, params as run_params, payload, registry, wire
+from fedrelay import __version__, params as run_params, payload, registry, tasks as task_registry, wire
+from fedrelay.task import ModelSpec, SiteData, canonical_json
+from fedrelay.tasks.offers import Offer
 from fedrelay.peer.inbound import InboundStreams, Stream
 from fedrelay.peer.refusals import RefusedStreams
 from fedrelay.peer.monitoring import PeerMetrics
@@ -47,23 +50,27 @@ PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final mod
 class PeerNode:
     """A site's daemon logic, independent of gRPC plumbing (the servicer is a thin shell).
 
-    The node never imports torch: its training, aggregation, evaluation and payload schemas are
-    jobs (``peer/jobs.py``) run by ``jobs``, a ``peer.workers.WorkerPool`` in the daemon (worker
-    processes) or, by default, an ``InlineRunner`` on ``data`` in this process (tests). ``data``
-    needs ``class_names`` and ``image_shape`` (a ``peer.scan.SiteSummary``, or a decoded
-    ``peer.data.SiteData`` for the inline runner).
+    The node never imports torch nor task code: its training, aggregation, evaluation and
+    payload schemas are jobs (``peer/jobs.py``) run by ``jobs``, a ``peer.workers.WorkerPool`` in
+    the daemon (worker processes) or, by default, an ``InlineRunner`` on ``data`` in this process
+    (tests). ``data``: the site's task offers (``fedrelay.tasks.offers.Offer`` list, as the daemon
+    registered them), or a loaded ``fedrelay.SiteData`` of the default task (tests; also what
+    the inline runner trains on). ``extra_tasks``: ``module:attr`` tasks offered
+    (``peer serve --task``).
     """
 
     def __init__(self, name: str, address: str, data, state_dir: Path, device: str,
                  coordinator: CoordinatorLink | None, *, send_deadline: float = 1800.0,
                  start_workers: bool = True, transport: wire.Transport = wire.INSECURE,
-                 stall_timeout: float = DEFAULT_STALL_TIMEOUT, weights_dir: Path | None = None, jobs=None):
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT, weights_dir: Path | None = None, jobs=None,
+                 extra_tasks: list[str] | tuple = ()):
         self.transport = transport
         # Initial-weights files this site holds (``--init file``), found by their SHA-256.
         self.weights_dir = Path(weights_dir) if weights_dir is not None else Path(state_dir) / "weights"
         self.name = name
         self.address = address
-        self.data = data
+        self.extra_tasks = list(extra_tasks)
+        self.offers: dict[str, Offer] = {o.name: o for o in _offers(data)}
         self.state_dir = Path(state_dir)
         self.device = device
         self.coordinator = coordinator
@@ -125,17 +132,17 @@ class PeerNode:
         if star != bool(a.aggregator) or (a.aggregator and a.aggregator not in a.order):
             raise ValueError(f"strategy {a.params.strategy!r} and aggregator {a.aggregator!r} do not make a plan")
         self._check_part(a.order, a.rounds or 1, a.transfers, a.peers, a.visits)
-        missing = [c for c in self.data.class_names if c not in set(a.class_index)]
-        if missing:
-            raise ValueError(f"this site's classes {missing} are not in the run's class index")
-        shape = (a.model.in_channels, a.model.height, a.model.width)
-        if shape != tuple(self.data.image_shape):
-            raise ValueError(f"the run's images are {shape}, this site's are {tuple(self.data.image_shape)}")
+        self.check_task(ModelSpec.from_pb(a.model), list(a.class_index))
         params = run_params.to_dict(a.params)
         run_params.check(params)
         opts = run_params.options(params)
         if opts["init"] == "file":
             self.initial_weights(opts["init_sha256"])  # refuse now, not at the first epoch
+        if star and a.aggregator == self.name and a.run_id not in self.runs:
+            # The aggregating site is assigned first: its aggregator must handle the task's model
+            # (e.g. MA-Echo's layer types) before any site trains. A worker builds the model's
+            # schema on the meta device (seconds; cached per model and options).
+            self._schemas_of(a)
         with self._lock:
             run = self.runs.get(a.run_id)
             if run is not None:
@@ -186,12 +193,39 @@ class PeerNode:
         raise ValueError(f"this site holds no initial-weights file with SHA-256 {sha256}: copy it into {folder} "
                          "(any name ending in .safetensors; `sha256sum FILE` shows its digest)")
 
+    def check_task(self, spec: ModelSpec, class_index: list[str]) -> None:
+        """The run's task must be offered here and read this site's folder, its code here must
+        have the digest the run pins (recomputed now: a copy changed since the daemon started
+        counts), the site's input description must be the run's, and the site's classes must be
+        in the run's class index. Raises ``ValueError`` naming the task and, for a digest, both."""
+        offer = self.offers.get(spec.task)
+        if offer is None:
+            raise ValueError(f"task {spec.task!r} is not installed at this site (installed: "
+                             f"{', '.join(sorted(self.offers)) or 'none'}): install it, or leave this site out")
+        if not offer.usable:
+            raise ValueError(f"task {spec.task!r} cannot read this site's data: {offer.error}")
+        try:
+            here = task_registry.find(spec.task, self.extra_tasks).sha256
+        except task_registry.TaskNotInstalled as exc:
+            raise ValueError(f"task {spec.task!r}: {exc}") from None
+        if spec.task_sha256 and here != spec.task_sha256:
+            raise ValueError(f"task {spec.task!r} at this site has code SHA-256 {here}, the run pins "
+                             f"{spec.task_sha256}: this site's copy of the task differs from the one the run was "
+                             "started with (install the agreed release)")
+        mine = canonical_json(offer.summary.input)
+        want = canonical_json({k: v for k, v in spec.input.items() if k != "stats"})
+        if mine != want:
+            raise ValueError(f"task {spec.task!r}: the run's model expects input {want}, this site's data are {mine}")
+        if spec.model not in offer.models:
+            raise ValueError(f"task {spec.task!r} has no model {spec.model!r} here (models: {', '.join(offer.models)})")
+        missing = [c for c in offer.summary.classes if c not in set(class_index)]
+        if missing:
+            raise ValueError(f"this site's classes {missing} are not in the run's class index")
+
     @staticmethod
     def _spec(a: peer_pb2.Assignment) -> dict:
         """The run's model as a job's ``SPEC`` (``peer/jobs.py``)."""
-        m = a.model
-        return {"arch": m.arch, "in_channels": m.in_channels, "height": m.height, "width": m.width,
-                "num_classes": m.num_classes}
+        return ModelSpec.from_pb(a.model).to_dict()
 
     def _job_base(self, run: Run) -> dict:
         """What every training job of ``run`` is told: model, parameters, seed, classes, site."""
@@ -420,7 +454,8 @@ class PeerNode:
         try:
             answer = self.jobs.run(req)
         except Exception as exc:  # noqa: BLE001 - any failure: the payload cannot be checked
-            raise ValueError(f"cannot tell the run's payload schema: {exc}") from exc
+            kind, _, message = str(exc).partition(": ")
+            raise ValueError(f"the run's model cannot be used here: {message or exc}") from exc
         return self._keep_schemas(key, answer)
 
     def prepare(self, run_id: str, sender: str, caller: str | None = None) -> bool:
@@ -452,7 +487,7 @@ class PeerNode:
                     self._schema_waits.pop(key, None)
                     asked.set()
             prefetch = [(req, keep)]
-        started = self.jobs.warm(run_id, prefetch)
+        started = self.jobs.warm(run_id, prefetch, spec=self._spec(run.assignment))
         if not started and asked is not None:
             self._schema_waits.pop(key, None)
             asked.set()
@@ -1063,8 +1098,8 @@ class PeerNode:
         return path
 
     def evaluate(self, run_id: str, sha256: str) -> peer_pb2.EvaluateReply:
-        """Accuracy of the run's final model on this site's test split: the ``evaluate`` job on a
-        worker (waiting for a host slot like any job: at most that many evaluations at once on
+        """Accuracy, metrics and aggregate statistics of the run's final model on this site's test
+        split (``fedrelay.scoring``): the ``evaluate`` job on a worker (waiting for a host slot like any job: at most that many evaluations at once on
         one machine). Raises ``LookupError`` (no such final model here) or what the job raises."""
         path = self.final_model_path(run_id, sha256)
         a = self.runs[run_id].assignment
@@ -1073,7 +1108,9 @@ class PeerNode:
                                 "class_index": list(a.class_index)}, cancelled=self.stop.is_set)
         correct, total = answer["correct"], answer["total"]
         return peer_pb2.EvaluateReply(site=self.name, correct=correct, test_samples=total,
-                                      accuracy=correct / total if total else 0.0, seconds=time.time() - started)
+                                      accuracy=correct / total if total else 0.0, seconds=time.time() - started,
+                                      metrics=answer.get("metrics") or {},
+                                      stats_json=json.dumps(answer.get("stats") or {}, separators=(",", ":")))
 
     def status(self) -> peer_pb2.PeerStatus:
         st = peer_pb2.PeerStatus(name=self.name, address=self.address, device=self.device, version=__version__,
@@ -1114,6 +1151,19 @@ class PeerNode:
         """Reports that the ledger must have are retried for up to 10 minutes."""
         if self.coordinator is not None:
             self.coordinator.call(method, request, retry_for=600, stop=self.stop)
+
+
+def _offers(data) -> list[Offer]:
+    """The site's offers: ``data`` as given (a list of ``Offer``), or, for a loaded
+    ``fedrelay.SiteData`` (tests, the inline runner), an offer of the default task with its code's
+    digest."""
+    if isinstance(data, SiteData):
+        inst = task_registry.find(task_registry.DEFAULT)
+        from fedrelay.tasks.image_folder import ImageFolderTask
+
+        return [Offer(name=inst.name, version=inst.version, sha256=inst.sha256, models=ImageFolderTask.models,
+                      summary=data.summary())]
+    return list(data)
 
 
 class RunEnded(Exception):

@@ -11,17 +11,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedrelay import names, wire
+from fedrelay import names, tasks as task_registry, wire
+from fedrelay.tasks.offers import Offer
 
 
 @dataclass
 class CheckResult:
     """What ``--check`` found: the resolved device (``cpu`` or ``cuda:N``), the address other
-    sites would dial, and the site's image count (train + test) and class names."""
+    sites would dial, and what each offered task reads in the site's folder (or why it cannot)."""
     device: str
     address: str
-    images: int
-    classes: list[str]
+    offers: list[Offer]
+
+    def lines(self) -> list[str]:
+        """One phrase per task: ``image-folder: 600 samples in 10 classes`` or why it cannot."""
+        out = []
+        for o in self.offers:
+            if o.usable:
+                n = sum(a + b for a, b in o.summary.classes.values())
+                out.append(f"task {o.name}: {n} samples in {len(o.summary.classes)} classes")
+            else:
+                out.append(f"task {o.name}: cannot read the folder ({o.error})")
+        return out
 
 
 def check_listen(listen: str) -> None:
@@ -37,21 +48,23 @@ def check_listen(listen: str) -> None:
 def check_serve_options(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir: Path, device: str,
                         transport: wire.Transport, advertise: str | None = None, stall_timeout: float = 60.0,
                         weights_dir: Path | None = None, outbound_only: bool = False,
-                        relay_after: float = 60.0) -> CheckResult:
+                        relay_after: float = 60.0, tasks: list[str] | None = None) -> CheckResult:
     """Every check ``fedrelay.peer.daemon.serve`` makes before it serves, plus the coordinator's
     address: the name (a DNS label) and that the TLS identity is that name; ``stall_timeout`` > 0;
     the state dir is writable (it is created if missing, as the daemon does); the device exists
-    here; the data folder loads (every image is decoded: seconds per 10,000 images) with valid
-    class names; listen, advertise and coordinator addresses are ``HOST:PORT``, and a wildcard
+    here; every offered task (``tasks``: names or ``module:attr``; None: every installed task)
+    describes and reads the data folder (every sample is read: seconds per 10,000 images), at
+    least one of them successfully, with valid class names; listen, advertise and coordinator
+    addresses are ``HOST:PORT``, and a wildcard
     listen address comes with ``--advertise``; ``weights_dir``, when given, is a folder or absent.
     Binds no port and contacts no one.
 
-    Raises ``fedrelay.peer.data.DataError`` (a ``ValueError``) for the data folder and
+    Raises ``fedrelay.DataError`` (a ``ValueError``) when no task can read the data folder and
     ``ValueError`` for everything else, with a message naming the option.
     """
     from fedrelay.peer.daemon import check_outbound, check_state_dir
-    from fedrelay.peer.data import load_site
-    from fedrelay.peer.worker import resolve_device
+    from fedrelay.peer.worker import Worker, resolve_device
+    from fedrelay.task import DataError, DataSummary
 
     advertise = advertise or None  # "" (an empty FEDRELAY_ADVERTISE): not given
     try:
@@ -74,11 +87,26 @@ def check_serve_options(*, data_dir: Path, name: str, listen: str, coordinator: 
         raise ValueError(str(exc)) from None
     check_state_dir(Path(state_dir))
     resolved = resolve_device(device)
-    data = load_site(data_dir)
-    try:
-        names.check_class_names(data.class_names, f"the class folders of {data_dir}")
-    except names.InvalidName as exc:
-        raise ValueError(str(exc)) from None
-    images = sum(data.train_counts.values()) + sum(data.test_counts.values())
-    return CheckResult(device=resolved, address="" if outbound_only else advertise or listen, images=images,
-                       classes=list(data.class_names))
+    for t in tasks or ():
+        task_registry.check_name(t)
+    extra = [t for t in tasks or () if ":" in t]
+    offered = task_registry.installed(extra=extra, only=tasks)
+    usable = {n: i.sha256 for n, i in offered.items() if isinstance(i, task_registry.Installed)}
+    found = Worker().describe({"data": str(data_dir), "device": "cpu", "tasks": usable, "extra_tasks": extra})["tasks"]
+    offers = []
+    for name, inst in offered.items():
+        got = found.get(name, {"error": f"{type(inst).__name__}: {inst}"})
+        if "error" in got:
+            offers.append(Offer(name=name, version="", sha256="", error=got["error"]))
+            continue
+        summary = DataSummary.from_dict(got["summary"])
+        try:
+            names.check_class_names(sorted(summary.classes), f"the classes task {name} reads in {data_dir}")
+        except names.InvalidName as exc:
+            raise ValueError(str(exc)) from None
+        offers.append(Offer(name=name, version=inst.version, sha256=inst.sha256, models=tuple(got["models"]),
+                            summary=summary))
+    if not any(o.usable for o in offers):
+        raise DataError(f"no task installed at this site can read {data_dir}: " + "; ".join(
+            f"{o.name}: {o.error.removeprefix('DataError: ')}" for o in offers))
+    return CheckResult(device=resolved, address="" if outbound_only else advertise or listen, offers=offers)

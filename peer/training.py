@@ -6,11 +6,13 @@ states (:mod:`fedrelay.peer.states`: a ``dict[str, torch.Tensor]`` as returned b
 ``num_batches_tracked`` counters).  Every state returned here and by the strategies holds
 new, contiguous CPU tensors, whatever ``device`` the training ran on.
 
-Data: ``train`` and ``val`` are ``(images, labels)`` tuples: ``images`` a uint8
-tensor ``N x C x H x W``, ``labels`` an int64 tensor ``N`` of class indices.  Each
-batch is converted to float32 ``/ 255`` on ``device``.  There is no normalisation
-and no augmentation; this differs from the reference code, which trains CIFAR-10
-with RandomCrop(32, pad 4) + HorizontalFlip (implementation-notes section 1.5).
+Data: ``train`` and ``val`` are ``(inputs, labels)`` tuples: ``inputs`` a tensor ``N x ...``
+(one row per sample, any dtype: uint8 pixels for the image-folder task), ``labels`` an int64
+tensor ``N`` of class indices.  What the model sees, the loss and the optimiser are the run's
+**task**'s (:class:`fedrelay.Task`: ``batch``, ``loss``, ``optimizer``); nothing here knows the
+model's layers or the data's format.  The image-folder task converts each batch to float32
+``/ 255`` with no normalisation and no augmentation; this differs from the reference code, which
+trains CIFAR-10 with RandomCrop(32, pad 4) + HorizontalFlip.
 
 Read top to bottom: the config, seeds, data checks, :func:`evaluate`, the one training
 loop (:func:`train_one_epoch`, :func:`fit`), the first site's :func:`warm_up`, and
@@ -19,7 +21,8 @@ loop (:func:`train_one_epoch`, :func:`fit`), the first site's :func:`warm_up`, a
 
 * ``"fedelmy"`` (:mod:`fedrelay.peer.strategies.fedelmy`): each site builds a model pool
   ``[m0, b1, ..., bS]``.  Model ``bj`` starts from the uniform average of the pool so far,
-  trains ``E`` epochs with ``CE - alpha*d1/a + beta*d2/a`` and keeps its best-validation
+  trains ``E`` epochs with ``L - alpha*d1/a + beta*d2/a`` (``L`` the task's loss, cross-entropy
+  by default) and keeps its best-validation
   epoch; the site sends the average of the pool (``train_pool``).
 * ``"fedseq"`` (:mod:`fedrelay.peer.strategies.fedseq`): the baseline; one model trained
   from ``m0`` with plain CE for ``S*E`` epochs (``train_fedseq``), which is the model sent on.
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import numbers
 import os
 import time
@@ -49,12 +53,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
-from fedrelay import params, registry
+from fedrelay import params, registry, tasks
+from fedrelay.task import Task
 
-from .models import ModelSpec, _build_seeded
-from .states import State, build_loaded, clone_state
+from .models import ModelSpec, build_seeded, expected_signature
+from .states import State, build_loaded, check_signature, clone_state
 
 __all__ = [
     "State",
@@ -62,8 +66,10 @@ __all__ = [
     "derive_seed",
     "use_deterministic_kernels",
     "seeded_generator",
+    "train_val_split",
     "check_data",
     "check_site_data",
+    "check_outputs",
     "evaluate",
     "train_one_epoch",
     "fit",
@@ -74,8 +80,8 @@ __all__ = [
 Dataset = tuple[Tensor, Tensor]
 EpochCallback = Callable[[dict], None]
 ModelCallback = Callable[[int, State], None]
-# A strategy's per-batch loss: ``regulariser(ce, params) -> loss``, from the batch's mean
-# cross-entropy (0-d, with gradient) and the model's parameters in ``model.parameters()`` order.
+# A strategy's per-batch loss: ``regulariser(loss, params) -> loss``, from the task's loss of the
+# batch (0-d, with gradient) and the model's parameters in ``model.parameters()`` order.
 Regulariser = Callable[[Tensor, list[Tensor]], Tensor]
 
 
@@ -195,66 +201,121 @@ def seeded_generator(seed: int) -> torch.Generator:
 # --------------------------------------------------------------------------- data
 
 
+def train_val_split(
+    images: torch.Tensor, labels: torch.Tensor, seed: int, val_fraction: float = 0.1
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Split a site's training samples into train and validation parts (reference protocol).
+
+    A permutation of the N samples is drawn with a ``torch.Generator`` seeded by ``seed``;
+    validation gets the first ``int(val_fraction * N)`` permuted indices and training the
+    rest (FedELMY implementation notes §1.5: "val = first int(0.1*len) indices"). With
+    N < 1 / val_fraction the validation part is empty.
+
+    Args:
+        images: tensor ``(N, ...)`` (any dtype).
+        labels: tensor ``(N,)``.
+        seed: generator seed; the same seed gives the same split.
+        val_fraction: share of samples for validation, in [0, 1).
+
+    Returns:
+        ``((train_images, train_labels), (val_images, val_labels))`` (new tensors).
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), not {val_fraction}")
+    n = int(images.shape[0])
+    if int(labels.shape[0]) != n:
+        raise ValueError(f"images has {n} samples but labels has {int(labels.shape[0])}")
+    gen = torch.Generator().manual_seed(int(seed))
+    perm = torch.randperm(n, generator=gen)
+    n_val = int(val_fraction * n)
+    val_idx, train_idx = perm[:n_val], perm[n_val:]
+    return (images[train_idx], labels[train_idx]), (images[val_idx], labels[val_idx])
+
+
 def check_data(data, what: str, allow_empty: bool) -> Dataset:
-    """``data`` as ``(images, labels)``: uint8 ``N x C x H x W`` and int64 ``N``.
+    """``data`` as ``(inputs, labels)``: a tensor ``N x ...`` and int64 ``N``.
 
     Raises:
-        ValueError: naming ``what``: not a pair, wrong dtypes or dimensions, different
+        ValueError: naming ``what``: not a pair, not tensors, labels not int64 ``N``, different
             lengths, or empty when ``allow_empty`` is False.
     """
     try:
-        images, labels = data
+        inputs, labels = data
     except (TypeError, ValueError):
-        raise ValueError(f"{what} must be an (images, labels) tuple") from None
-    if not isinstance(images, Tensor) or images.dtype != torch.uint8 or images.dim() != 4:
-        raise ValueError(f"{what} images must be a uint8 tensor N x C x H x W")
+        raise ValueError(f"{what} must be an (inputs, labels) tuple") from None
+    if not isinstance(inputs, Tensor) or inputs.dim() < 1:
+        raise ValueError(f"{what} inputs must be a tensor with one row per sample")
     if not isinstance(labels, Tensor) or labels.dtype != torch.int64 or labels.dim() != 1:
         raise ValueError(f"{what} labels must be an int64 tensor N")
-    if images.shape[0] != labels.shape[0]:
-        raise ValueError(f"{what}: {images.shape[0]} images but {labels.shape[0]} labels")
-    if images.shape[0] == 0 and not allow_empty:
+    if inputs.shape[0] != labels.shape[0]:
+        raise ValueError(f"{what}: {inputs.shape[0]} input rows but {labels.shape[0]} labels")
+    if inputs.shape[0] == 0 and not allow_empty:
         raise ValueError(f"{what} is empty")
-    return images, labels
+    return inputs, labels
 
 
-def _check_data_fits(spec: ModelSpec, data: Dataset, what: str) -> None:
-    images, labels = data
-    expected = (spec.in_channels, *tuple(spec.image_size))
-    if tuple(images.shape[1:]) != expected and images.shape[0] > 0:
-        raise ValueError(f"{what} images are {tuple(images.shape[1:])}, the model expects {expected}")
+def _check_labels(spec: ModelSpec, data: Dataset, what: str) -> None:
+    labels = data[1]
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= spec.num_classes):
         raise ValueError(f"{what} labels must lie in [0, {spec.num_classes})")
 
 
 def check_site_data(spec: ModelSpec, train, val) -> tuple[Dataset, Dataset]:
     """A site's ``(train, val)`` checked with :func:`check_data` (train non-empty, val may be
-    empty) and against ``spec``: images of ``spec``'s channels and size, labels in
-    ``[0, spec.num_classes)``.  Raises ``ValueError``."""
+    empty), labels in ``[0, spec.num_classes)``.  Raises ``ValueError``."""
     train = check_data(train, "train", allow_empty=False)
     val = check_data(val, "val", allow_empty=True)
-    _check_data_fits(spec, train, "train")
-    _check_data_fits(spec, val, "val")
+    _check_labels(spec, train, "train")
+    _check_labels(spec, val, "val")
     return train, val
+
+
+def check_outputs(model: nn.Module, task: Task, spec: ModelSpec, inputs: Tensor) -> None:
+    """Check, before training or evaluating, that the task's model maps a batch of the task's
+    inputs to logits ``N x K`` (``K = spec.num_classes``): one forward pass over the first two
+    rows in eval mode without gradient (no weight, buffer or random state changes; the model's
+    train/eval mode is restored). Raises ``ValueError`` naming the task, the model and the shape."""
+    if inputs.shape[0] == 0:
+        return
+    where = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(task.batch(inputs[:2].to(where), train=False))
+    except (RuntimeError, TypeError, IndexError) as exc:  # e.g. a shape the model's first layer cannot take
+        raise ValueError(f"the model {spec.model!r} of task {spec.task!r} cannot take this site's inputs "
+                         f"{tuple(inputs.shape[1:])} ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    finally:
+        model.train(was_training)
+    n = min(2, int(inputs.shape[0]))
+    if not isinstance(out, Tensor) or tuple(out.shape) != (n, spec.num_classes) or not out.is_floating_point():
+        got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(f"the model {spec.model!r} of task {spec.task!r} returns {got} for a batch of {n} "
+                         f"rows; the run needs float logits of shape ({n}, {spec.num_classes}): one per class of "
+                         "the run's class index")
 
 
 # --------------------------------------------------------------------------- evaluation
 
 
-def evaluate(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int = 512, device="cpu") -> tuple[int, int]:
+def evaluate(model: nn.Module, inputs: Tensor, labels: Tensor, batch_size: int = 512, device="cpu", *,
+             task: Task) -> tuple[int, int]:
     """Count correct top-1 predictions.
 
     Args:
         model: already on ``device``; evaluated in ``eval()`` mode under
             ``torch.inference_mode``; its previous train/eval mode is restored.
-        images: uint8 ``N x C x H x W`` (converted to float32 ``/ 255`` per batch).
+        inputs: ``N x ...`` rows (``task.batch(rows, train=False)`` per batch).
         labels: int64 ``N``.
-        batch_size: images per forward pass.
+        batch_size: rows per forward pass.
         device: where the batches go.
+        task: the run's task.
 
     Returns:
         ``(correct, total)``; ``(0, 0)`` for an empty set.
     """
-    images, labels = check_data((images, labels), "evaluation data", allow_empty=True)
+    images, labels = check_data((inputs, labels), "evaluation data", allow_empty=True)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     total = int(labels.shape[0])
@@ -266,7 +327,7 @@ def evaluate(model: nn.Module, images: Tensor, labels: Tensor, batch_size: int =
     try:
         with torch.inference_mode():
             for start in range(0, total, batch_size):
-                x = images[start:start + batch_size].to(device).to(torch.float32).div_(255.0)
+                x = task.batch(images[start:start + batch_size].to(device), train=False)
                 y = labels[start:start + batch_size].to(device)
                 correct += int((model(x).argmax(dim=1) == y).sum())
     finally:
@@ -285,14 +346,22 @@ def train_one_epoch(
     order: Tensor,
     batch_size: int,
     regulariser: Regulariser | None = None,
+    *,
+    task: Task,
+    generator: torch.Generator | None = None,
 ) -> Tensor:
     """One pass over ``train`` in ``order`` (a permutation on the data's device), in slices of
-    ``batch_size`` (last partial batch included); per batch the loss is the mean CE, or
-    ``regulariser(ce, params)`` when given, and one optimiser step.
+    ``batch_size`` (last partial batch included); per batch the model sees
+    ``task.batch(rows, train=True, generator=generator)``, the loss is ``task.loss(outputs,
+    labels)`` (the mean cross-entropy by default), or ``regulariser(loss, params)`` when given,
+    and one optimiser step.
 
     Returns:
-        The sum over the epoch of each batch's CE times its size: a 0-d float64 tensor on
+        The sum over the epoch of each batch's task loss times its size: a 0-d float64 tensor on
         the data's device (read it once per epoch).
+
+    Raises:
+        ValueError: the task's loss is not a 0-d tensor.
     """
     model.train()
     params = list(model.parameters())
@@ -301,9 +370,12 @@ def train_one_epoch(
     ce_sum = torch.zeros((), dtype=torch.float64, device=train_x.device)
     for start in range(0, int(order.shape[0]), batch_size):
         idx = order[start:start + batch_size]
-        x = train_x[idx].to(torch.float32).div_(255.0)
+        x = task.batch(train_x[idx], train=True, generator=generator)
         y = train_y[idx]
-        ce = F.cross_entropy(model(x), y)
+        ce = task.loss(model(x), y)
+        if not isinstance(ce, Tensor) or ce.dim() != 0:
+            got = tuple(ce.shape) if isinstance(ce, Tensor) else type(ce).__name__
+            raise ValueError(f"the task's loss returned {got}, not a scalar (a 0-d tensor)")
         loss = ce if regulariser is None else regulariser(ce, params)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -325,15 +397,18 @@ def fit(
     index: int,
     regulariser: Regulariser | None = None,
     on_epoch: EpochCallback | None = None,
+    task: Task,
 ) -> State:
     """The training loop shared by the warm-up and every strategy: train ``model`` for
     ``epochs`` epochs and return the selected state.
 
-    A fresh ``torch.optim.Adam(lr=cfg.lr, weight_decay=cfg.weight_decay)``; batches are
-    slices of ``torch.randperm(N, generator=generator)`` of ``cfg.batch_size`` (last
-    partial batch included; :func:`train_one_epoch`).  The loss is plain CE, or what
-    ``regulariser(ce, params)`` makes of it: the strategy's loss terms (FedELMY's d1 and
-    d2), which this loop knows nothing about.
+    A fresh optimiser, ``task.optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)``
+    (Adam by default); batches are slices of ``torch.randperm(N, generator=generator)`` of
+    ``cfg.batch_size`` (last partial batch included; :func:`train_one_epoch`).  The loss is the
+    task's (cross-entropy by default), or what ``regulariser(loss, params)`` makes of it: the
+    strategy's loss terms (FedELMY's d1 and d2), which this loop knows nothing about.  A task's
+    train-time transforms draw from their own CPU generator, seeded from ``generator``'s
+    initial seed (so they do not shift the batch order).
 
     ``cfg.selection == "best-val"`` evaluates after every epoch and returns a copy of the
     state of the epoch with the *strictly* best validation accuracy (the first epoch is
@@ -344,14 +419,15 @@ def fit(
 
     Args:
         model: moved to ``device`` in place.
-        train: ``(uint8 N x C x H x W, int64 N)``, non-empty.
+        train: ``(inputs N x ..., int64 N)``, non-empty.
         val: same layout, may be empty.
         generator: CPU ``torch.Generator`` for the batch order (consumed).
         device: ``"cpu"``, ``"cuda"``, a ``torch.device``...
         epochs, stage, index: the length of the loop, and the ``"stage"`` and ``"model"``
             it reports.
+        task: the run's task (batches, loss, optimiser).
         on_epoch: called after each epoch with ``{"stage", "model": index, "epoch":
-            1-based, "epochs", "train_loss": mean CE over the epoch's samples,
+            1-based, "epochs", "train_loss": mean task loss over the epoch's samples,
             "val_accuracy": float in [0, 1], or None when not validated (an empty val, or
             an epoch before the last under last-epoch selection), "seconds": wall time of
             the epoch including evaluation}``.
@@ -360,13 +436,14 @@ def fit(
         The selected state (new CPU tensors).
 
     Raises:
-        ValueError: bad data.
+        ValueError: bad data; the task's loss is not a scalar, or not finite over an epoch.
     """
     train_x, train_y = check_data(train, "train", allow_empty=False)
     val_x, val_y = check_data(val, "val", allow_empty=True)
     model.to(device)
     train_x, train_y = train_x.to(device), train_y.to(device)
-    optimizer = torch.optim.Adam(list(model.parameters()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = task.optimizer(list(model.parameters()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    augment = seeded_generator(derive_seed(generator.initial_seed(), "augment"))
     use_best = cfg.selection == "best-val" and val_y.shape[0] > 0
     n = int(train_y.shape[0])
     best_state: State | None = None
@@ -376,11 +453,15 @@ def fit(
         # The batch order is drawn on the CPU (same order on every device) and moved once per
         # epoch: a host-to-device copy per batch made a GPU wait for its queue every step.
         order = torch.randperm(n, generator=generator).to(train_x.device)
-        ce_sum = train_one_epoch(model, optimizer, train_x, train_y, order, cfg.batch_size, regulariser)
+        ce_sum = float(train_one_epoch(model, optimizer, train_x, train_y, order, cfg.batch_size, regulariser,
+                                       task=task, generator=augment))
+        if not math.isfinite(ce_sum):
+            raise ValueError(f"the task's loss is not finite ({ce_sum}) in epoch {epoch} of {stage}: check the "
+                             "task's loss and inputs (or lower --lr)")
         # Best-validation selection needs every epoch validated; last-epoch selection only the
         # last (the accuracy of the model kept is still reported), so it costs what a plain loop does.
         if val_y.shape[0] > 0 and (use_best or epoch == epochs):
-            correct, total = evaluate(model, val_x, val_y, device=device)
+            correct, total = evaluate(model, val_x, val_y, device=device, task=task)
             accuracy = correct / total
         else:
             accuracy = None
@@ -394,7 +475,7 @@ def fit(
                     "model": index,
                     "epoch": epoch,
                     "epochs": epochs,
-                    "train_loss": float(ce_sum) / n,
+                    "train_loss": ce_sum / n,
                     "val_accuracy": accuracy,
                     "seconds": time.perf_counter() - started,
                 }
@@ -404,10 +485,11 @@ def fit(
     return best_state
 
 
-def warm_up(model: nn.Module, train, val, cfg: TrainConfig, seed: int, device, on_epoch: EpochCallback | None = None) -> State:
+def warm_up(model: nn.Module, train, val, cfg: TrainConfig, seed: int, device, on_epoch: EpochCallback | None = None,
+            *, task: Task) -> State:
     """Warm up the first site's freshly built model (paper Algorithm 1 line 1).
 
-    Plain CE for ``cfg.warmup_epochs`` epochs with the same optimiser, batching and
+    The task's plain loss (cross-entropy by default) for ``cfg.warmup_epochs`` epochs with the same optimiser, batching and
     selection as every strategy (:func:`fit`; implementation-notes section 1.4); batch
     order from ``derive_seed(seed, "warmup")``.  ``model`` is built and seeded by the
     caller.  With ``warmup_epochs == 0`` it returns a copy of the model's state
@@ -425,7 +507,7 @@ def warm_up(model: nn.Module, train, val, cfg: TrainConfig, seed: int, device, o
         return clone_state(model.state_dict())
     return fit(
         model, train, val, cfg, seeded_generator(derive_seed(seed, "warmup")), device,
-        epochs=cfg.warmup_epochs, stage="warmup", index=0, on_epoch=on_epoch,
+        epochs=cfg.warmup_epochs, stage="warmup", index=0, on_epoch=on_epoch, task=task,
     )
 
 
@@ -478,19 +560,29 @@ def run_site(
         ``(model to send, pool)``: the final model of the chain when this is the last
         site.
 
+    The run's task (``fedrelay.tasks.resolve(spec)``) gives the model, the batches, the loss
+    and the optimiser; before any training its model is checked to map the site's inputs to
+    ``K`` logits (:func:`check_outputs`).
+
     Raises:
-        ValueError: bad config, data that do not fit ``spec``, or states that do not
-            fit ``spec``.
+        ValueError: bad config, data that do not fit ``spec``, states that do not fit
+            ``spec``, a task model whose outputs do not fit the run's classes, a loss that is
+            not a finite scalar.
     """
     cfg.validate()
     train, val = check_site_data(spec, train, val)
+    task = tasks.resolve(spec)
     if m0 is None:
         if initial is not None:
             model = build_loaded(spec, initial)
         else:
-            model = _build_seeded(spec, derive_seed(seed, "init"))
-        m0 = warm_up(model, train, val, cfg, seed, device, on_epoch=on_epoch)
+            model = build_seeded(spec, derive_seed(seed, "init"))
+        check_outputs(model, task, spec, train[0])
+        m0 = warm_up(model, train, val, cfg, seed, device, on_epoch=on_epoch, task=task)
         del model
+    else:
+        check_signature(m0, expected_signature(spec), "the received model")
+        check_outputs(build_loaded(spec, m0), task, spec, train[0])
         if on_warmup is not None:
             on_warmup(m0)
     return registry.load(cfg.strategy).train(m0, spec, train, val, cfg, seed, device,

@@ -220,7 +220,7 @@ class WorkerPool:
 
     def __init__(self, data_dir: str | Path, device: str, slots, *, deterministic: bool = True,
                  stop: threading.Event | None = None, warm_timeout: float = DEFAULT_WARM_TIMEOUT,
-                 env: dict | None = None, fork: bool = False):
+                 env: dict | None = None, fork: bool = False, extra_tasks: list[str] | tuple = ()):
         self.data_dir = str(Path(data_dir).resolve())
         self.device = device
         self.deterministic = deterministic
@@ -229,22 +229,29 @@ class WorkerPool:
         self.warm_timeout = warm_timeout
         self.env = env
         self.fork = fork
+        self.extra_tasks = list(extra_tasks)  # module:attr tasks (peer serve --task), for the workers' lookups
         self._warm: dict[str, _Warm] = {}
         self._lock = threading.Lock()
         self.started = 0  # worker processes started (for tests and metrics)
 
-    def _prepare_request(self) -> dict:
-        return {"op": "prepare", "data": self.data_dir, "device": self.device, "deterministic": self.deterministic}
+    def _prepare_request(self, spec: dict | None = None) -> dict:
+        """The worker's ``prepare``: the site's data read by the task of ``spec`` (a job's
+        ``SPEC``; the default task when None), its digest pinned to the run's."""
+        req = {"op": "prepare", "data": self.data_dir, "device": self.device, "deterministic": self.deterministic,
+               "extra_tasks": self.extra_tasks}
+        if spec:
+            req["task"], req["task_sha256"] = spec["task"], spec.get("task_sha256", "")
+        return req
 
     def _new_worker(self, slot) -> WorkerProcess:
         self.started += 1
         return WorkerProcess(slot=slot, env=self.env, fork=self.fork)
 
-    def warm(self, run_id: str, prefetch: list[tuple[dict, Callable]] = ()) -> bool:
-        """Start a worker ahead for ``run_id`` if it has none and a slot is free now; the
-        ``prefetch`` requests (e.g. the run's payload schemas) are asked first, their answers
-        (None: failed) passed to their callbacks. True when a worker was started (False: the
-        callbacks are not called)."""
+    def warm(self, run_id: str, prefetch: list[tuple[dict, Callable]] = (), spec: dict | None = None) -> bool:
+        """Start a worker ahead for ``run_id`` (whose model is ``spec``) if it has none and a slot
+        is free now; the ``prefetch`` requests (e.g. the run's payload schemas) are asked first,
+        their answers (None: failed) passed to their callbacks. True when a worker was started
+        (False: the callbacks are not called)."""
         self._expire()
         with self._lock:
             if run_id in self._warm or self.stop.is_set():
@@ -252,7 +259,7 @@ class WorkerPool:
             slot = self.slots.try_acquire()
             if slot is None:
                 return False
-            self._warm[run_id] = _Warm(self._new_worker(slot), self._prepare_request(), list(prefetch))
+            self._warm[run_id] = _Warm(self._new_worker(slot), self._prepare_request(spec), list(prefetch))
         log.info("run %s: started a worker ahead of the model's arrival", run_id)
         return True
 
@@ -303,7 +310,7 @@ class WorkerPool:
             worker = self._take(run_id, on_wait)
             try:
                 if worker.prepared is None and req["op"] != "schema":
-                    worker.prepared = worker.request(self._prepare_request(), cancelled=cancelled)
+                    worker.prepared = worker.request(self._prepare_request(req.get("spec")), cancelled=cancelled)
                 if on_start is not None:
                     on_start()
                 return worker.request(req, on_event=on_event, cancelled=cancelled)
@@ -315,13 +322,16 @@ class WorkerPool:
                 worker.close()
         raise AssertionError("unreachable")
 
-    def check(self) -> dict:
-        """One worker's ``prepare`` (the site's every image decoded, the device resolved), then
-        the worker is closed: its answer. Raises ``WorkerError`` (e.g. ``DataError: ...``),
-        ``WorkerDied`` or ``JobCancelled`` (the daemon stops while waiting for a slot)."""
+    def check(self, tasks: dict[str, str]) -> dict:
+        """The daemon's start-up check in one worker, closed afterwards: each of ``tasks``
+        (name -> SHA-256 of its code) loaded, its ``describe`` of the site folder and a full
+        ``load`` (every sample read once), and ``--device auto`` resolved: the worker's
+        ``describe`` answer (``peer/worker.py``). Raises ``WorkerError``, ``WorkerDied`` or
+        ``JobCancelled`` (the daemon stops while waiting for a slot)."""
         worker = self._take(None, None)
         try:
-            return worker.request(self._prepare_request())
+            return worker.request({"op": "describe", "data": self.data_dir, "device": self.device, "tasks": tasks,
+                                   "extra_tasks": self.extra_tasks})
         finally:
             worker.close()
 
@@ -344,7 +354,7 @@ class InlineRunner:
         self.worker = Worker(data, device)
         self.started = 0
 
-    def warm(self, run_id: str, prefetch=()) -> bool:
+    def warm(self, run_id: str, prefetch=(), spec: dict | None = None) -> bool:
         for req, on_result in prefetch:
             on_result(self.run(req))
         return False

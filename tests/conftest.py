@@ -33,3 +33,22 @@ def three_sites(tmp_path_factory, idx_source) -> list[Path]:
     out = tmp_path_factory.mktemp("sites")
     split_dataset("fashion-mnist", sites=3, dirichlet=0.5, seed=0, out=out, source=idx_source)
     return sorted(p for p in out.iterdir() if p.is_dir() and p.name.startswith("site-"))
+
+
+def image_offers(classes: dict[str, tuple[int, int]] | None = None, shape=(1, 28, 28)) -> list[dict]:
+    """A site's registration offers (``Offer.to_dict()``) for the default image-folder task, as the
+    ledger keeps them: ``classes`` name -> (train, test) images of ``shape`` (C, H, W)."""
+    from fedrelay.task import DataSummary
+    from fedrelay.tasks.offers import Offer
+
+    c, h, w = shape
+    summary = DataSummary(classes=dict(classes or {}), input={"channels": c, "height": h, "width": w})
+    return [Offer(name="image-folder", version="0", sha256="0" * 64, models=("cnn", "resnet18"),
+                  summary=summary).to_dict()]
+
+
+def image_offer_pbs(classes: dict[str, tuple[int, int]] | None = None, shape=(1, 28, 28)) -> list:
+    """:func:`image_offers` as ``TaskOffer`` messages (a ``RegisterRequest``'s ``tasks``)."""
+    from fedrelay.tasks.offers import Offer
+
+    return [Offer.from_dict(d).to_pb() for d in image_offers(classes, shape)]

@@ -14,7 +14,8 @@ from torch.nn import functional as F
 
 from fedrelay.peer.aggregators import EXTRA, METHODS, Context, Upload, join_payload, split_payload
 from fedrelay.peer.aggregators import maecho, mean, ofasd
-from fedrelay.peer.models import ModelSpec, build_model, expected_signature, state_signature
+from fedrelay.peer.models import build_model, expected_signature, state_signature
+from fedrelay.tasks.image_folder import spec as image_spec
 from fedrelay.peer.states import average_states, build_loaded, clone_state
 from fedrelay.peer.training import TrainConfig
 
@@ -28,7 +29,7 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-SPEC = ModelSpec("cnn", 1, (8, 8), 3)
+SPEC = image_spec("cnn", 1, (8, 8), 3)
 KEYS = list(expected_signature(SPEC))
 HEAD_W, HEAD_B = "classifier.3.weight", "classifier.3.bias"
 
@@ -313,7 +314,7 @@ def mean_input(state, images) -> torch.Tensor:
 
 def test_maecho_map_smaller_than_the_kernel():
     # A 4x4 image: the second conv sees 2x2 maps, smaller than its 3x3 kernel, so no patch and P stays I.
-    spec = ModelSpec("cnn", 1, (4, 4), 2)
+    spec = image_spec("cnn", 1, (4, 4), 2)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         state = build_model(spec).state_dict()

@@ -10,6 +10,8 @@ import sqlite3
 
 import pytest
 
+from conftest import image_offer_pbs
+
 from bench.common import deploy_script
 
 local_trial = deploy_script("local_trial")
@@ -74,13 +76,15 @@ def test_one_shot_chain_end_to_end(trial):
 
     assert final_model.original_sha256(out) == final["sha256"]
     meta = final_model.read_metadata(out)
-    assert (meta["final_sha256"], meta["run_id"], meta["arch"]) == (final["sha256"], run["run_id"], run["arch"])
+    assert (meta["final_sha256"], meta["run_id"], meta["model"]) == (final["sha256"], run["run_id"], run["arch"])
+    assert (meta["task"], meta["task_sha256"]) == ("image-folder", run["task_sha256"]) and len(run["task_sha256"]) == 64
     model, classes = load_model(out)
     assert classes == run["class_index"] and not model.training
     import torch
 
     with torch.no_grad():
-        assert model(torch.rand(2, *meta["input_shape"])).shape == (2, len(classes))
+        shape = (meta["input"]["channels"], meta["input"]["height"], meta["input"]["width"])
+        assert model(torch.rand(2, *shape)).shape == (2, len(classes))
 
 
 def test_same_seed_same_order_same_final_digest(trial):
@@ -131,8 +135,8 @@ def test_unreachable_peer_is_named_and_no_run_starts(trial):
     # An enrolled site "ghost" registers an address where nothing listens.
     ghost = wire.Transport.from_dir(pki.enroll("ghost", trial.pki, trial.workdir / "ghost.pki"))
     with OperatorClient(trial.coordinator, ghost) as c:
-        c.stub.Register(cpb.RegisterRequest(name="ghost", address="127.0.0.1:9", channels=1, height=28, width=28,
-                                            classes=[cpb.ClassCount(name="Bag", train=20, test=2)]), timeout=10)
+        c.stub.Register(cpb.RegisterRequest(name="ghost", address="127.0.0.1:9",
+                                            tasks=image_offer_pbs({"Bag": (20, 2)})), timeout=10)
     with OperatorClient(trial.coordinator, trial.transport()) as c:
         before = len(c.runs())
     res = trial.cli("start-chain", "--seed", "1", "--peers", "site-00,ghost", capture_output=True, text=True,

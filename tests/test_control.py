@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from bench.common import deploy_script
+from conftest import image_offers
 from fedrelay.coordinator.ledger import TERMINAL, Ledger
 
 local_trial = deploy_script("local_trial")
@@ -184,7 +185,7 @@ class FakeContext:
 
 def _peers(ledger: Ledger, names: list[str], stale: list[str]) -> None:
     for n in names:
-        ledger.upsert_peer(n, f"127.0.0.1:{9000 + len(n)}", [{"name": "c", "train": 5, "test": 1}], (1, 28, 28),
+        ledger.upsert_peer(n, f"127.0.0.1:{9000 + len(n)}", image_offers({"c": (5, 1)}),
                            "cpu", "x")
     for n in stale:
         ledger._exec("UPDATE peers SET last_seen = ? WHERE name = ?", (time.time() - 600, n))
@@ -286,7 +287,7 @@ def test_a_run_pruned_while_the_daemon_runs_leaves_its_status(three_sites, tmp_p
 
     from tests.test_transfer import assignment
 
-    from fedrelay.peer.data import load_site
+    from fedrelay.tasks.image_folder.data import load_site
     from fedrelay.peer.node import PeerNode
 
     node = PeerNode("site-b", "127.0.0.1:1", load_site(three_sites[0]), tmp_path, "cpu", None, start_workers=False)
@@ -343,7 +344,7 @@ def test_a_name_is_refused_only_while_its_daemon_answers_and_a_restart_takes_it_
     # Another daemon answers at the registered address, as another instance (the port was reused).
     other = FakePeer("a", "third")
     try:
-        ledger.upsert_peer("a", other.address, [], (1, 28, 28), "cpu", "x")
+        ledger.upsert_peer("a", other.address, image_offers(), "cpu", "x")
         register("127.0.0.1:10", "fourth")
         assert ledger.peer("a")["instance"] == "fourth"
     finally:

@@ -6,15 +6,21 @@ import json
 
 import pytest
 
+from conftest import image_offers
 from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.plan import chain_plan, replan
 from fedrelay.coordinator.planner import PeerInfo, PlanError, plan_chain
+from fedrelay.task import DataSummary
+from fedrelay.tasks.offers import Offer
 from fedrelay.v1 import common_pb2
 
 
-def peer(name, classes=None, shape=(1, 28, 28)):
+def peer(name, classes=None, shape=(1, 28, 28), sha="a" * 64):
     classes = classes if classes is not None else {"a": (10, 5), "b": (3, 5)}
-    return PeerInfo(name=name, address=f"127.0.0.1:{hash(name) % 1000 + 2000}", classes=classes, shape=shape)
+    c, h, w = shape
+    offer = Offer(name="image-folder", version="1", sha256=sha, models=("cnn", "resnet18"),
+                  summary=DataSummary(classes=classes, input={"channels": c, "height": h, "width": w}))
+    return PeerInfo(name=name, address=f"127.0.0.1:{hash(name) % 1000 + 2000}", offers={"image-folder": offer})
 
 
 def test_order_is_fixed_by_the_seed_not_by_registration_order():
@@ -35,17 +41,22 @@ def test_class_index_is_the_sorted_union_and_single_holders_warn():
              peer("s3", {"cat": (1, 1), "bird": (3, 0)})]
     plan = plan_chain(peers, seed=0)
     assert plan.class_index == ["Dog", "bird", "cat"]  # an empty class folder ("dog") adds nothing
-    assert plan.model == {"arch": "cnn", "in_channels": 1, "height": 28, "width": 28, "num_classes": 3}
+    m = plan.model
+    assert (m.task, m.model, m.input, m.num_classes, m.task_sha256) == (
+        "image-folder", "cnn", {"channels": 1, "height": 28, "width": 28}, 3, "a" * 64)
     assert len(plan.warnings) == 2 and any("'Dog'" in w and "s2" in w for w in plan.warnings)
 
 
 @pytest.mark.parametrize("peers,kw,words", [
     ([peer("a")], {}, "at least 2"),
     ([peer("a"), peer("b", shape=(3, 28, 28))], {}, "differ"),
-    ([peer("a"), peer("b", {"x": (0, 4)})], {}, "without training images"),
+    ([peer("a"), peer("b", {"x": (0, 4)})], {}, "without training samples"),
     ([peer("a"), peer("b")], {"names": ["a", "c"]}, "not registered"),
     ([peer("a"), peer("b")], {"names": ["a", "a"]}, "more than once"),
-    ([peer("a"), peer("b")], {"arch": "vgg"}, "unknown model"),
+    ([peer("a"), peer("b")], {"model": "vgg"}, "unknown model"),
+    ([peer("a"), peer("b", sha="b" * 64)], {}, "different copies of task 'image-folder'.*a{64}.*b{64}"),
+    ([peer("a"), peer("b")], {"task_sha256": "c" * 64}, "pins code SHA-256 c{64}.*a has a{64}"),
+    ([peer("a"), peer("b")], {"task": "tabular-csv"}, "not installed at a, b"),
     ([peer("a"), peer("b")], {"order": "given"}, "--peers"),
 ])
 def test_impossible_chains_are_refused_clearly(peers, kw, words):
@@ -94,7 +105,7 @@ def test_a_restarted_coordinator_recomputes_the_reroutes_from_the_ledger():
 
     led = Ledger(":memory:")
     _running(led, ["a", "b", "c", "d", "e"])
-    led.upsert_peer("c", "10.0.0.3:7000", [], (1, 28, 28), "cpu", "x")  # c came back elsewhere
+    led.upsert_peer("c", "10.0.0.3:7000", image_offers(), "cpu", "x")  # c came back elsewhere
     names = ["a", "b", "c", "d", "e"]
     plan = chain_plan(names)
     led.reroute("r", replan(names, 1, plan, {"b"}, plan.visits[0]).to_json(), [("b", "down")])

@@ -8,7 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-from fedrelay.peer.data import DataError, SiteData, load_site, train_val_split
+from fedrelay.peer.training import train_val_split
+from fedrelay.tasks.image_folder.data import DataError, SiteData, load_site
 
 # ----------------------------------------------------------------------------- helpers
 

@@ -39,6 +39,7 @@ def test_deterministic_kernels_are_switched_on_for_cuda_only(monkeypatch):
 TRAIN_TWICE = """
 import hashlib, sys, torch
 from fedrelay.peer.models import ModelSpec
+from fedrelay.tasks.image_folder import spec as image_spec
 from fedrelay.peer.training import TrainConfig, run_site, use_deterministic_kernels
 use_deterministic_kernels("cuda:0")
 g = torch.Generator().manual_seed(0)
@@ -47,7 +48,7 @@ y = torch.randint(0, 10, (600,), generator=g)
 cfg = TrainConfig(models_per_site=2, local_epochs=2, warmup_epochs=1)
 out = []
 for _ in range(2):
-    sent, pool = run_site(None, ModelSpec("cnn", 1, (28, 28), 10), (x[:500], y[:500]), (x[500:], y[500:]),
+    sent, pool = run_site(None, image_spec("cnn", 1, (28, 28), 10), (x[:500], y[:500]), (x[500:], y[500:]),
                           cfg, seed=3, device="cuda:0")
     assert all(t.device.type == "cpu" and t.is_contiguous() for s in (sent, *pool) for t in s.values())
     h = hashlib.sha256()

@@ -198,7 +198,7 @@ def _coordinator_calls(ids, address, value):  # noqa: F811 - fixture name
         r = registration("site-a")
         for k, v in kw.items():
             if k == "classes":
-                r.classes.add(name=v)
+                r.tasks[0].classes.add(name=v)
             else:
                 setattr(r, k, v)
         return lambda: site.Register(r, timeout=10)
@@ -212,7 +212,7 @@ def _coordinator_calls(ids, address, value):  # noqa: F811 - fixture name
     return {
         "Register name": (reg(name=value), "name"),
         "Register address": (reg(address=value), "address"),
-        "Register class": (reg(classes=value), "classes[1]"),
+        "Register class": (reg(classes=value), "tasks[0].classes[1]"),
         "ReportHop run_id": (hop(run_id=value), "run_id"),
         "ReportHop sender": (hop(sender=value), "sender"),
         "ReportHop receiver": (hop(receiver=value), "receiver"),
@@ -242,7 +242,7 @@ def test_hostile_strings_get_invalid_argument_at_the_coordinator(guarded_coordin
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, err.value.code(), err.value.details())
         assert err.value.details().startswith(f"{field} must be"), (what, err.value.details())
     assert [p["name"] for p in ledger.peers()] == ["site-a"] and ledger.hops("r") == []
-    assert [c["name"] for c in ledger.peers()[0]["classes"]] == ["Bag"]
+    assert list(ledger.peers()[0]["tasks"][0]["summary"]["classes"]) == ["Bag"]
 
 
 def test_a_hop_report_with_a_long_hop_number_or_free_text_is_refused(guarded_coordinator, ids):  # noqa: F811

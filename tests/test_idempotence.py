@@ -10,7 +10,7 @@ from fedrelay import wire
 from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.plan import chain_plan, replan
 from fedrelay.coordinator.service import CoordinatorService
-from fedrelay.peer.data import load_site
+from fedrelay.tasks.image_folder.data import load_site
 from fedrelay.peer.node import PeerNode
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2
 from test_transfer import assignment

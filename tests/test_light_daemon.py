@@ -68,8 +68,9 @@ def test_an_idle_site_daemon_imports_no_torch_and_stays_small(three_sites, tmp_p
 def _train_request(site: Path, folder: Path, class_index: list[str]) -> dict:
     params = {"strategy": "fedelmy", "models_per_site": 2, "local_epochs": 1, "warmup_epochs": 1, "alpha": 1.0,
               "beta": 1.0, "lr": 1e-3, "batch_size": 32, "weight_decay": 1e-4, "selection": "best-val"}
-    return {"op": "train", "spec": {"arch": "cnn", "in_channels": 1, "height": 28, "width": 28,
-                                    "num_classes": len(class_index)},
+    from fedrelay.tasks.image_folder import spec as image_spec
+
+    return {"op": "train", "spec": image_spec("cnn", 1, (28, 28), len(class_index)).to_dict(),
             "params": params, "seed": 5, "class_index": class_index, "site": site.name, "aggregator": "",
             "options": {}, "position": 0, "round": 1, "folder": str(folder), "received": None,
             "outgoing": str(folder / "outgoing.safetensors"), "initial": None}
@@ -79,7 +80,7 @@ def test_a_worker_killed_mid_training_is_replaced_and_gives_the_same_model(three
     """SIGKILL of the worker during the second pool model: the pool starts another worker, which
     resumes from the persisted warm-up and first pool model; the model equals an undisturbed
     run's, bit for bit."""
-    from fedrelay.peer.scan import scan_site
+    from fedrelay.tasks.image_folder.scan import scan_site
 
     site = three_sites[0]
     classes = [f"{i}" for i in range(10)]
@@ -128,7 +129,7 @@ def test_prepare_is_taken_only_from_a_planned_sender(three_sites, tmp_path):
     whose certificate is not the named sender."""
     from tests.test_transfer import assignment
 
-    from fedrelay.peer.data import load_site
+    from fedrelay.tasks.image_folder.data import load_site
     from fedrelay.peer.node import PeerNode
 
     node = PeerNode("site-b", "127.0.0.1:1", load_site(three_sites[0]), tmp_path, "cpu", None, start_workers=False)
@@ -149,7 +150,7 @@ def test_prepare_is_taken_only_from_a_planned_sender(three_sites, tmp_path):
 def test_forked_workers_train_the_same_model_and_say_how_they_died(three_sites, tmp_path):
     """``--fork-workers``: a worker forked from the template trains the bit-identical model a new
     Python does, and one killed mid-request is reported with its signal, as a subprocess is."""
-    from fedrelay.peer.scan import scan_site
+    from fedrelay.tasks.image_folder.scan import scan_site
     from fedrelay.peer.workers import WorkerDied, WorkerProcess
 
     site = three_sites[0]

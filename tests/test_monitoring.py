@@ -97,7 +97,7 @@ def fed(three_sites, tmp_path_factory):
     try:
         while {p.name for p in client.peers()} != set(names):  # each registers as it starts
             threading.Event().wait(0.1)
-        reply = client.start_chain(peers=names, order="given", seed=1, arch="cnn", params=run_params.to_pb(PARAMS))
+        reply = client.start_chain(peers=names, order="given", seed=1, model="cnn", params=run_params.to_pb(PARAMS))
         for _ in client.watch(reply.run_id):  # the stream ends with the run
             pass
         yield dict(root=root, tls=tls, ids=ids, names=names, address=address, peers=peers, metrics=metrics,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bench.scale import WriteCounter, measure
+from conftest import image_offer_pbs, image_offers
 from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.plan import chain_plan
 from fedrelay.coordinator.service import CoordinatorService
@@ -60,16 +61,16 @@ def test_heartbeats_that_change_nothing_write_nothing_and_still_show_last_seen()
     counter = WriteCounter()
     ledger = Ledger(":memory:")
     ledger._db.set_trace_callback(counter)
-    classes = [{"name": "c", "train": 5, "test": 1}]
-    assert ledger.upsert_peer("a", "127.0.0.1:1", classes, (1, 28, 28), "cpu", "1")
+    classes = image_offers({"c": (5, 1)})
+    assert ledger.upsert_peer("a", "127.0.0.1:1", classes, "cpu", "1")
     first, writes = ledger.peer("a")["last_seen"], counter.writes
     for _ in range(5):
-        assert not ledger.upsert_peer("a", "127.0.0.1:1", classes, (1, 28, 28), "cpu", "1")
+        assert not ledger.upsert_peer("a", "127.0.0.1:1", classes, "cpu", "1")
     assert counter.writes == writes
     assert ledger.peers()[0]["last_seen"] >= first and ledger.last_seen()["a"] >= first
-    assert ledger.upsert_peer("a", "127.0.0.1:2", classes, (1, 28, 28), "cpu", "1")  # moved: written
+    assert ledger.upsert_peer("a", "127.0.0.1:2", classes, "cpu", "1")  # moved: written
     assert ledger.flush_last_seen() == 0
-    ledger.upsert_peer("a", "127.0.0.1:2", classes, (1, 28, 28), "cpu", "1")
+    ledger.upsert_peer("a", "127.0.0.1:2", classes, "cpu", "1")
     assert ledger.flush_last_seen() == 1  # one transaction for every site's heartbeat
     ledger.close()
 
@@ -89,12 +90,11 @@ def test_a_heartbeat_reads_nothing_once_its_site_is_known_and_the_period_bounds_
     ledger = Ledger(":memory:")
     ledger._db.set_trace_callback(counter)
     service = CoordinatorService(ledger, peer_timeout=120.0)
-    classes = [cpb.ClassCount(name="c", train=5, test=1)]
+    offers = image_offer_pbs({"c": (5, 1)})
 
     def register(name: str, address: str = "127.0.0.1:1") -> cpb.RegisterReply:
-        return service.Register(cpb.RegisterRequest(name=name, address=address, classes=classes, channels=1,
-                                                    height=28, width=28, device="cpu", version="1",
-                                                    instance="i-" + name), Plaintext())
+        return service.Register(cpb.RegisterRequest(name=name, address=address, tasks=offers, device="cpu",
+                                                    version="1", instance="i-" + name), Plaintext())
 
     assert register("a").heartbeat_seconds == 10
     register("a")

@@ -20,8 +20,10 @@ from fedrelay import wire
 from fedrelay.coordinator import pki
 from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.service import CoordinatorService
-from fedrelay.peer.data import load_site
+from fedrelay.tasks.image_folder.data import load_site
 from fedrelay.peer.models import ModelSpec, build_model
+from fedrelay.tasks.image_folder import spec as image_spec
+from conftest import image_offer_pbs
 from fedrelay.peer.node import PeerNode
 from fedrelay.peer.reporting import CoordinatorLink
 from fedrelay.peer.servicer import PeerServicer
@@ -31,7 +33,7 @@ from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc
 from test_transfer import CLASSES, stream
 from test_transfer import assignment as transfer_assignment
 
-SPEC = ModelSpec("cnn", 1, (28, 28), 10)
+SPEC = image_spec("cnn", 1, (28, 28), 10)
 ORDER = ["site-a", "site-b", "site-c"]
 STALL = 1.0  # the test peer's --stall-timeout, seconds
 
@@ -289,7 +291,7 @@ PAYLOADS = {
     "wrong dtype": (lambda: wire.encode_state(_state(r=_retype)), "tensor"),
     "NaN": (lambda: wire.encode_state(_state(r=_poison(float("nan")))), "NaN"),
     "Inf": (lambda: wire.encode_state(_state(r=_poison(float("inf")))), "Inf"),
-    "another model": (lambda: model_bytes(spec=ModelSpec("cnn", 1, (28, 28), 7)), "tensor"),
+    "another model": (lambda: model_bytes(spec=image_spec("cnn", 1, (28, 28), 7)), "tensor"),
 }
 
 
@@ -473,8 +475,7 @@ def cstub(transport: wire.Transport, address: str) -> coordinator_pb2_grpc.Coord
 
 
 def registration(name: str) -> cpb.RegisterRequest:
-    return cpb.RegisterRequest(name=name, address="127.0.0.1:9", channels=1, height=28, width=28,
-                               classes=[cpb.ClassCount(name="Bag", train=5, test=1)])
+    return cpb.RegisterRequest(name=name, address="127.0.0.1:9", tasks=image_offer_pbs({"Bag": (5, 1)}))
 
 
 def test_coordinator_takes_registrations_and_reports_only_from_the_site_itself(coordinator, ids):

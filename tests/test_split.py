@@ -339,7 +339,7 @@ def test_split_dataset_end_to_end(tmp_path):
 
 
 def test_split_dataset_written_sites_load_with_load_site(tmp_path):
-    from fedrelay.peer.data import load_site
+    from fedrelay.tasks.image_folder.data import load_site
 
     src = tmp_path / "src"
     make_fake_fashion_mnist(src, 300, 100)

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from fedrelay.tasks.image_folder import spec as image_spec
 from bench.common import deploy_script
 
 local_trial = deploy_script("local_trial")
@@ -105,10 +106,10 @@ def test_each_parallel_method_runs_through_the_daemons(trial, strategy, extra):
 
 def test_initial_weights_file_named_by_its_digest(trial, tmp_path):
     from fedrelay import wire
-    from fedrelay.peer.models import ModelSpec, _build_seeded
+    from fedrelay.peer.models import build_seeded
 
     # The trial's images: 1 x 28 x 28, 10 classes (conftest).
-    state = _build_seeded(ModelSpec("cnn", 1, (28, 28), 10), 1234).state_dict()
+    state = build_seeded(image_spec("cnn", 1, (28, 28), 10), 1234).state_dict()
     data = wire.encode_state(state)
     sha = hashlib.sha256(data).hexdigest()
     # No site holds it yet: the run is refused, with where to put it, and nothing runs.
@@ -181,14 +182,14 @@ def star_assignment(run_id: str, site: str, strategy: str = "maecho", **params):
         params=common_pb2.TrainingParams(strategy=strategy, models_per_site=1, local_epochs=1, warmup_epochs=1,
                                          alpha=1, beta=1, lr=1e-3, batch_size=32, weight_decay=1e-4,
                                          selection="best-val", **params),
-        model=common_pb2.ModelSpec(arch="cnn", in_channels=1, height=28, width=28, num_classes=10),
+        model=image_spec("cnn", 1, (28, 28), 10).to_pb(),
         class_index=CLASSES)
 
 
 def test_the_aggregator_stops_waiting_at_the_upload_timeout(three_sites, tmp_path):
     """An upload that never comes (a site alive but stuck, or slower than --upload-timeout): the
     aggregator combines what arrived and names the missing senders."""
-    from fedrelay.peer.data import load_site
+    from fedrelay.tasks.image_folder.data import load_site
     from fedrelay.peer.node import PeerNode
 
     node = PeerNode("site-b", "127.0.0.1:1", load_site(three_sites[0]), tmp_path, "cpu", None, start_workers=False)
@@ -207,8 +208,8 @@ def test_an_upload_without_the_aggregators_extra_tensors_is_refused(three_sites,
     extras of the wrong shape, is refused before anything is kept."""
     from fedrelay import wire
     from fedrelay.peer.aggregators import EXTRA
-    from fedrelay.peer.data import load_site
-    from fedrelay.peer.models import ModelSpec, _build_seeded
+    from fedrelay.tasks.image_folder.data import load_site
+    from fedrelay.peer.models import build_seeded
     from fedrelay.peer.node import PeerNode
 
     node = PeerNode("site-b", "127.0.0.1:1", load_site(three_sites[0]), tmp_path, "cpu", None, start_workers=False)
@@ -216,7 +217,7 @@ def test_an_upload_without_the_aggregators_extra_tensors_is_refused(three_sites,
     node.assign(a)
     from fedrelay.v1 import common_pb2
 
-    state = _build_seeded(ModelSpec("cnn", 1, (28, 28), 10), 1).state_dict()
+    state = build_seeded(image_spec("cnn", 1, (28, 28), 10), 1).state_dict()
     with pytest.raises(ValueError, match="tensor names differ"):
         node._check_model_bytes(a, wire.encode_state(state), common_pb2.UPLOAD)
     from fedrelay import params as run_params
@@ -226,7 +227,7 @@ def test_an_upload_without_the_aggregators_extra_tensors_is_refused(three_sites,
     site = load_site(three_sites[0])
     train = site.tensors("train", list(a.class_index))
     opts = run_params.options(run_params.to_dict(a.params))
-    made = maecho.site_extras(state, ModelSpec("cnn", 1, (28, 28), 10), train, opts)
+    made = maecho.site_extras(state, image_spec("cnn", 1, (28, 28), 10), train, opts)
     extras = {k: v.clone() for k, v in join_payload(state, made).items()}
     node._check_model_bytes(a, wire.encode_state(extras), common_pb2.UPLOAD)  # the real thing passes
     counts = EXTRA + "class_counts"

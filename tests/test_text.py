@@ -11,6 +11,7 @@ import logging
 import re
 
 import pytest
+from conftest import image_offers
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -108,7 +109,7 @@ def coordinator():
     service.ReportFailure(cpb.FailureReport(run_id="failing", site="site-b", error=HOSTILE_TEXT), Context())
     ledger.add_event("watched", "hop", HOSTILE, site="site-a")
     ledger.add_event("watched", "failed", HOSTILE, site="site-a")  # the live view stops at it
-    ledger.upsert_peer("site-h", "127.0.0.1:9", [{"name": "c", "train": 1, "test": 1}], (1, 28, 28), HOSTILE, "x")
+    ledger.upsert_peer("site-h", "127.0.0.1:9", image_offers({"c": (1, 1)}), HOSTILE, "x")
     yield f"127.0.0.1:{port}"
     server.stop(0)
     service.close()

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedrelay.peer.models import ARCHS, ModelSpec, build_model, state_signature
+from fedrelay.peer.models import build_model, state_signature
+from fedrelay.tasks.image_folder import MODELS, ImageFolderTask, spec as image_spec
 from fedrelay.peer.states import average_states
 from fedrelay.peer.strategies.fedelmy import (
     _Regulariser,
@@ -31,7 +32,8 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-SPEC = ModelSpec("cnn", 1, (8, 8), 3)
+SPEC = image_spec("cnn", 1, (8, 8), 3)
+TASK = ImageFolderTask()
 # Where each class's bright 3x3 square sits (row, column).
 SQUARES = [(0, 0), (0, 5), (5, 2)]
 
@@ -74,7 +76,7 @@ def states_differ(a, b) -> bool:
 
 def test_cnn_shapes_and_signature():
     torch.manual_seed(0)
-    model = build_model(ModelSpec("cnn", 1, (28, 28), 10))
+    model = build_model(image_spec("cnn", 1, (28, 28), 10))
     assert 150_000 < sum(p.numel() for p in model.parameters()) < 250_000
     out = model(torch.rand(5, 1, 28, 28))
     assert out.shape == (5, 10) and out.dtype == torch.float32
@@ -83,14 +85,14 @@ def test_cnn_shapes_and_signature():
     assert sig["features.1.num_batches_tracked"] == ((), torch.int64)
     assert sig["classifier.1.weight"] == ((128, 32 * 7 * 7), torch.float32)
     # odd sizes down to 4x4 work
-    small = build_model(ModelSpec("cnn", 3, (5, 7), 2))
+    small = build_model(image_spec("cnn", 3, (5, 7), 2))
     assert small(torch.rand(2, 3, 5, 7)).shape == (2, 2)
 
 
 @pytest.mark.parametrize("channels,size,classes", [(3, (32, 32), 10), (1, (28, 28), 7)])
 def test_resnet18_builds_and_gives_logits(channels, size, classes):
     torch.manual_seed(0)
-    model = build_model(ModelSpec("resnet18", channels, size, classes))
+    model = build_model(image_spec("resnet18", channels, size, classes))
     assert isinstance(model.maxpool, torch.nn.Identity)
     assert model.conv1.weight.shape == (64, channels, 3, 3) and model.conv1.stride == (1, 1)
     assert model.conv1.bias is None
@@ -106,13 +108,13 @@ def test_build_model_is_deterministic_and_rejects_bad_specs():
     torch.manual_seed(5)
     b = build_model(SPEC).state_dict()
     assert_states_equal(a, b)
-    assert ARCHS == ("cnn", "resnet18")
+    assert MODELS == ("cnn", "resnet18")
     for bad in (
-        ModelSpec("vgg", 1, (8, 8), 3),
-        ModelSpec("cnn", 1, (3, 8), 3),
-        ModelSpec("cnn", 0, (8, 8), 3),
-        ModelSpec("cnn", 1, (8, 8), 1),
-        ModelSpec("resnet18", 3, (8, 8), 10),
+        image_spec("vgg", 1, (8, 8), 3),
+        image_spec("cnn", 1, (3, 8), 3),
+        image_spec("cnn", 0, (8, 8), 3),
+        image_spec("cnn", 1, (8, 8), 1),
+        image_spec("resnet18", 3, (8, 8), 10),
     ):
         with pytest.raises(ValueError):
             build_model(bad)
@@ -288,7 +290,7 @@ def test_run_site_learns(strategy):
                           on_epoch=infos.append, on_model=lambda j, s: models.append(j))
     model = build_model(SPEC)
     model.load_state_dict(sent)
-    correct, total = evaluate(model, *TEST)
+    correct, total = evaluate(model, *TEST, task=TASK)
     assert total == 90
     assert correct / total > 0.6, f"{strategy}: {correct}/{total}"  # chance is 1/3
     assert models == ([1, 2] if strategy == "fedelmy" else [1])
@@ -371,7 +373,7 @@ def test_pool_loss_matches_reference_formula():
     model = build_model(SPEC)
     model.load_state_dict(start)
     got = train_one_model(model, TRAIN, VAL, cfg, torch.Generator().manual_seed(5), "cpu",
-                          m0_params=m0_params, pool_params=pool_params)
+                          m0_params=m0_params, pool_params=pool_params, task=TASK)
 
     ref = build_model(SPEC)
     ref.load_state_dict(start)
@@ -402,7 +404,8 @@ def test_pool_loss_matches_reference_formula():
     model.load_state_dict(start)
     without_d1 = train_one_model(model, TRAIN, VAL, tiny_cfg(local_epochs=1, batch_size=20, alpha=0.0, beta=1.3,
                                                          selection="last-epoch"),
-                              torch.Generator().manual_seed(5), "cpu", m0_params=m0_params, pool_params=pool_params)
+                              torch.Generator().manual_seed(5), "cpu", m0_params=m0_params, pool_params=pool_params,
+                              task=TASK)
     assert any(not torch.allclose(without_d1[k], expected[k], rtol=1e-4, atol=1e-6)
                for k in expected if expected[k].dtype.is_floating_point)
 
@@ -422,7 +425,7 @@ def test_train_pool_model_j_uses_documented_inputs():
     names = [n for n, _ in model.named_parameters()]
     g = torch.Generator().manual_seed(derive_seed(8, "pool", 2))
     by_hand = train_one_model(model, TRAIN, VAL, cfg, g, "cpu", m0_params=[m0[n] for n in names],
-                              pool_params=[[s[n] for n in names] for s in (m0, b1, start)])
+                              pool_params=[[s[n] for n in names] for s in (m0, b1, start)], task=TASK)
     assert_states_equal(by_hand, pool[2])
 
 
@@ -456,7 +459,7 @@ def test_best_val_selection_keeps_strictly_best_epoch():
         model = build_model(SPEC)
         model.load_state_dict(init)
         g = torch.Generator().manual_seed(99)
-        return train_one_model(model, TRAIN, val, config, g, "cpu", on_epoch=epochs_seen.append)
+        return train_one_model(model, TRAIN, val, config, g, "cpu", on_epoch=epochs_seen.append, task=TASK)
 
     infos = []
     best = train(tiny_cfg(local_epochs=6, **settings), infos)
@@ -482,14 +485,14 @@ def test_warm_up_and_evaluate():
     torch.manual_seed(0)
     model = build_model(SPEC)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    state = warm_up(model, TRAIN, VAL, tiny_cfg(warmup_epochs=0), seed=1, device="cpu")
+    state = warm_up(model, TRAIN, VAL, tiny_cfg(warmup_epochs=0), seed=1, device="cpu", task=TASK)
     assert_states_equal(state, before)
-    state = warm_up(model, TRAIN, VAL, tiny_cfg(warmup_epochs=1), seed=1, device="cpu")
+    state = warm_up(model, TRAIN, VAL, tiny_cfg(warmup_epochs=1), seed=1, device="cpu", task=TASK)
     assert states_differ(state, before)
     model.eval()
-    assert evaluate(model, *TEST, batch_size=7)[1] == 90
+    assert evaluate(model, *TEST, batch_size=7, task=TASK)[1] == 90
     assert not model.training  # mode restored
-    assert evaluate(model, TEST[0][:0], TEST[1][:0]) == (0, 0)
+    assert evaluate(model, TEST[0][:0], TEST[1][:0], task=TASK) == (0, 0)
 
 
 def test_run_site_rejects_bad_inputs():
@@ -497,11 +500,11 @@ def test_run_site_rejects_bad_inputs():
     with pytest.raises(ValueError):
         run_site(None, SPEC, (TRAIN[0].float(), TRAIN[1]), VAL, cfg, 1, "cpu")
     with pytest.raises(ValueError):
-        run_site(None, ModelSpec("cnn", 3, (8, 8), 3), TRAIN, VAL, cfg, 1, "cpu")
+        run_site(None, image_spec("cnn", 3, (8, 8), 3), TRAIN, VAL, cfg, 1, "cpu")
     with pytest.raises(ValueError):
-        run_site(None, ModelSpec("cnn", 1, (8, 8), 2), TRAIN, VAL, cfg, 1, "cpu")  # label 2 out of range
+        run_site(None, image_spec("cnn", 1, (8, 8), 2), TRAIN, VAL, cfg, 1, "cpu")  # label 2 out of range
     torch.manual_seed(0)
-    wrong = build_model(ModelSpec("cnn", 1, (8, 8), 4)).state_dict()
+    wrong = build_model(image_spec("cnn", 1, (8, 8), 4)).state_dict()
     with pytest.raises(ValueError):
         run_site(wrong, SPEC, TRAIN, VAL, cfg, 1, "cpu")
     with pytest.raises(ValueError):
@@ -511,8 +514,9 @@ def test_run_site_rejects_bad_inputs():
 
 def test_expected_signature_matches_a_built_model_without_drawing_random_numbers():
     from fedrelay.peer.models import expected_signature, state_bytes, state_signature
+    from fedrelay.tasks.image_folder import spec as image_spec
 
-    for spec in (ModelSpec("cnn", 1, (28, 28), 10), ModelSpec("resnet18", 3, (16, 16), 5)):
+    for spec in (image_spec("cnn", 1, (28, 28), 10), image_spec("resnet18", 3, (16, 16), 5)):
         rng = torch.random.get_rng_state()
         sig = expected_signature(spec)
         assert torch.equal(rng, torch.random.get_rng_state())
@@ -523,8 +527,9 @@ def test_expected_signature_matches_a_built_model_without_drawing_random_numbers
 
 def test_check_state_refuses_wrong_names_shapes_and_non_finite_values():
     from fedrelay.peer.models import check_state
+    from fedrelay.tasks.image_folder import spec as image_spec
 
-    spec = ModelSpec("cnn", 1, (8, 8), 3)
+    spec = image_spec("cnn", 1, (8, 8), 3)
     state = build_model(spec).state_dict()
     check_state(state, spec)
     with pytest.raises(ValueError, match="names"):

@@ -13,14 +13,15 @@ import torch
 
 from fedrelay import wire
 from fedrelay.coordinator.split import FASHION_MNIST_CLASSES
-from fedrelay.peer.data import load_site
+from fedrelay.tasks.image_folder.data import load_site
 from fedrelay.peer.models import ModelSpec, build_model
+from fedrelay.tasks.image_folder import spec as image_spec
 from fedrelay.peer.node import PeerNode
 from fedrelay.peer.servicer import PeerServicer
 from fedrelay.peer.transfer import add_peer_servicer, send_model
 from fedrelay.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
-SPEC = ModelSpec("cnn", 1, (28, 28), 10)
+SPEC = image_spec("cnn", 1, (28, 28), 10)
 CLASSES = sorted(FASHION_MNIST_CLASSES)
 
 
@@ -35,7 +36,7 @@ def assignment(run_id: str, order=("site-a", "site-b"), site: str = "site-b", ro
         params=common_pb2.TrainingParams(strategy="fedelmy", models_per_site=1, local_epochs=1, warmup_epochs=1,
                                          alpha=1, beta=1, lr=1e-3, batch_size=32, weight_decay=1e-4,
                                          selection="best-val"),
-        model=common_pb2.ModelSpec(arch="cnn", in_channels=1, height=28, width=28, num_classes=10),
+        model=image_spec("cnn", 1, (28, 28), 10).to_pb(),
         class_index=CLASSES)
 
 
@@ -151,7 +152,7 @@ def test_bad_handoff_is_refused_and_nothing_is_written(peer, tmp_path, case):
 def test_payload_that_is_not_the_runs_model_is_refused(peer, tmp_path, what):
     node, stub, _ = peer
     if what == "shapes":
-        _, data = payload(tmp_path, spec=ModelSpec("cnn", 1, (28, 28), 7))
+        _, data = payload(tmp_path, spec=image_spec("cnn", 1, (28, 28), 7))
     else:
         _, data = payload(tmp_path, nan=True)
     with pytest.raises(grpc.RpcError) as err:
@@ -169,10 +170,10 @@ def test_assignment_for_another_site_or_shape_is_refused(peer):
         stub.Assign(a, timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     a = assignment("other")
-    a.model.height = 32
+    a.model.input_json = '{"channels":1,"height":32,"width":28}'
     with pytest.raises(grpc.RpcError) as err:
         stub.Assign(a, timeout=5)
-    assert "images" in err.value.details()
+    assert "expects input" in err.value.details() and '"height":32' in err.value.details()
 
 
 def test_progress_reports_never_block_the_caller(three_sites, tmp_path):

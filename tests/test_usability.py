@@ -74,11 +74,15 @@ def test_choices_come_from_the_registry():
     assert res.exit_code == 2
     assert all(name in res.output for name in registry.STRATEGIES)
     help_text = flat(invoke(coord_cli.app, "start-chain", "-h").output)
-    for values in (registry.ARCHS, params.SELECTIONS, params.choices("ofasd_mode")):
+    for values in (params.SELECTIONS, params.choices("ofasd_mode")):
         assert "|".join(values) in help_text.replace(" ", "").replace("│", "") or all(v in help_text for v in values)
-    for bad in (("--model", "vgg"), ("--selection", "best"), ("--init", "none"), ("--order", "sorted"),
+    # --model is the task's: its models come with the sites' offers, and the coordinator refuses an
+    # unknown one naming the task's models (tests/test_coordinator.py).
+    for bad in (("--selection", "best"), ("--init", "none"), ("--order", "sorted"),
                 ("--weighting", "x"), ("--maecho-alpha", "x"), ("--ofasd-mode", "x")):
         assert invoke(coord_cli.app, "start-chain", "--seed", "0", *bad, "--insecure").exit_code == 2, bad
+    res = invoke(coord_cli.app, "start-chain", "--seed", "0", "--task", "no such task!", "--insecure")
+    assert res.exit_code != 0 and "--task" in res.output and "Traceback" not in res.output
 
 
 @pytest.mark.parametrize("args, message", [
@@ -137,7 +141,8 @@ def test_config_file_sets_options_and_the_command_line_overrides_it(tmp_path, mo
     example = Path(__file__).resolve().parents[1] / "deploy" / "run.example.toml"
     assert invoke(coord_cli.app, "start-chain", "--config", str(example), "--insecure").exit_code == 0
     for text, message in (('sed = 1\n', "unknown key 'sed'"), ('seed = "1"\n', "key 'seed' must be an integer"),
-                          ('seed = 1\nmodel = "vgg"\n', "key 'model' must be one of cnn, resnet18"),
+                          ('seed = 1\nselection = "best"\n', "key 'selection' must be one of best-val, last-epoch"),
+                          ('seed = 1\ntask = 3\n', "key 'task' must be"),
                           ('seed = 1\nwait = "yes"\n', "key 'wait' must be true or false"),
                           ('seed = \n', "not valid TOML")):
         cfg.write_text(text)
@@ -280,7 +285,7 @@ def test_fetch_model_into_a_folder_writes_run_id_safetensors(tmp_path, monkeypat
 def test_skipped_files_and_every_corrupt_image_are_reported(tmp_path):
     from PIL import Image
 
-    from fedrelay.peer.data import DataError, load_site
+    from fedrelay.tasks.image_folder.data import DataError, load_site
 
     root = tmp_path / "site"
     (root / "train" / "a").mkdir(parents=True)
@@ -310,13 +315,14 @@ def test_load_model_from_a_file_with_metadata(tmp_path):
     import torch
 
     from fedrelay import final_model, load_model, wire
-    from fedrelay.peer.models import ModelSpec, build_model
+    from fedrelay.peer.models import build_model
+    from fedrelay.tasks.image_folder import spec as image_spec
 
     torch.manual_seed(0)
-    source = build_model(ModelSpec("cnn", 1, (12, 12), 3)).eval()
+    source = build_model(image_spec("cnn", 1, (12, 12), 3)).eval()
     site_bytes = wire.encode_state(source.state_dict())  # what the sites exchange; its digest is the ledger's
     sha = hashlib.sha256(site_bytes).hexdigest()
-    meta = final_model.describe(arch="cnn", input_shape=(1, 12, 12), class_names=["cat", "dog", "eel"],
+    meta = final_model.describe(spec=image_spec("cnn", 1, (12, 12), 3).to_dict(), class_names=["cat", "dog", "eel"],
                                 run_id="r-1", strategy="fedelmy", final_sha256=sha)
     path = tmp_path / "final.safetensors"
     path.write_bytes(final_model.with_metadata(site_bytes, meta))
@@ -333,7 +339,7 @@ def test_load_model_from_a_file_with_metadata(tmp_path):
     with pytest.raises(ValueError, match="no fedrelay metadata.*fetch-model"):
         load_model(bare)
     other = tmp_path / "other.safetensors"
-    other.write_bytes(final_model.with_metadata(wire.encode_state(build_model(ModelSpec("cnn", 1, (12, 12), 3))
+    other.write_bytes(final_model.with_metadata(wire.encode_state(build_model(image_spec("cnn", 1, (12, 12), 3))
                                                                   .state_dict()), meta))
     with pytest.raises(ValueError, match="not the run's final model"):
         load_model(other)

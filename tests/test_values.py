@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+from conftest import image_offer_pbs, image_offers
 
 from fedrelay import wire
 from fedrelay.coordinator.client import OperatorClient
@@ -234,15 +235,19 @@ def test_peers_and_metrics_past_the_message_cap_are_listed_in_pages(coordinator,
     from fedrelay.coordinator import replies
 
     _, ledger, _, address = coordinator
-    long_classes = [{"name": f"{i:06d}" + "c" * 122, "train": 1, "test": 1} for i in range(30_000)]  # ~3.9 MB
+    def long_classes(n: int) -> list[dict]:  # 128-character class names: ~3.9 MB per 30,000
+        return image_offers({f"{i:06d}" + "c" * 122: (1, 1) for i in range(n)})
+
     for name in ("p-1", "p-2", "p-3"):
-        ledger.upsert_peer(name, "127.0.0.1:9", long_classes, (1, 28, 28), "cpu", "x")
-    ledger.upsert_peer("p-4", "127.0.0.1:9", long_classes * 3, (1, 28, 28), "cpu", "x")  # one record past a page
+        ledger.upsert_peer(name, "127.0.0.1:9", long_classes(30_000), "cpu", "x")
+    ledger.upsert_peer("p-4", "127.0.0.1:9", long_classes(90_000), "cpu", "x")  # one record past the cap
     with OperatorClient(address) as client:
         peers = {p.name: p for p in client.peers()}
     assert {"p-1", "p-2", "p-3", "p-4"} <= set(peers)
-    assert all(len(peers[n].classes) == 30_000 and peers[n].classes_omitted == 0 for n in ("p-1", "p-2", "p-3"))
-    assert peers["p-4"].classes_omitted > 0 and len(peers["p-4"].classes) + peers["p-4"].classes_omitted == 90_000
+    assert all(len(peers[n].tasks[0].classes) == 30_000 and peers[n].classes_omitted == 0
+               for n in ("p-1", "p-2", "p-3"))
+    p4 = peers["p-4"]
+    assert p4.classes_omitted > 0 and len(p4.tasks[0].classes) + p4.classes_omitted == 90_000
     # Metrics: small pages, so that a few rows take several.
     monkeypatch.setattr(replies, "PAGE_BYTES", 200)
     new_run(ledger, "metrics")
@@ -309,9 +314,8 @@ def test_a_garbled_answer_over_a_control_stream_is_a_clean_refusal(answers, star
     ledger = Ledger(":memory:")
     service = CoordinatorService(ledger, probe_timeout=10)
     direct = FakeDirectPeer("a")
-    classes = [{"name": "c", "train": 5, "test": 1}]
-    ledger.upsert_peer("a", direct.address, classes, (1, 28, 28), "cpu", "x")
-    ledger.upsert_peer("b", "", classes, (1, 28, 28), "cpu", "x")  # connects out only
+    ledger.upsert_peer("a", direct.address, image_offers({"c": (5, 1), "d": (5, 1)}), "cpu", "x")
+    ledger.upsert_peer("b", "", image_offers({"c": (5, 1), "d": (5, 1)}), "cpu", "x")  # connects out only
     tunnel = service.tunnels.open("b", "i-b")
     stop = threading.Event()
     answer_tunnel(tunnel, answers, stop)
@@ -340,9 +344,8 @@ def test_a_forgotten_daemon_stays_out_until_a_new_daemon_registers(tmp_path):
     service = CoordinatorService(ledger)
 
     def register(instance: str):
-        return service.Register(cpb.RegisterRequest(name="a", address="127.0.0.1:9", instance=instance, channels=1,
-                                                    height=28, width=28,
-                                                    classes=[cpb.ClassCount(name="c", train=5, test=1)]),
+        return service.Register(cpb.RegisterRequest(name="a", address="127.0.0.1:9", instance=instance,
+                                                    tasks=image_offer_pbs({"c": (5, 1)})),
                                 FakeContext())
 
     register("first")
@@ -370,9 +373,8 @@ def test_a_forgotten_daemon_stays_out_until_a_new_daemon_registers(tmp_path):
 def test_a_senders_failing_streams_are_reported_a_few_times_then_counted(three_sites, tmp_path, caplog):
     """A planned sender whose streams fail after the header: each used to write two log lines
     and two progress reports (two ledger events at the coordinator), without bound."""
-    from test_transfer import assignment, corrupt, header, payload, stream
+    from test_transfer import assignment, corrupt, header, load_site, payload, stream
 
-    from fedrelay.peer.data import load_site
     from fedrelay.peer.node import PeerNode
     from fedrelay.peer.refusals import ANNOUNCED
     from fedrelay.peer.transfer import TransferError
@@ -409,7 +411,7 @@ def test_an_end_notice_quoting_a_long_or_odd_error_is_one_the_sites_take():
     ledger = Ledger(":memory:")
     service = CoordinatorService(ledger)
     for n in ("a", "b"):
-        ledger.upsert_peer(n, "127.0.0.1:9", [{"name": "c", "train": 5, "test": 1}], (1, 28, 28), "cpu", "x")
+        ledger.upsert_peer(n, "127.0.0.1:9", image_offers({"c": (5, 1)}), "cpu", "x")
     new_run(ledger, "r")
     ledger.finish_run("r", "failed", error="b: " + "x" * names.MAX_TEXT + "\x1b[2J\n", message="run failed")
     taken = []

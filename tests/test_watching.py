@@ -15,6 +15,7 @@ import grpc
 import pytest
 import typer
 
+from conftest import image_offers
 from fedrelay.coordinator.client import METRIC_FIELDS, OperatorClient, metric_dict, planned_epochs, summary_dict
 from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.live import SiteNow, apply
@@ -126,14 +127,14 @@ def test_peers_are_live_or_stale_by_the_coordinators_peer_timeout():
     ledger = Ledger(":memory:")
     svc = CoordinatorService(ledger, peer_timeout=30.0)
     for name in ("fresh", "old"):
-        ledger.upsert_peer(name, "127.0.0.1:1", [{"name": "c", "train": 5, "test": 1}], (1, 28, 28), "cpu", "0")
+        ledger.upsert_peer(name, "127.0.0.1:1", image_offers({"c": (5, 1)}), "cpu", "0")
     ledger._exec("UPDATE peers SET last_seen = ? WHERE name = 'old'", (time.time() - 45,))
     from fedrelay.coordinator.client import peer_dict
 
     peers = {p["name"]: p for p in map(peer_dict, svc.ListPeers(cpb.ListPeersRequest(), Context()).peers)}
     assert peers["fresh"]["live"] and peers["fresh"]["age_seconds"] < 30
     assert not peers["old"]["live"] and 44 < peers["old"]["age_seconds"] < 60
-    assert peers["old"]["peer_timeout"] == 30.0 and peers["old"]["train_images"] == 5
+    assert peers["old"]["peer_timeout"] == 30.0 and peers["old"]["tasks"][0]["train_samples"] == 5
 
 
 def test_the_progress_bar_counts_the_epochs_the_run_trains():

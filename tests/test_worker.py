@@ -24,7 +24,7 @@ def test_payload_checks_without_torch(tmp_path):
         import numpy as np
         from safetensors.numpy import save
         from fedrelay import payload
-        import fedrelay.peer.scan, fedrelay.peer.slots, fedrelay.peer.workers  # the daemon's side
+        import fedrelay.tasks.image_folder.scan, fedrelay.peer.slots, fedrelay.peer.workers  # the daemon's side
         schema = {"w": ((2, 3), "F32"), "n": ((), "I64")}
         good = {"w": np.ones((2, 3), np.float32), "n": np.array(5, np.int64)}
         out = {}
@@ -60,14 +60,16 @@ def test_schema_from_torch_matches_the_run_model(tmp_path):
     and refuses the same state with one NaN; it survives a JSON round trip."""
     import torch
 
-    from fedrelay.peer.models import ModelSpec, _build_seeded, expected_signature, state_bytes
+    from fedrelay.peer.models import build_seeded, expected_signature, state_bytes
 
-    spec = ModelSpec(arch="cnn", in_channels=1, image_size=(8, 8), num_classes=3)
+    from fedrelay.tasks.image_folder import spec as image_spec
+
+    spec = image_spec("cnn", 1, (8, 8), 3)
     schema = payload.schema_from_torch(expected_signature(spec))
     payload.dump_schema(schema, tmp_path / "schema.json")
     assert payload.load_schema(tmp_path / "schema.json") == schema
     assert payload.payload_bytes(schema) == state_bytes(spec)
-    state = _build_seeded(spec, 1).state_dict()
+    state = build_seeded(spec, 1).state_dict()
     payload.check_payload(wire.encode_state(state), schema)
     state["classifier.3.bias"] = state["classifier.3.bias"].clone()
     state["classifier.3.bias"][0] = torch.nan
@@ -119,12 +121,12 @@ def test_scan_site_registers_like_load_site_without_torch(three_sites, tmp_path)
     counts and shape that load_site gives; an RGB image among grey ones is refused by name."""
     from PIL import Image
 
-    from fedrelay.peer.data import load_site
+    from fedrelay.tasks.image_folder.data import load_site
 
     site = three_sites[0]
     script = textwrap.dedent(f"""
         import json, sys
-        from fedrelay.peer.scan import scan_site
+        from fedrelay.tasks.image_folder.scan import scan_site
         s = scan_site({str(site)!r})
         print(json.dumps([s.class_names, list(s.image_shape), s.train_counts, s.test_counts,
                           "torch" in sys.modules]))
@@ -135,7 +137,7 @@ def test_scan_site_registers_like_load_site_without_torch(three_sites, tmp_path)
     assert not torch_loaded
     assert (names, tuple(shape), train, test) == (full.class_names, full.image_shape, full.train_counts,
                                                   full.test_counts)
-    from fedrelay.peer.scan import DataError, scan_site
+    from fedrelay.tasks.image_folder.scan import DataError, scan_site
 
     bad = tmp_path / "bad"
     (bad / "train" / "a").mkdir(parents=True)
@@ -150,17 +152,18 @@ def test_worker_process_evaluates_and_a_killed_one_says_why(three_sites, tmp_pat
     with SIGKILL it is reported with its reason; its slot is freed when it is closed."""
     import os
 
-    from fedrelay.peer.data import load_site
-    from fedrelay.peer.models import ModelSpec, _build_seeded
+    from fedrelay.tasks.image_folder.data import load_site
+    from fedrelay.peer.models import build_seeded
+    from fedrelay.tasks.image_folder import spec as image_spec
     from fedrelay.peer.workers import WorkerDied, WorkerError, WorkerProcess
 
     site = load_site(three_sites[0])
     c, h, w = site.image_shape
     classes = site.class_names
     k = max(2, len(classes))
-    spec = {"arch": "cnn", "in_channels": c, "height": h, "width": w, "num_classes": k}
+    spec = image_spec("cnn", c, (h, w), k).to_dict()
     model = tmp_path / "m.safetensors"
-    wire.atomic_write(model, wire.encode_state(_build_seeded(ModelSpec("cnn", c, (h, w), k), 3).state_dict()))
+    wire.atomic_write(model, wire.encode_state(build_seeded(image_spec("cnn", c, (h, w), k), 3).state_dict()))
     slots = HostSlots(1, tmp_path / "slots")
     worker = WorkerProcess(slot=slots.try_acquire())
     try:

@@ -18,18 +18,20 @@ FINAL_MODEL: Purpose
 UPLOAD: Purpose
 
 class ModelSpec(_message.Message):
-    __slots__ = ("arch", "in_channels", "height", "width", "num_classes")
-    ARCH_FIELD_NUMBER: _ClassVar[int]
-    IN_CHANNELS_FIELD_NUMBER: _ClassVar[int]
-    HEIGHT_FIELD_NUMBER: _ClassVar[int]
-    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("model", "num_classes", "task", "task_version", "task_sha256", "input_json")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
-    arch: str
-    in_channels: int
-    height: int
-    width: int
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    TASK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TASK_SHA256_FIELD_NUMBER: _ClassVar[int]
+    INPUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    model: str
     num_classes: int
-    def __init__(self, arch: _Optional[str] = ..., in_channels: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_classes: _Optional[int] = ...) -> None: ...
+    task: str
+    task_version: str
+    task_sha256: str
+    input_json: str
+    def __init__(self, model: _Optional[str] = ..., num_classes: _Optional[int] = ..., task: _Optional[str] = ..., task_version: _Optional[str] = ..., task_sha256: _Optional[str] = ..., input_json: _Optional[str] = ...) -> None: ...
 
 class TrainingParams(_message.Message):
     __slots__ = ("strategy", "models_per_site", "local_epochs", "warmup_epochs", "alpha", "beta", "lr", "batch_size", "weight_decay", "selection", "init", "init_sha256", "weighting", "maecho_tau", "maecho_eta", "maecho_alpha", "ofasd_mode", "ofasd_epochs", "ofasd_lr", "upload_timeout")

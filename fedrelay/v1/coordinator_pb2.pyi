@@ -18,29 +18,45 @@ class ClassCount(_message.Message):
     test: int
     def __init__(self, name: _Optional[str] = ..., train: _Optional[int] = ..., test: _Optional[int] = ...) -> None: ...
 
+class TaskOffer(_message.Message):
+    __slots__ = ("name", "version", "sha256", "models", "classes", "input_json", "stats_json", "error", "positive_class")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    INPUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    STATS_JSON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    POSITIVE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    sha256: str
+    models: _containers.RepeatedScalarFieldContainer[str]
+    classes: _containers.RepeatedCompositeFieldContainer[ClassCount]
+    input_json: str
+    stats_json: str
+    error: str
+    positive_class: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., sha256: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., classes: _Optional[_Iterable[_Union[ClassCount, _Mapping]]] = ..., input_json: _Optional[str] = ..., stats_json: _Optional[str] = ..., error: _Optional[str] = ..., positive_class: _Optional[str] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
-    __slots__ = ("name", "address", "classes", "channels", "height", "width", "device", "version", "instance", "outbound_only")
+    __slots__ = ("name", "address", "tasks", "device", "version", "instance", "outbound_only")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    CLASSES_FIELD_NUMBER: _ClassVar[int]
-    CHANNELS_FIELD_NUMBER: _ClassVar[int]
-    HEIGHT_FIELD_NUMBER: _ClassVar[int]
-    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
-    classes: _containers.RepeatedCompositeFieldContainer[ClassCount]
-    channels: int
-    height: int
-    width: int
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskOffer]
     device: str
     version: str
     instance: str
     outbound_only: bool
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., classes: _Optional[_Iterable[_Union[ClassCount, _Mapping]]] = ..., channels: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., instance: _Optional[str] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskOffer, _Mapping]]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., instance: _Optional[str] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("version", "heartbeat_seconds", "relay")
@@ -213,22 +229,26 @@ class ReportReply(_message.Message):
     def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
 
 class StartChainRequest(_message.Message):
-    __slots__ = ("peers", "order", "seed", "params", "arch", "rounds", "aggregator")
+    __slots__ = ("peers", "order", "seed", "params", "model", "task", "task_sha256", "rounds", "aggregator")
     PEERS_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
-    ARCH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    TASK_SHA256_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_FIELD_NUMBER: _ClassVar[int]
     peers: _containers.RepeatedScalarFieldContainer[str]
     order: str
     seed: int
     params: _common_pb2.TrainingParams
-    arch: str
+    model: str
+    task: str
+    task_sha256: str
     rounds: int
     aggregator: str
-    def __init__(self, peers: _Optional[_Iterable[str]] = ..., order: _Optional[str] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., arch: _Optional[str] = ..., rounds: _Optional[int] = ..., aggregator: _Optional[str] = ...) -> None: ...
+    def __init__(self, peers: _Optional[_Iterable[str]] = ..., order: _Optional[str] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., model: _Optional[str] = ..., task: _Optional[str] = ..., task_sha256: _Optional[str] = ..., rounds: _Optional[int] = ..., aggregator: _Optional[str] = ...) -> None: ...
 
 class StartChainReply(_message.Message):
     __slots__ = ("run_id", "order", "warnings")
@@ -315,15 +335,24 @@ class HopRecord(_message.Message):
     def __init__(self, hop: _Optional[int] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., started: _Optional[float] = ..., ended: _Optional[float] = ..., attempts: _Optional[int] = ..., resumed_from: _Optional[int] = ..., round: _Optional[int] = ..., status: _Optional[str] = ..., receiver_sha256: _Optional[str] = ..., receiver_bytes: _Optional[int] = ..., route: _Optional[str] = ..., sealed_bytes: _Optional[int] = ..., relay_wire_bytes: _Optional[int] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class SiteAccuracy(_message.Message):
-    __slots__ = ("accuracy", "test_samples")
+    __slots__ = ("accuracy", "test_samples", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     ACCURACY_FIELD_NUMBER: _ClassVar[int]
     TEST_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     accuracy: float
     test_samples: int
-    def __init__(self, accuracy: _Optional[float] = ..., test_samples: _Optional[int] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, accuracy: _Optional[float] = ..., test_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class FinalResult(_message.Message):
-    __slots__ = ("sha256", "accuracy", "per_site")
+    __slots__ = ("sha256", "accuracy", "per_site", "metrics")
     class PerSiteEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -331,16 +360,25 @@ class FinalResult(_message.Message):
         key: str
         value: SiteAccuracy
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[SiteAccuracy, _Mapping]] = ...) -> None: ...
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     SHA256_FIELD_NUMBER: _ClassVar[int]
     ACCURACY_FIELD_NUMBER: _ClassVar[int]
     PER_SITE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     sha256: str
     accuracy: float
     per_site: _containers.MessageMap[str, SiteAccuracy]
-    def __init__(self, sha256: _Optional[str] = ..., accuracy: _Optional[float] = ..., per_site: _Optional[_Mapping[str, SiteAccuracy]] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, sha256: _Optional[str] = ..., accuracy: _Optional[float] = ..., per_site: _Optional[_Mapping[str, SiteAccuracy]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RunSummary(_message.Message):
-    __slots__ = ("run_id", "strategy", "order", "model_bytes", "hops", "final", "status", "params", "seed", "arch", "class_index", "warnings", "error", "created", "ended", "final_transfers", "insecure", "skipped", "contributors", "rounds", "plan", "final_site", "planned_hops", "uploads", "planned_uploads", "aggregator", "upload_bytes", "live", "cancelled_by", "cancel_reason")
+    __slots__ = ("run_id", "strategy", "order", "model_bytes", "hops", "final", "status", "params", "seed", "arch", "class_index", "warnings", "error", "created", "ended", "final_transfers", "insecure", "skipped", "contributors", "rounds", "plan", "final_site", "planned_hops", "uploads", "planned_uploads", "aggregator", "upload_bytes", "live", "cancelled_by", "cancel_reason", "task", "task_version", "task_sha256", "model_spec_json")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
@@ -371,6 +409,10 @@ class RunSummary(_message.Message):
     LIVE_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_BY_FIELD_NUMBER: _ClassVar[int]
     CANCEL_REASON_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    TASK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TASK_SHA256_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     strategy: str
     order: _containers.RepeatedScalarFieldContainer[str]
@@ -401,7 +443,11 @@ class RunSummary(_message.Message):
     live: _containers.RepeatedCompositeFieldContainer[SiteLive]
     cancelled_by: str
     cancel_reason: str
-    def __init__(self, run_id: _Optional[str] = ..., strategy: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., model_bytes: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., final: _Optional[_Union[FinalResult, _Mapping]] = ..., status: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., seed: _Optional[int] = ..., arch: _Optional[str] = ..., class_index: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., created: _Optional[float] = ..., ended: _Optional[float] = ..., final_transfers: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., insecure: _Optional[bool] = ..., skipped: _Optional[_Iterable[str]] = ..., contributors: _Optional[_Iterable[str]] = ..., rounds: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[_common_pb2.PlannedTransfer, _Mapping]]] = ..., final_site: _Optional[str] = ..., planned_hops: _Optional[int] = ..., uploads: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., planned_uploads: _Optional[int] = ..., aggregator: _Optional[str] = ..., upload_bytes: _Optional[int] = ..., live: _Optional[_Iterable[_Union[SiteLive, _Mapping]]] = ..., cancelled_by: _Optional[str] = ..., cancel_reason: _Optional[str] = ...) -> None: ...
+    task: str
+    task_version: str
+    task_sha256: str
+    model_spec_json: str
+    def __init__(self, run_id: _Optional[str] = ..., strategy: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., model_bytes: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., final: _Optional[_Union[FinalResult, _Mapping]] = ..., status: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., seed: _Optional[int] = ..., arch: _Optional[str] = ..., class_index: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., created: _Optional[float] = ..., ended: _Optional[float] = ..., final_transfers: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., insecure: _Optional[bool] = ..., skipped: _Optional[_Iterable[str]] = ..., contributors: _Optional[_Iterable[str]] = ..., rounds: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[_common_pb2.PlannedTransfer, _Mapping]]] = ..., final_site: _Optional[str] = ..., planned_hops: _Optional[int] = ..., uploads: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., planned_uploads: _Optional[int] = ..., aggregator: _Optional[str] = ..., upload_bytes: _Optional[int] = ..., live: _Optional[_Iterable[_Union[SiteLive, _Mapping]]] = ..., cancelled_by: _Optional[str] = ..., cancel_reason: _Optional[str] = ..., task: _Optional[str] = ..., task_version: _Optional[str] = ..., task_sha256: _Optional[str] = ..., model_spec_json: _Optional[str] = ...) -> None: ...
 
 class SiteLive(_message.Message):
     __slots__ = ("site", "state", "detail", "activity", "stage", "model", "models", "epoch", "epochs", "updated", "line", "age_seconds")
@@ -506,13 +552,10 @@ class ListPeersRequest(_message.Message):
     def __init__(self, after: _Optional[str] = ...) -> None: ...
 
 class PeerRecord(_message.Message):
-    __slots__ = ("name", "address", "classes", "channels", "height", "width", "device", "last_seen", "live", "age_seconds", "peer_timeout", "outbound_only", "connected", "classes_omitted")
+    __slots__ = ("name", "address", "tasks", "device", "last_seen", "live", "age_seconds", "peer_timeout", "outbound_only", "connected", "classes_omitted")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    CLASSES_FIELD_NUMBER: _ClassVar[int]
-    CHANNELS_FIELD_NUMBER: _ClassVar[int]
-    HEIGHT_FIELD_NUMBER: _ClassVar[int]
-    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
@@ -523,10 +566,7 @@ class PeerRecord(_message.Message):
     CLASSES_OMITTED_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
-    classes: _containers.RepeatedCompositeFieldContainer[ClassCount]
-    channels: int
-    height: int
-    width: int
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskOffer]
     device: str
     last_seen: float
     live: bool
@@ -535,7 +575,7 @@ class PeerRecord(_message.Message):
     outbound_only: bool
     connected: bool
     classes_omitted: int
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., classes: _Optional[_Iterable[_Union[ClassCount, _Mapping]]] = ..., channels: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., device: _Optional[str] = ..., last_seen: _Optional[float] = ..., live: _Optional[bool] = ..., age_seconds: _Optional[float] = ..., peer_timeout: _Optional[float] = ..., outbound_only: _Optional[bool] = ..., connected: _Optional[bool] = ..., classes_omitted: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskOffer, _Mapping]]] = ..., device: _Optional[str] = ..., last_seen: _Optional[float] = ..., live: _Optional[bool] = ..., age_seconds: _Optional[float] = ..., peer_timeout: _Optional[float] = ..., outbound_only: _Optional[bool] = ..., connected: _Optional[bool] = ..., classes_omitted: _Optional[int] = ...) -> None: ...
 
 class ListPeersReply(_message.Message):
     __slots__ = ("peers", "next_after")

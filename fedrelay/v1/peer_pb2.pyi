@@ -204,18 +204,29 @@ class EvaluateRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class EvaluateReply(_message.Message):
-    __slots__ = ("site", "correct", "test_samples", "accuracy", "seconds")
+    __slots__ = ("site", "correct", "test_samples", "accuracy", "seconds", "metrics", "stats_json")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     SITE_FIELD_NUMBER: _ClassVar[int]
     CORRECT_FIELD_NUMBER: _ClassVar[int]
     TEST_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     ACCURACY_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    STATS_JSON_FIELD_NUMBER: _ClassVar[int]
     site: str
     correct: int
     test_samples: int
     accuracy: float
     seconds: float
-    def __init__(self, site: _Optional[str] = ..., correct: _Optional[int] = ..., test_samples: _Optional[int] = ..., accuracy: _Optional[float] = ..., seconds: _Optional[float] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    stats_json: str
+    def __init__(self, site: _Optional[str] = ..., correct: _Optional[int] = ..., test_samples: _Optional[int] = ..., accuracy: _Optional[float] = ..., seconds: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., stats_json: _Optional[str] = ...) -> None: ...
 
 class FetchModelRequest(_message.Message):
     __slots__ = ("run_id", "sha256")

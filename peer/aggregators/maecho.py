@@ -52,6 +52,14 @@ Class-aware mean (head)
     site holds is the uniform mean over all sites (the authors' code would divide by zero).
     Every other tensor not echoed is the uniform mean (float64 sums in upload order).
 
+Which layers (any model): MA-Echo echoes every ``Linear`` and ``Conv2d`` (groups = 1) module
+but the head (the last 2-D weight in state order, which gets the class-aware mean), and averages
+normalisation layers (BatchNorm, LayerNorm, GroupNorm, RMSNorm) and every buffer uniformly. A
+model with any other layer that holds parameters (``Conv1d``, ``Conv3d``, transposed or grouped
+convolutions, ``Embedding``, recurrent layers, attention, a module's own ``nn.Parameter``) is
+refused, naming the layer: its inputs are not projected by the method, and averaging it
+silently would not be MA-Echo. A model without a 2-D weight has no head and is refused too.
+
 Options: ``maecho_tau`` (100), ``maecho_eta`` (0.05; the code's CIFAR/CNN ``lambdastep``),
 ``maecho_alpha`` ("uniform"), ``maecho_c`` (0.5), ``maecho_norm`` (True).
 
@@ -90,6 +98,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+
+from fedrelay import tasks
 
 from ..models import ModelSpec, build_model, check_state
 from ..states import State, build_loaded
@@ -147,19 +157,32 @@ class EchoedLayer:
         return P_PREFIX + self.weight
 
 
+# Layers whose own parameters MA-Echo leaves to the uniform mean (normalisation layers: their
+# weights scale features, there is no input to project).
+_AVERAGED = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.modules.normalization.RMSNorm)
+
+
 @functools.lru_cache(maxsize=32)
 def _layers(spec: ModelSpec) -> tuple[EchoedLayer, ...]:
+    tasks.resolve(spec)  # imported outside the meta device
     with torch.device("meta"):
         model = build_model(spec)
     head, _ = head_names(spec)
     layers = []
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.Conv2d, nn.Linear)) or f"{name}.weight" == head:
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        if isinstance(module, nn.Conv2d) and module.groups == 1 or isinstance(module, nn.Linear):
+            if f"{name}.weight" == head:
+                continue
+        elif own and not isinstance(module, _AVERAGED):
+            kind = type(module).__name__ + (f" with groups={module.groups}" if isinstance(module, nn.Conv2d) else "")
+            raise ValueError(f"maecho cannot aggregate layer {name!r} ({kind}): MA-Echo projects the inputs of "
+                             "Linear and Conv2d (groups=1) layers only, and averages normalisation layers; use "
+                             "fedavg, fedelmy-pfl or ofasd for this model")
+        else:
             continue
         has_bias = module.bias is not None
         if isinstance(module, nn.Conv2d):
-            if module.groups != 1:
-                raise ValueError(f"maecho: grouped convolution {name!r} is not supported")
             kh, kw = module.kernel_size
             dim = module.in_channels * kh * kw
             conv, kernel = True, (kh, kw)
@@ -248,7 +271,8 @@ def site_extras(state, spec: ModelSpec, train, options: dict, device="cpu") -> d
 
     Args:
         state: the site's trained model state.
-        train: the site's own train split ``(uint8 N x C x H x W, int64 N)``, non-empty.
+        train: the site's own train split ``(inputs N x ..., int64 N)``, non-empty; the model
+            sees ``task.batch(rows, train=False)``.
         device: where the pass and the recursions run.
 
     Returns:
@@ -260,8 +284,9 @@ def site_extras(state, spec: ModelSpec, train, options: dict, device="cpu") -> d
     """
     _options(options)
     check_state(state, spec)
-    c, (h, w) = spec.in_channels, spec.image_size
-    empty = (torch.empty((0, c, h, w), dtype=torch.uint8), torch.empty((0,), dtype=torch.int64))
+    task = tasks.resolve(spec)
+    inputs = train[0] if isinstance(train, (tuple, list)) and len(train) == 2 else None
+    empty = (inputs[:0] if inputs is not None else torch.empty(0), torch.empty((0,), dtype=torch.int64))
     (images, labels), _ = check_site_data(spec, train, empty)
     layers = _layers(spec)
     model = build_loaded(spec, state).to(device).eval()
@@ -280,7 +305,7 @@ def site_extras(state, spec: ModelSpec, train, options: dict, device="cpu") -> d
     try:
         with torch.no_grad():
             for start in range(0, int(labels.shape[0]), BATCH_SIZE):
-                x = images[start:start + BATCH_SIZE].to(device).to(torch.float32).div_(255.0)
+                x = task.batch(images[start:start + BATCH_SIZE].to(device), train=False)
                 captured.clear()
                 model(x)
                 for layer in layers:

@@ -32,6 +32,10 @@ Algorithm (:func:`aggregate`)
     an empty ``ctx.val`` the last epoch's coefficients are kept.  The teacher's probabilities
     are computed once, before the first epoch (eval mode: the same for every epoch).
 
+Any model: the blocks are the model's floating-point parameter tensors (``named_parameters``),
+whatever their layers; buffers are averaged.  The inputs are the task's (``Task.batch`` with
+``train=False``: no train-time transforms while distilling).
+
 Returned model: the parameters of θ_g for the kept λ (composed in float64, cast to float32),
 and the uniform mean of the uploads' buffers (running statistics and ``num_batches_tracked``,
 truncated like :func:`fedrelay.peer.states.average_states`).
@@ -64,6 +68,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn import functional as F
+
+from fedrelay import tasks
 
 from ..models import ModelSpec, build_model, check_state
 from ..states import State, build_loaded
@@ -171,11 +177,12 @@ class _Composer:
 
 def _teacher(spec: ModelSpec, states: Sequence[State], images: Tensor, device) -> Tensor:
     """Mean over the uploaded models (eval mode) of their softmax outputs: ``(N, classes)``."""
+    task = tasks.resolve(spec)
     models = [build_loaded(spec, s).to(device).eval() for s in states]
     out = []
     with torch.no_grad():  # not inference_mode: the result is a KL target, saved for backward
         for start in range(0, int(images.shape[0]), _EVAL_BATCH):
-            x = images[start:start + _EVAL_BATCH].to(device).to(torch.float32).div_(255.0)
+            x = task.batch(images[start:start + _EVAL_BATCH].to(device), train=False)
             total = F.softmax(models[0](x), dim=1)
             for model in models[1:]:
                 total += F.softmax(model(x), dim=1)
@@ -183,11 +190,12 @@ def _teacher(spec: ModelSpec, states: Sequence[State], images: Tensor, device) -
     return torch.cat(out)
 
 
-def _accuracy(student: nn.Module, params: dict, buffers: dict, images: Tensor, labels: Tensor, device) -> float:
+def _accuracy(student: nn.Module, params: dict, buffers: dict, images: Tensor, labels: Tensor, device,
+              task) -> float:
     correct = 0
     with torch.no_grad():
         for start in range(0, int(labels.shape[0]), _EVAL_BATCH):
-            x = images[start:start + _EVAL_BATCH].to(device).to(torch.float32).div_(255.0)
+            x = task.batch(images[start:start + _EVAL_BATCH].to(device), train=False)
             y = labels[start:start + _EVAL_BATCH].to(device)
             logits = functional_call(student, {**params, **buffers}, (x,))
             correct += int((logits.argmax(dim=1) == y).sum())
@@ -208,6 +216,7 @@ def aggregate(uploads: Sequence[Upload], ctx: Context) -> State:
     """
     mode, epochs, lr = _options(ctx.options)
     spec = ctx.spec
+    task = tasks.resolve(spec)
     uploads = check_uploads(uploads, spec, {}, "ofasd")
     if ctx.initial is None:
         raise ValueError("ofasd needs the sites' common initial model θ0 (ctx.initial is None: the sites "
@@ -240,7 +249,7 @@ def aggregate(uploads: Sequence[Upload], ctx: Context) -> State:
     best_accuracy = -1.0
     if use_val:
         with torch.no_grad():
-            best_accuracy = _accuracy(student, composer(coef), buffers, val_x, val_y, device)
+            best_accuracy = _accuracy(student, composer(coef), buffers, val_x, val_y, device, task)
     generator = seeded_generator(derive_seed(ctx.seed, "ofasd"))
     n = int(train_y.shape[0])
     train_x_dev = train_x.to(device)
@@ -250,7 +259,7 @@ def aggregate(uploads: Sequence[Upload], ctx: Context) -> State:
         kl_sum = torch.zeros((), dtype=torch.float64, device=device)
         for start in range(0, n, batch_size):
             idx = order[start:start + batch_size]
-            x = train_x_dev[idx].to(torch.float32).div_(255.0)
+            x = task.batch(train_x_dev[idx], train=False)  # distillation inputs: no train-time transforms
             logits = functional_call(student, {**composer(coef), **buffers}, (x,))
             loss = F.kl_div(F.log_softmax(logits, dim=1), teacher[idx], reduction="batchmean")
             optimizer.zero_grad(set_to_none=True)
@@ -260,7 +269,7 @@ def aggregate(uploads: Sequence[Upload], ctx: Context) -> State:
         accuracy = None
         if use_val:
             with torch.no_grad():
-                accuracy = _accuracy(student, composer(coef), buffers, val_x, val_y, device)
+                accuracy = _accuracy(student, composer(coef), buffers, val_x, val_y, device, task)
             if accuracy > best_accuracy:  # strictly better; the weight average is the first best
                 best_accuracy, best = accuracy, coef.detach().clone()
         else:

@@ -29,6 +29,9 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
+from fedrelay import tasks
+from fedrelay.task import Task
+
 from ..models import ModelSpec, build_model, state_signature
 from ..states import State, average_states, build_loaded, check_signature, flatten, param_names
 from ..training import EpochCallback, ModelCallback, TrainConfig, check_site_data, derive_seed, fit, seeded_generator
@@ -85,6 +88,7 @@ def train_pool(
     """
     cfg.validate()
     train, val = check_site_data(spec, train, val)
+    task = tasks.resolve(spec)
     with torch.random.fork_rng(devices=[]):
         reference = build_model(spec)
     expected = state_signature(reference)
@@ -103,7 +107,7 @@ def train_pool(
         pool_params = [[member[name] for name in names] for member in (*pool, start)]
         state = train_one_model(  # lines 9-13
             model, train, val, cfg, seeded_generator(derive_seed(seed, "pool", j)), device,
-            index=j, m0_params=m0_params, pool_params=pool_params, on_epoch=on_epoch,
+            index=j, m0_params=m0_params, pool_params=pool_params, on_epoch=on_epoch, task=task,
         )
         pool.append(state)  # line 14
         if on_model is not None:
@@ -136,16 +140,19 @@ def train_one_model(
     m0_params: Sequence[Tensor] | None = None,
     pool_params: Sequence[Sequence[Tensor]] | None = None,
     on_epoch: EpochCallback | None = None,
+    task: Task,
 ) -> State:
     """Train ``model`` for ``cfg.local_epochs`` epochs and return the selected state.
 
     Paper Algorithm 1 lines 9-13 (Eq. 9); implementation-notes section 1.2/1.4.  A
-    fresh ``torch.optim.Adam(lr=cfg.lr, weight_decay=cfg.weight_decay)``; batches
-    are slices of ``torch.randperm(N, generator=generator)`` of ``cfg.batch_size``
-    (last partial batch included; the loop is :func:`fedrelay.peer.training.fit`).  Per
-    batch the loss is
+    fresh optimiser (the task's: ``torch.optim.Adam(lr=cfg.lr, weight_decay=cfg.weight_decay)``
+    by default); batches are slices of ``torch.randperm(N, generator=generator)`` of
+    ``cfg.batch_size`` (last partial batch included; the loop is
+    :func:`fedrelay.peer.training.fit`).  Per batch the loss is
 
         ``CE - alpha * d1 / a + beta * d2 / a``, ``a = magnitude_scale(CE, d2)``
+
+    where ``CE`` is the task's loss of the batch (the paper's cross-entropy by default).
 
     when ``m0_params`` is given (parameter tensors aligned with
     ``model.parameters()``); ``pool_params`` (pool members + the frozen start point,
@@ -162,10 +169,11 @@ def train_one_model(
 
     Args:
         model: moved to ``device`` in place.
-        train: ``(uint8 N x C x H x W, int64 N)``, non-empty.
+        train: ``(inputs N x ..., int64 N)``, non-empty.
         val: same layout, may be empty.
         generator: CPU ``torch.Generator`` for the batch order (consumed).
         device: ``"cpu"``, ``"cuda"``, a ``torch.device``...
+        task: the run's task (batches, loss, optimiser).
         index: the ``"model"`` reported to ``on_epoch`` (:func:`train_pool` passes the
             real 1-based model index).
         on_epoch: called after each epoch with ``{"stage": "pool", "model": index,
@@ -188,7 +196,7 @@ def train_one_model(
     return fit(
         model, train, val, cfg, generator, device,
         epochs=cfg.local_epochs, stage="pool", index=index,
-        regulariser=regulariser if regulariser.active else None, on_epoch=on_epoch,
+        regulariser=regulariser if regulariser.active else None, on_epoch=on_epoch, task=task,
     )
 
 

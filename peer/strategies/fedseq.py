@@ -1,9 +1,8 @@
-"""FedSeq: the sequential-FL baseline; one model per site, plain cross-entropy.
+"""FedSeq: the sequential-FL baseline; one model per site, the task's plain loss (cross-entropy).
 
 Each site trains one model from the received ``m0`` with plain CE for ``S*E`` epochs, the
 same local compute as FedELMY (Wang et al., ACM MM 2024, section 4.3.2), and sends it on.
-Neither FedSeq nor its hyperparameters are in the reference repository
-(../shared/papers/implementation-notes.md section 1.7).
+Neither FedSeq nor its hyperparameters are in the reference repository (the authors' code).
 
 Read top to bottom like one visit: :func:`train` (the registry's entry point, with resume)
 receives ``m0``, trains with :func:`train_fedseq` and sends the trained model.
@@ -14,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from torch import Tensor
+
+from fedrelay import tasks
 
 from ..models import ModelSpec, expected_signature
 from ..states import State, build_loaded, check_signature
@@ -97,4 +98,5 @@ def train_fedseq(
     return fit(
         model, train, val, cfg, seeded_generator(derive_seed(seed, "fedseq")), device,
         epochs=cfg.models_per_site * cfg.local_epochs, stage="fedseq", index=0, on_epoch=on_epoch,
+        task=tasks.resolve(spec),
     )
