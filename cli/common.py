@@ -9,8 +9,9 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-console = Console()
-err_console = Console(stderr=True)
+# No emoji codes: ":x:" in a site's text stays text (markup is escaped with fedrelay.text.safe).
+console = Console(emoji=False)
+err_console = Console(stderr=True, emoji=False)
 
 INSECURE_HELP = ("Plaintext gRPC, no identities: only for local experiments on a network you trust "
                  "(prints a warning; runs started by an insecure coordinator are marked insecure).")
@@ -68,13 +69,21 @@ def stop_on_sigterm() -> None:
 
 
 def setup_logging(verbose: bool, prefix: str = "") -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-        format=f"%(asctime)s {prefix}%(levelname)s %(message)s", datefmt="%H:%M:%S")
+    """Log to stderr, one line per record (``fedrelay.text.OneLineFormatter``: text from other
+    parties cannot start a line of its own or send control sequences)."""
+    from fedrelay.text import OneLineFormatter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(OneLineFormatter(f"%(asctime)s {prefix}%(levelname)s %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
 
 
 def fail(message: str, code: int = 1) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    """Print ``error: MESSAGE`` on stderr and exit with ``code``. ``message`` is plain text (it
+    often quotes a coordinator's or a site's words): shown as it is, never read as markup."""
+    from fedrelay.text import safe
+
+    err_console.print(f"[bold red]error:[/] {safe(message)}", highlight=False)
     raise typer.Exit(code)
 
 

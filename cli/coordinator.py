@@ -14,6 +14,7 @@ from rich import box
 from rich.table import Table
 
 from fedrelay import params as run_params
+from fedrelay.text import safe, safe_tree
 from fedrelay.cli.common import (CONTEXT_SETTINGS, ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECURE_HELP, TLS_HELP,
                                  console, err_console, fail, load_config_callback, setup_logging, stop_on_sigterm,
                                  transport_from, version_option)
@@ -219,11 +220,11 @@ def start_chain(
         _rpc_fail(exc, coordinator)
     if not wait:
         for w in reply.warnings:
-            err_console.print(f"[yellow]warning:[/] {w}", highlight=False)
+            err_console.print(f"[yellow]warning:[/] {safe(w)}", highlight=False)
         if as_json:
             print(json.dumps({"run_id": reply.run_id}))
         else:
-            console.print(f"run [bold]{reply.run_id}[/] started: {' -> '.join(reply.order)}")
+            console.print(f"run [bold]{safe(reply.run_id)}[/] started: {safe(' -> '.join(reply.order))}")
         return
     watch_view(client, reply.run_id, coordinator, as_json)
 
@@ -250,7 +251,7 @@ def watch_view(client, run_id: str, address: str, as_json: bool) -> None:
     except grpc.RpcError as exc:
         _rpc_fail(exc, address)
     except KeyboardInterrupt:
-        out.print(f"stopped watching; the run goes on: coordinator watch {run_id}", highlight=False)
+        out.print(f"stopped watching; the run goes on: coordinator watch {safe(run_id)}", highlight=False)
         raise typer.Exit(130)
     if as_json:
         print(json.dumps(summary, indent=1))
@@ -262,6 +263,7 @@ def watch_view(client, run_id: str, address: str, as_json: bool) -> None:
 
 def _header(s: dict, out) -> None:
     """The first lines of the live view: the run's strategy, rounds, order and warnings."""
+    s = safe_tree(s)  # what sites reported is text, never markup
     cycles = f", {s['rounds']} rounds" if s.get("rounds", 1) > 1 else ""
     shape = "sites in parallel" if STRATEGIES[s["strategy"]].plan == "star" else "chain order"
     out.print(f"run [bold]{s['run_id']}[/]: {s['strategy']}{cycles}, {shape} {' -> '.join(s['order'])}",
@@ -283,11 +285,11 @@ def _follow(client, run_id: str, total_epochs: int, out) -> None:
         for ev in client.follow(run_id, reconnect_for=WATCH_RECONNECT, on_reconnect=lost):
             if ev.kind == "epoch":
                 progress.advance(task)
-                progress.update(task, description=f"{ev.site}")
+                progress.update(task, description=safe(ev.site))
             elif ev.kind in ("hop", "upload", "final", "failed", "finished", "cancelled", "warning", "skip"):
-                progress.console.print(f"{ev.message}", highlight=False)
+                progress.console.print(safe(ev.message), highlight=False)
             elif ev.kind == "state" and (ev.message.endswith(": training") or "restarted" in ev.message):
-                progress.console.print(ev.message, highlight=False)
+                progress.console.print(safe(ev.message), highlight=False)
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -347,6 +349,9 @@ def _render_star(s: dict) -> None:
 
 
 def render_summary(s: dict) -> None:
+    """Print a run summary (``summary_dict``) for people; every string in it is shown as text
+    (``fedrelay.text.safe``: no markup, control or bidi character from a site gets through)."""
+    s = safe_tree(s)
     rounds = s.get("rounds", 1)
     cycles = f", {rounds} rounds" if rounds > 1 else ""
     task = f"task {s['task']} {s['task_version'] or ''}".rstrip() + ", " if s.get("task") else ""
@@ -463,9 +468,9 @@ def stop(
     if as_json:
         print(json.dumps(s, indent=1))
         return
-    console.print(f"run [bold]{run_id}[/] cancelled; its sites stop at their next epoch or transfer boundary",
+    console.print(f"run [bold]{safe(run_id)}[/] cancelled; its sites stop at their next epoch or transfer boundary",
                   highlight=False)
-    _render_cancelled(s)
+    _render_cancelled(safe_tree(s))
 
 
 @app.command("forget-peer")
@@ -476,15 +481,16 @@ def forget_peer(
     insecure: bool = INSECURE,
 ) -> None:
     """Remove a registered peer from the ledger (refused while it is a site of a running run).
-    A daemon still running under that name registers again at its next heartbeat: stop it first
-    to remove the site for good."""
+    The daemon registered under that name is refused from then on; a daemon started there
+    afterwards registers anew (stop the site's daemon to remove the site for good)."""
     with _client(coordinator, tls, insecure) as client:
         try:
             reply = client.forget_peer(name)
         except grpc.RpcError as exc:
             _rpc_fail(exc, coordinator)
-    console.print(f"forgot peer {reply.name} (registered at {reply.address}); if its daemon is still running it "
-                  "registers again at its next heartbeat", highlight=False)
+    console.print(f"forgot peer {safe(reply.name)} (registered at {safe(reply.address or 'no address')}); its "
+                  "daemon's heartbeats are refused from now on; a daemon started there afterwards registers anew",
+                  highlight=False)
 
 
 @app.command()
@@ -519,6 +525,7 @@ def runs(coordinator: str = COORD,
     if as_json:
         print(json.dumps(all_runs, indent=1))
         return
+    all_runs = safe_tree(all_runs)
     t = Table(title="runs")
     for col in ("run", "strategy", "sites", "status", "transfers", "accuracy", "created", "ended"):
         t.add_column(col, no_wrap=col != "run", overflow="fold")
@@ -543,7 +550,7 @@ def _print_wide(table: Table) -> None:
     else:
         from rich.console import Console
 
-        Console(width=max(console.width, 400), file=console.file, force_terminal=False).print(table)
+        Console(width=max(console.width, 400), file=console.file, force_terminal=False, emoji=False).print(table)
 
 
 @app.command()
@@ -570,20 +577,22 @@ def peers(coordinator: str = COORD,
         t.add_column(col, no_wrap=col not in ("site", "address"), overflow="fold")
     for p in records:
         status = "[green]live[/]" if p.live else f"[red]stale[/] (> {p.peer_timeout:.0f} s)"
-        address = p.address or ("connects out only, " + ("[green]stream open[/]" if p.connected else "[red]no stream[/]"))
-        t.add_row(p.name, address, "\n".join(_offer_line(o) for o in p.tasks) or "-", p.device,
+        address = safe(p.address) or ("connects out only, " + ("[green]stream open[/]" if p.connected
+                                                              else "[red]no stream[/]"))
+        offers = "\n".join(_offer_line(o) for o in p.tasks) or "-"
+        if p.classes_omitted:
+            offers += f"\n(+{p.classes_omitted} classes not listed: the reply's size cap)"
+        t.add_row(safe(p.name), address, offers, safe(p.device),
                   f"{p.age_seconds:.0f} s ago", status)
     _print_wide(t)
 
 
 def _offer_line(o) -> str:
-    """One task a site offers, for the peers table."""
-    from rich.markup import escape
-
+    """One task a site offers, for the peers table (the site's words shown as text)."""
     if o.error:
-        return f"{escape(o.name)}: [red]cannot read the data[/] ({escape(o.error[:120])})"
-    return (f"{escape(o.name)} {escape(o.version)}: {len(o.classes)} classes, {sum(c.train for c in o.classes)}/"
-            f"{sum(c.test for c in o.classes)}, {o.sha256[:12]}…")
+        return f"{safe(o.name)}: [red]cannot read the data[/] ({safe(o.error, max_chars=120)})"
+    return (f"{safe(o.name)} {safe(o.version)}: {len(o.classes)} classes, {sum(c.train for c in o.classes)}/"
+            f"{sum(c.test for c in o.classes)}, {safe(o.sha256[:12])}…")
 
 
 @app.command()
@@ -635,9 +644,9 @@ def metrics(run_id: str = typer.Argument(..., help="The run's id (from start-cha
         writer.writeheader()
         writer.writerows(rows)
     else:
-        _print_wide(_metrics_table(run_id, rows))
+        _print_wide(_metrics_table(safe(run_id), safe_tree(rows)))
         if final:
-            _print_wide(_final_metrics_table(final))
+            _print_wide(_final_metrics_table(safe_tree(final)))  # metric names are the task's words
 
 
 STAGES = {"warmup": "warm-up", "pool": "pool", "fedseq": "fedseq", "aggregate": "aggregation"}
@@ -673,7 +682,7 @@ def fetch_model(run_id: str = typer.Argument(..., help="The run's id (`coordinat
             fail(str(exc))
         except OSError as exc:
             fail(f"cannot write {out}: {exc.strerror or exc}")
-    console.print(f"wrote {out}: the final model ({size:,} bytes, sha256 {sha} in the ledger) with fedrelay's "
+    console.print(f"wrote {safe(out)}: the final model ({size:,} bytes, sha256 {safe(sha)} in the ledger) with fedrelay's "
                   "metadata; load it with fedrelay.load_model", highlight=False)
 
 
@@ -689,7 +698,7 @@ def health(coordinator: str = COORD,
     from fedrelay.health import probe
 
     ok, line = probe(transport, coordinator, expect=wire.COORDINATOR_IDENTITY, timeout=timeout)
-    console.print(f"coordinator {coordinator}: {line}", highlight=False, soft_wrap=True)
+    console.print(f"coordinator {safe(coordinator)}: {safe(line)}", highlight=False, soft_wrap=True)
     raise typer.Exit(0 if ok else 1)
 
 

@@ -126,6 +126,7 @@ def status(
 
     from fedrelay import wire
     from fedrelay.cli.common import console
+    from fedrelay.text import safe
     from fedrelay.v1 import peer_pb2, peer_pb2_grpc
 
     try:
@@ -134,13 +135,16 @@ def status(
     except grpc.RpcError as exc:
         fail(wire.transport_mismatch(exc, peer, transport.secure, what="peer")
              or f"peer at {peer}: {wire.status_message(exc)}")
-    console.print(f"peer [bold]{st.name}[/] at {st.address}, device {st.device}, fedrelay {st.version}", highlight=False)
+    # Every string here may quote another party (a run's end reason, a failure's details): text,
+    # never markup or control (fedrelay.text.safe).
+    console.print(f"peer [bold]{safe(st.name)}[/] at {safe(st.address)}, device {safe(st.device)}, "
+                  f"fedrelay {safe(st.version)}", highlight=False)
     _print_link(st)
     t = Table(title="runs")
     for col in ("run", "state", "detail"):
         t.add_column(col)
     for r in st.runs:
-        t.add_row(r.run_id, r.state, r.detail)
+        t.add_row(safe(r.run_id), safe(r.state), safe(r.detail))
     console.print(t)
 
 
@@ -148,18 +152,17 @@ def _print_link(st) -> None:
     """One line on the daemon's link to the coordinator (PeerStatus fields 20-23)."""
     import time
 
-    from rich.markup import escape
-
     from fedrelay.cli.common import console
+    from fedrelay.text import safe
 
     if not st.coordinator:
         return
     now = time.time()
     seen = (f"last registered {now - st.last_registered:.0f} s ago" if st.last_registered
             else "[yellow]not registered yet[/]")
-    error = f"; [red]latest attempt failed: {escape(st.registration_error)}[/]" if st.registration_error else ""
+    error = f"; [red]latest attempt failed: {safe(st.registration_error)}[/]" if st.registration_error else ""
     up = f", up {now - st.started:.0f} s" if st.started else ""
-    console.print(f"coordinator {escape(st.coordinator)}: {seen}{error}{up}", highlight=False)
+    console.print(f"coordinator {safe(st.coordinator)}: {seen}{error}{up}", highlight=False)
 
 
 def _own_site(transport) -> str | None:
@@ -184,9 +187,10 @@ def health(
     transport = transport_from(tls, insecure)
     from fedrelay.cli.common import console
     from fedrelay.health import probe
+    from fedrelay.text import safe
 
     ok, line = probe(transport, peer, expect=_own_site(transport), timeout=timeout)
-    console.print(f"peer {peer}: {line}", highlight=False, soft_wrap=True)
+    console.print(f"peer {safe(peer)}: {safe(line)}", highlight=False, soft_wrap=True)
     raise typer.Exit(0 if ok else 1)
 
 
@@ -202,6 +206,7 @@ def prune(
     from a peer's state dir; never a running run's. Works while the daemon runs or not."""
     from fedrelay.cli.common import console
     from fedrelay.peer.retention import prune as do_prune
+    from fedrelay.text import safe
 
     try:
         found = do_prune(state_dir, older_than, dry_run=dry_run)
@@ -210,7 +215,7 @@ def prune(
     gone = [r for r in found if r.pruned]
     verb = "would remove" if dry_run else "removed"
     for r in gone:
-        console.print(f"{verb} run {r.run_id} ({r.status}, {r.bytes:,} bytes)", highlight=False)
+        console.print(f"{verb} run {safe(r.run_id)} ({safe(r.status)}, {r.bytes:,} bytes)", highlight=False)
     kept = len(found) - len(gone)
     console.print(f"{verb} {len(gone)} run(s), {sum(r.bytes for r in gone):,} bytes; kept {kept} "
                   f"(running, or ended within {older_than:g} days)", highlight=False)

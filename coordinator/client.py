@@ -138,10 +138,13 @@ def peer_dict(p: cpb.PeerRecord) -> dict:
     registration or heartbeat),
     age_seconds (since then, by the coordinator's clock), live (heard from within the
     coordinator's --peer-timeout), peer_timeout (that timeout, seconds), outbound_only (it
-    registered no address: it connects out only) and connected (its control stream is open)."""
+    registered no address: it connects out only), connected (its control stream is open) and
+    classes_omitted (classes the coordinator left out of the tasks' ``classes`` to keep its reply
+    under the message cap; 0 normally)."""
     return {"name": p.name, "address": p.address, "device": p.device, "tasks": [_offer_dict(t) for t in p.tasks],
             "last_seen": p.last_seen, "age_seconds": round(p.age_seconds, 3), "live": p.live,
-            "peer_timeout": p.peer_timeout, "outbound_only": p.outbound_only, "connected": p.connected}
+            "peer_timeout": p.peer_timeout, "outbound_only": p.outbound_only, "connected": p.connected,
+            "classes_omitted": p.classes_omitted}
 
 
 def _offer_dict(t: cpb.TaskOffer) -> dict:
@@ -275,20 +278,40 @@ class OperatorClient:
         return summary_dict(self.stub.GetRun(cpb.GetRunRequest(run_id=run_id), timeout=wire.CONTROL_TIMEOUT))
 
     def runs(self) -> list[dict]:
-        """Every run in the ledger, as :func:`summary_dict` dicts."""
-        return [summary_dict(s) for s in self.stub.ListRuns(cpb.ListRunsRequest(), timeout=wire.CONTROL_TIMEOUT).runs]
+        """Every run in the ledger, as :func:`summary_dict` dicts, in the order they were
+        created (asked for page by page: ``ListRunsReply.next_after``)."""
+        out, after = [], ""
+        while True:
+            reply = self.stub.ListRuns(cpb.ListRunsRequest(after=after), timeout=wire.CONTROL_TIMEOUT)
+            out.extend(summary_dict(s) for s in reply.runs)
+            if not reply.next_after or reply.next_after == after:
+                return out
+            after = reply.next_after
 
     def peers(self) -> list[cpb.PeerRecord]:
         """The registered peers (``PeerRecord``; ``peer_dict`` for a plain dict), by name, each
-        with ``live`` and ``age_seconds`` as the coordinator judges them (its --peer-timeout)."""
-        return list(self.stub.ListPeers(cpb.ListPeersRequest(), timeout=wire.CONTROL_TIMEOUT).peers)
+        with ``live`` and ``age_seconds`` as the coordinator judges them (its --peer-timeout);
+        asked for page by page (``ListPeersReply.next_after``)."""
+        out, after = [], ""
+        while True:
+            reply = self.stub.ListPeers(cpb.ListPeersRequest(after=after), timeout=wire.CONTROL_TIMEOUT)
+            out.extend(reply.peers)
+            if not reply.next_after or reply.next_after == after:
+                return out
+            after = reply.next_after
 
     def metrics(self, run_id: str) -> list[dict]:
         """The run's per-epoch training metrics (``metric_dict`` rows: site, stage, model, epoch,
-        epochs, train_loss, val_accuracy, seconds, time), in the order they were recorded.
-        Raises ``grpc.RpcError`` (NOT_FOUND: unknown run)."""
-        reply = self.stub.GetMetrics(cpb.GetRunRequest(run_id=run_id), timeout=wire.CONTROL_TIMEOUT)
-        return [metric_dict(m) for m in reply.rows]
+        epochs, train_loss, val_accuracy, seconds, time), in the order they were recorded
+        (asked for page by page: ``MetricsReply.next_offset``). Raises ``grpc.RpcError``
+        (NOT_FOUND: unknown run)."""
+        out, offset = [], 0
+        while True:
+            reply = self.stub.GetMetrics(cpb.GetRunRequest(run_id=run_id, offset=offset), timeout=wire.CONTROL_TIMEOUT)
+            out.extend(metric_dict(m) for m in reply.rows)
+            if reply.next_offset <= offset:
+                return out
+            offset = reply.next_offset
 
     def stop(self, run_id: str, reason: str = "") -> dict:
         """Cancel the running run ``run_id``: it ends with status ``cancelled``, recording who
@@ -302,8 +325,8 @@ class OperatorClient:
 
     def forget_peer(self, name: str) -> cpb.ForgetPeerReply:
         """Remove the registered peer ``name`` from the ledger; the reply holds its name and the
-        address it was registered with. A daemon still running under that name registers again
-        at its next heartbeat. Raises ``grpc.RpcError``: NOT_FOUND (no such peer),
+        address it was registered with. The daemon registered under that name is refused from
+        then on; a daemon started there afterwards registers anew. Raises ``grpc.RpcError``: NOT_FOUND (no such peer),
         FAILED_PRECONDITION (it is a site of a running run)."""
         return self.stub.ForgetPeer(cpb.ForgetPeerRequest(name=name), timeout=wire.CONTROL_TIMEOUT)
 

@@ -8,8 +8,9 @@ sender, SHA-256, schema digest, start and end times in unix seconds), ``receipts
 receivers attested of the same transfers: sender, bytes kept, SHA-256, schema digest; a transfer
 is *done* only when both ends agree, :func:`transfer_status`), ``evaluations`` (per-site
 accuracy of a run's final model),
-``metrics`` (per-epoch training progress) and ``events`` (the ordered log that ``WatchRun``
-streams). Writes are serialised by one lock; the file uses WAL so readers never block.
+``metrics`` (per-epoch training progress), ``events`` (the ordered log that ``WatchRun``
+streams) and ``forgotten`` (registrations the operator removed, and the daemon instance each
+had: ``coordinator/forgotten.py``). Writes are serialised by one lock; the file uses WAL so readers never block.
 """
 
 from __future__ import annotations
@@ -124,6 +125,11 @@ CREATE TABLE IF NOT EXISTS end_notices (  -- "the run is over", owed to every si
     PRIMARY KEY (run_id, site)
 );
 CREATE INDEX IF NOT EXISTS end_notices_owed ON end_notices (run_id) WHERE delivered IS NULL;
+CREATE TABLE IF NOT EXISTS forgotten (  -- registrations the operator removed (coordinator forget-peer)
+    name TEXT PRIMARY KEY,
+    instance TEXT NOT NULL,         -- the daemon instance that was registered ("" if none)
+    time REAL NOT NULL              -- unix seconds it was forgotten
+);
 """
 
 TERMINAL = ("finished", "failed", "cancelled")
@@ -202,6 +208,7 @@ class Ledger:
             self._peer_memo: dict[str, dict] = {}  # name -> its row as ``peer`` read it (dropped on a write)
             self._flushed = time.monotonic()
             self._plans: dict[str, list[dict]] = {}  # run id -> every version of its plan (immutable)
+            self._forgotten_memo: dict[str, dict] | None = None  # the forgotten table (None: not read yet)
             self._in_batch = False
             self._deferred: list[dict] = []  # events of the open batch, published at its commit
             with self._lock:
@@ -366,13 +373,37 @@ class Ledger:
             self._peer_memo.pop(name, None)
 
     def forget_peer(self, name: str) -> bool:
-        """Remove ``name``'s registration. False when no such peer is registered."""
+        """Remove ``name``'s registration, and remember that it was removed and the daemon
+        instance it had (``forgotten``). False when no such peer is registered."""
         with self._lock:
+            peer = self.peer(name)
             self._peer_rows.pop(name, None)
             self._instances.pop(name, None)
             self._seen.pop(name, None)
             self._peer_memo.pop(name, None)
-            return self._exec("DELETE FROM peers WHERE name = ?", (name,)).rowcount == 1
+            if peer is None:
+                return False
+            with self.batch():
+                gone = self._exec("DELETE FROM peers WHERE name = ?", (name,)).rowcount == 1
+                self._exec("INSERT OR REPLACE INTO forgotten (name, instance, time) VALUES (?, ?, ?)",
+                           (name, peer["instance"] or "", time.time()))
+            self._forgotten_memo = None
+            return gone
+
+    def forgotten(self, name: str) -> dict[str, Any] | None:
+        """``name``'s removal by the operator (name, instance, time: unix seconds), or None when
+        it was not removed (or registered anew since). Read from memory after the first call."""
+        with self._lock:
+            if self._forgotten_memo is None:
+                self._forgotten_memo = {r["name"]: r for r in self._all("SELECT * FROM forgotten")}
+            row = self._forgotten_memo.get(name)
+            return dict(row) if row is not None else None
+
+    def unforget(self, name: str) -> None:
+        """Drop ``name``'s removal record (a new daemon registers it anew)."""
+        with self._lock:
+            self._exec("DELETE FROM forgotten WHERE name = ?", (name,))
+            self._forgotten_memo = None
 
     def peers(self) -> list[dict[str, Any]]:
         with self._lock:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, names, params as run_params, registry, wire
+from fedrelay import __version__, checks, names, params as run_params, registry, text, wire
 from fedrelay.coordinator.ledger import TERMINAL, Ledger, LedgerConflict
 from fedrelay.coordinator import evaluation
 from fedrelay.coordinator.events import EventHub
@@ -38,6 +38,7 @@ from fedrelay.coordinator.plan import (FINAL, HOP, UPLOAD, Plan, PlanError, Tran
                                        replan, star_plan)
 from fedrelay.coordinator.planner import PeerInfo, plan_chain
 from fedrelay.coordinator.relay import RelayService
+from fedrelay.coordinator import forgotten, replies
 from fedrelay.coordinator.tunnel import Tunnels
 from fedrelay.final_model import MODEL_SPEC_METADATA
 from fedrelay.tasks.offers import Offer
@@ -162,6 +163,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 wire.split_hostport(request.address)
             except ValueError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        refused = forgotten.refusal(self.ledger, request)  # forget-peer holds against that daemon
+        if refused:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
         before = self._check_claim(request, context)
         pem = (context.auth_context() or {}).get("x509_pem_cert") or []
         if pem:
@@ -424,7 +428,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 f"{got['sha256'][:12]} from {got['sender']}", site=receiver)
 
     def ReportHop(self, request: cpb.HopReport, context) -> cpb.ReportReply:
-        names.check_hop_report(request)
+        checks.check_hop_report(request)
         self._as_site(context, request.sender)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.sender, context)
@@ -483,7 +487,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def ReportReceipt(self, request: cpb.ReceiptReport, context) -> cpb.ReportReply:
         """The receiver's side of a transfer: what it verified and kept (see ``_settle``)."""
-        names.check_receipt(request)
+        checks.check_receipt(request)
         self._as_site(context, request.receiver)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.receiver, context)
@@ -511,7 +515,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return cpb.ReportReply(duplicate=not new)
 
     def ReportProgress(self, request: cpb.ProgressReport, context) -> cpb.ReportReply:
-        names.check_progress(request)
+        checks.check_progress(request)
         self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.site, context)
@@ -581,7 +585,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         )
 
     def ReportFinal(self, request: cpb.FinalReport, context) -> cpb.ReportReply:
-        names.check_final(request)
+        checks.check_final(request)
         self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
         if run["status"] == "cancelled":
@@ -628,7 +632,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                   site=plan.aggregator, missing=sorted(missing))
 
     def ReportFailure(self, request: cpb.FailureReport, context) -> cpb.ReportReply:
-        names.check_failure(request)
+        checks.check_failure(request)
         self._as_site(context, request.site)
         run = self._running_run(request.run_id, context)
         self._site_in_run(run, request.site, context)
@@ -794,6 +798,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 continue
             skipped = n["site"] in self._skipped(n["run_id"])
             reason = "this site was routed around" if skipped else (n["error"] or n["cancel_reason"] or "")
+            # The error may quote sites' words (any length, any character): what EndRun takes.
+            reason = text.clean(reason)[:names.MAX_TEXT]
             try:  # a live site has registered: _peer dials its registered address
                 reply = self._peer({"name": n["site"], "address": ""}).EndRun(
                     peer_pb2.EndRunRequest(run_id=n["run_id"], status=n["status"], reason=reason,
@@ -891,6 +897,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 self._wait_relayed_copy(run_id, site["name"])
                 reply = self._call_peer(site, "Evaluate", peer_pb2.EvaluateRequest(run_id=run_id, sha256=sha),
                                         timeout=wire.EVALUATE_TIMEOUT)
+                checks.check_evaluation(reply, site["name"])  # counts, accuracy, seconds (InvalidName)
                 stats = evaluation.site_stats(reply, len(run["class_index"]))
                 results[site["name"]] = (reply, stats)
                 self.ledger.record_evaluation(run_id, site["name"], sha, reply.correct, reply.test_samples,
@@ -1068,22 +1075,40 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         summary = self.summary(request.run_id)
         if summary is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {request.run_id!r}")
-        return summary
+        return replies.bounded_summary(summary)
 
-    def ListRuns(self, request, context) -> cpb.ListRunsReply:
+    def ListRuns(self, request: cpb.ListRunsRequest, context) -> cpb.ListRunsReply:
+        """The runs in the order they were created, in pages under the message cap
+        (``coordinator/replies.py``): from the run after ``request.after``."""
         self._as_operator(context)
-        return cpb.ListRunsReply(runs=[self.summary(r) for r in self.ledger.run_ids()])
+        ids = self.ledger.run_ids()
+        if request.after:
+            names.check_run_id(request.after, "after")
+            if request.after not in ids:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"after: unknown run {request.after!r}")
+            ids = ids[ids.index(request.after) + 1:]
+        runs, more = replies.page((replies.bounded_summary(s) for s in map(self.summary, ids) if s is not None),
+                                  lambda s: s.ByteSize())
+        return cpb.ListRunsReply(runs=runs, next_after=runs[-1].run_id if more else "")
 
-    def ListPeers(self, request, context) -> cpb.ListPeersReply:
+    def ListPeers(self, request: cpb.ListPeersRequest, context) -> cpb.ListPeersReply:
+        """The registered peers by name, in pages under the message cap: from the peer after
+        ``request.after``."""
         self._as_operator(context)
-        out = cpb.ListPeersReply()
-        for p in self.ledger.peers():
-            out.peers.add(name=p["name"], address=p["address"], device=p["device"] or "",
-                          last_seen=p["last_seen"] or 0,
-                          tasks=[Offer.from_dict(o).to_pb() for o in p["tasks"]], **self._liveness(p),
-                          outbound_only=not p["address"],
-                          connected=not p["address"] and self.tunnels.get(p["name"]) is not None)
-        return out
+        if request.after:
+            names.check_site_name(request.after, "after")
+
+        def record(p: dict) -> cpb.PeerRecord:
+            return replies.bounded_peer(cpb.PeerRecord(
+                name=p["name"], address=p["address"], device=p["device"] or "",
+                last_seen=p["last_seen"] or 0,
+                tasks=[Offer.from_dict(o).to_pb() for o in p["tasks"]], **self._liveness(p),
+                outbound_only=not p["address"],
+                connected=not p["address"] and self.tunnels.get(p["name"]) is not None))
+
+        peers, more = replies.page((record(p) for p in self.ledger.peers() if p["name"] > request.after),
+                                   lambda r: r.ByteSize())
+        return cpb.ListPeersReply(peers=peers, next_after=peers[-1].name if more else "")
 
     def _liveness(self, peer: dict) -> dict:
         """PeerRecord's liveness fields: live (heard from within --peer-timeout), age_seconds
@@ -1093,19 +1118,26 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def GetMetrics(self, request: cpb.GetRunRequest, context) -> cpb.MetricsReply:
         """The run's per-epoch training metrics (the ledger's ``metrics`` table), in the order
-        the coordinator recorded them. NOT_FOUND for an unknown run."""
+        the coordinator recorded them, in pages under the message cap from row
+        ``request.offset`` (``next_offset``: where the next page starts). NOT_FOUND for an
+        unknown run."""
         names.check_run_request(request)
         self._as_operator(context)
         if self.ledger.run(request.run_id) is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown run {request.run_id!r}")
-        out = cpb.MetricsReply(run_id=request.run_id)
-        for m in self.ledger.metrics(request.run_id):
-            row = out.rows.add(site=m["site"], time=m["time"], stage=m["stage"] or "", model=m["model"] or 0,
-                               epoch=m["epoch"] or 0, epochs=m["epochs"] or 0, train_loss=m["train_loss"] or 0.0,
-                               seconds=m["seconds"] or 0.0)
+
+        def row(m: dict) -> cpb.MetricRow:
+            r = cpb.MetricRow(site=m["site"], time=m["time"], stage=m["stage"] or "", model=m["model"] or 0,
+                              epoch=m["epoch"] or 0, epochs=m["epochs"] or 0, train_loss=m["train_loss"] or 0.0,
+                              seconds=m["seconds"] or 0.0)
             if m["val_accuracy"] is not None:
-                row.val_accuracy = m["val_accuracy"]
-        return out
+                r.val_accuracy = m["val_accuracy"]
+            return r
+
+        rows = self.ledger.metrics(request.run_id)[request.offset:]
+        kept, more = replies.page(map(row, rows), lambda r: r.ByteSize() + 4)
+        return cpb.MetricsReply(run_id=request.run_id, rows=kept,
+                                next_offset=request.offset + len(kept) if more else 0)
 
     def FetchModel(self, request: peer_pb2.FetchModelRequest, context):
         names.check_run_request(request)
@@ -1159,8 +1191,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def ForgetPeer(self, request: cpb.ForgetPeerRequest, context) -> cpb.ForgetPeerReply:
         """Remove a peer's registration. Aborts NOT_FOUND (unknown name) or FAILED_PRECONDITION
-        (a site of a running run, not routed around). A daemon still running under that name
-        registers again at its next heartbeat."""
+        (a site of a running run, not routed around). The daemon registered under that name is
+        refused from then on (``coordinator/forgotten.py``; its control stream is closed); a
+        daemon started afterwards registers anew."""
         names.check_site_name(request.name, "name")
         self._as_operator(context)
         peer = self.ledger.peer(request.name)
@@ -1173,6 +1206,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                           f"{request.name} is a site of running run(s) {', '.join(busy)}; wait for them to end or "
                           "`coordinator stop RUN` first")
         self.ledger.forget_peer(request.name)
+        tunnel = self.tunnels.get(request.name)
+        if tunnel is not None:
+            self.tunnels.drop(tunnel)
         log.info("forgot peer %s (was registered at %s)", request.name, peer["address"])
         return cpb.ForgetPeerReply(name=request.name, address=peer["address"])
 

@@ -11,6 +11,13 @@ the service's code does not care how a site is reached.
 A call on a site whose stream is not open, or that breaks while the call waits, raises
 :class:`TunnelError` with UNAVAILABLE (a ``grpc.RpcError``: the service's retries treat it like
 an unreachable daemon); a call with no answer within its timeout, DEADLINE_EXCEEDED.
+
+A site's answers are parsed defensively, as gRPC parses a direct daemon's: a reply whose bytes
+are not the method's reply message, or whose status code is not one of gRPC's, raises
+:class:`TunnelError` with INTERNAL (what a direct call's client answers for a response it cannot
+deserialize), and a refusal's details are cut to ``DETAILS_CHARS`` characters. The service
+then treats the site as it treats a daemon that refused (StartChain: the run fails, or is not
+started; evaluation: the run fails), never as an unexpected exception.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ TUNNELED = wire.TUNNELED_METHODS
 _METHODS = peer_pb2.DESCRIPTOR.services_by_name["Peer"].methods_by_name
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _END = object()
+DETAILS_CHARS = 2_000  # characters of a site's refusal details kept (gRPC's own headers hold ~8 KiB)
 
 
 def _reply_type(method: str):
@@ -91,8 +99,25 @@ class Tunnel:
             raise TunnelError(grpc.StatusCode.UNAVAILABLE, f"{self.site}'s control stream broke during the call")
         if reply.code:
             self._forget(call_id)
-            raise TunnelError(_CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.details)
+            code = _CODES.get(reply.code)
+            if code is None or code == grpc.StatusCode.OK:
+                raise TunnelError(grpc.StatusCode.INTERNAL, f"{self.site} answered over its control stream with "
+                                                            f"status code {reply.code}, which is not a gRPC status")
+            details = reply.details
+            raise TunnelError(code, details if len(details) <= DETAILS_CHARS
+                              else f"{details[:DETAILS_CHARS]}... ({len(details)} characters)")
         return reply
+
+    def _parse(self, method: str, data: bytes):
+        """The reply message of ``method`` in ``data``; a ``TunnelError`` (INTERNAL) when the
+        bytes are not one."""
+        cls = _reply_type(method)
+        try:
+            return cls.FromString(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or anything else the parser raises
+            raise TunnelError(grpc.StatusCode.INTERNAL,
+                              f"{self.site} answered {method} over its control stream with bytes that are not a "
+                              f"{cls.DESCRIPTOR.name} ({type(exc).__name__})") from None
 
     def call(self, method: str, request, timeout: float):
         """Send a unary Peer call and wait up to ``timeout`` seconds for its reply message.
@@ -100,19 +125,18 @@ class Tunnel:
         call_id, answers = self._send(method, request, timeout)
         reply = self._answer(call_id, answers, timeout)
         self._forget(call_id)
-        return _reply_type(method).FromString(reply.reply)
+        return self._parse(method, reply.reply)
 
     def stream(self, method: str, request, timeout: float):
         """Send a response-streaming Peer call (FetchModel); a generator of its response
         messages, each waited for up to ``timeout`` seconds. Raises :class:`TunnelError`."""
         call_id, answers = self._send(method, request, timeout)
-        parse = _reply_type(method).FromString
         try:
             while True:
                 reply = self._answer(call_id, answers, timeout)
                 if not reply.more:
                     return
-                yield parse(reply.reply)
+                yield self._parse(method, reply.reply)
         finally:
             self._forget(call_id)
 

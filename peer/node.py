@@ -25,6 +25,7 @@ from fedrelay import __version__, params as run_params, payload, registry, tasks
 from fedrelay.task import ModelSpec, SiteData, canonical_json
 from fedrelay.tasks.offers import Offer
 from fedrelay.peer.inbound import InboundStreams, Stream
+from fedrelay.peer.refusals import RefusedStreams
 from fedrelay.peer.monitoring import PeerMetrics
 from fedrelay.peer.reporting import RETRYABLE, CoordinatorLink, Reporter
 from fedrelay.wire import backoff_delays
@@ -80,6 +81,7 @@ class PeerNode:
         self._train_lock = threading.Lock()  # one training at a time on this site's hardware
         self._route_lock = threading.Lock()
         self.streams = InboundStreams(stall_timeout)  # the Handoff streams open here
+        self.refused_streams = RefusedStreams()  # failed streams per (run, sender): logged a few, then counted
         self.jobs = jobs if jobs is not None else InlineRunner(data, device)
         self._schemas: dict[str, dict] = {}  # run's schema key -> payload schemas (see _schemas_of)
         self._schema_waits: dict[str, threading.Event] = {}  # schema keys a warm worker is asked for
@@ -275,9 +277,12 @@ class PeerNode:
             self.streams.claim(dest, mine)
             holder.update(dest=dest, run=run, transfer=t)
             if h.purpose == common_pb2.CHAIN_HOP:
-                # In memory only: a refused stream leaves nothing changed on disk.
+                # In memory only: a refused stream leaves nothing changed on disk. A sender
+                # whose streams keep failing changes the state without a log line or report.
                 holder["was"] = (run.state, run.detail)
-                self._set_state(run, "receiving", f"hop {h.hop} from {h.sender}", persist=False)
+                holder["quiet"] = not self.refused_streams.loud(run.run_id, h.sender)
+                self._set_state(run, "receiving", f"hop {h.hop} from {h.sender}", persist=False,
+                                quiet=holder["quiet"])
             return dest
 
         def check_payload(data: bytes) -> None:
@@ -293,7 +298,9 @@ class PeerNode:
         except BaseException:
             run = holder.get("run")
             if run is not None and run.state == "receiving" and "was" in holder:
-                self._set_state(run, *holder["was"], persist=False)
+                self._set_state(run, *holder["was"], persist=False, quiet=holder["quiet"])
+            if run is not None and "was" in holder:
+                self.refused_streams.failed(run.run_id, holder["transfer"].sender)
             if run is not None and run.ended.is_set() and "dest" in holder:
                 remove_partials(holder["dest"].parent)  # the run is over: this transfer never completes
             raise
@@ -301,6 +308,7 @@ class PeerNode:
             watched.close()
             self.streams.release(mine)
         run, t, h = holder["run"], holder["transfer"], got.header
+        self.refused_streams.accepted(run.run_id, t.sender)
         self._kept(run, t, got.path, got.size, got.sha256)
         return peer_pb2.HandoffReceipt(run_id=run.run_id, hop=h.hop, receiver=self.name,
                                        received_bytes=got.size, sha256=got.sha256)
@@ -1066,6 +1074,7 @@ class PeerNode:
         elif first_notice and run.folder.is_dir():
             run.save()
         self.jobs.drop(run_id)  # a worker started ahead for the run is not needed any more
+        self.refused_streams.forget(run_id)
         removed = sum(remove_partials(folder) for folder in
                       {run.folder, run.path("uploads"), run.path("relay-in"),
                        *(run.visit_dir(v) for v in range(1, (run.assignment.rounds or 1) + 1))}
@@ -1120,12 +1129,16 @@ class PeerNode:
 
     # -- helpers ----------------------------------------------------------------------------------------
     def _set_state(self, run: Run, state: str, detail: str, persist: bool = True, force: bool = False,
-                   report: bool = True) -> None:
+                   report: bool = True, quiet: bool = False) -> None:
+        """Set the run's state (``persist``: and save it); log it and report it to the
+        coordinator unless ``quiet`` (``report`` False: log only)."""
         if run.ended.is_set() and not force:
             return  # the coordinator ended the run: its state stays "ended"
         run.state, run.detail = state, detail
         if persist:
             run.save()
+        if quiet:
+            return
         log.info("run %s: %s%s", run.run_id, state, f" ({detail})" if detail else "")
         if report:
             self._report_state(run)

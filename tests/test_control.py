@@ -128,15 +128,19 @@ def test_stop_a_run_mid_training(trial):
             waiter.communicate()
 
 
-def test_forget_peer_and_it_registers_again(trial):
-    name = trial.names[1]
+def test_forget_peer_holds_against_the_daemon_still_running(trial):
+    """A forgotten site's daemon keeps heartbeating; its heartbeats are refused (it used to
+    register again at the next one, undoing the operator's forget-peer)."""
+    name = trial.names[0]
     res = trial.cli("forget-peer", name, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    assert f"forgot peer {name}" in res.stdout and "registers again at its next heartbeat" in res.stdout
+    assert f"forgot peer {name}" in res.stdout and "refused from now on" in res.stdout
     unknown = trial.cli("forget-peer", "no-such-site", capture_output=True, text=True, timeout=60)
     assert unknown.returncode != 0 and "no peer named 'no-such-site'" in unknown.stderr
-    with _client(trial) as client:  # its daemon is alive: it comes back with the next heartbeat
-        _until("the re-registration", lambda: name in {p.name for p in client.peers()})
+    _until("the refused heartbeat", lambda: "removed by the coordinator's operator (forget-peer)"
+           in (trial.logs / f"{name}.log").read_text(errors="replace"))
+    with _client(trial) as client:
+        assert name not in {p.name for p in client.peers()}
 
 
 def test_a_second_daemon_under_a_live_name_is_refused(trial, tmp_path):

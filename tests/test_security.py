@@ -486,9 +486,10 @@ def test_coordinator_takes_registrations_and_reports_only_from_the_site_itself(c
         "operator as a site": lambda: cstub(ids["operator"], address).Register(registration("operator"), timeout=5),
         "coordinator as a site": lambda: cstub(ids["coordinator"], address).Register(registration("site-c"), timeout=5),
         "hop as another": lambda: cstub(ids["site-a"], address).ReportHop(
-            cpb.HopReport(run_id="r", hop=1, sender="site-b", receiver="site-c", sha256="ab" * 32), timeout=5),
+            cpb.HopReport(run_id="r", hop=1, purpose=common_pb2.CHAIN_HOP, sender="site-b", receiver="site-c",
+                          sha256="ab" * 32), timeout=5),
         "progress as another": lambda: cstub(ids["site-a"], address).ReportProgress(
-            cpb.ProgressReport(run_id="r", site="site-b", kind="state"), timeout=5),
+            cpb.ProgressReport(run_id="r", site="site-b", kind="state", state="training"), timeout=5),
         "final as another": lambda: cstub(ids["site-a"], address).ReportFinal(
             cpb.FinalReport(run_id="r", site="site-c", sha256="ab" * 32), timeout=5),
         "failure as another": lambda: cstub(ids["site-a"], address).ReportFailure(

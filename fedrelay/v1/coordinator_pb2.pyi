@@ -287,10 +287,12 @@ class RunEvent(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., kind: _Optional[str] = ..., site: _Optional[str] = ..., message: _Optional[str] = ..., data_json: _Optional[str] = ...) -> None: ...
 
 class GetRunRequest(_message.Message):
-    __slots__ = ("run_id",)
+    __slots__ = ("run_id", "offset")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     run_id: str
-    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+    offset: int
+    def __init__(self, run_id: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class HopRecord(_message.Message):
     __slots__ = ("hop", "sender", "receiver", "payload_bytes", "wire_bytes", "sha256", "started", "ended", "attempts", "resumed_from", "round", "status", "receiver_sha256", "receiver_bytes", "route", "sealed_bytes", "relay_wire_bytes", "relay")
@@ -498,12 +500,14 @@ class MetricRow(_message.Message):
     def __init__(self, site: _Optional[str] = ..., time: _Optional[float] = ..., stage: _Optional[str] = ..., model: _Optional[int] = ..., epoch: _Optional[int] = ..., epochs: _Optional[int] = ..., train_loss: _Optional[float] = ..., val_accuracy: _Optional[float] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class MetricsReply(_message.Message):
-    __slots__ = ("run_id", "rows")
+    __slots__ = ("run_id", "rows", "next_offset")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rows: _containers.RepeatedCompositeFieldContainer[MetricRow]
-    def __init__(self, run_id: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[MetricRow, _Mapping]]] = ...) -> None: ...
+    next_offset: int
+    def __init__(self, run_id: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[MetricRow, _Mapping]]] = ..., next_offset: _Optional[int] = ...) -> None: ...
 
 class StopRunRequest(_message.Message):
     __slots__ = ("run_id", "reason")
@@ -528,21 +532,27 @@ class ForgetPeerReply(_message.Message):
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class ListRunsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("after",)
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    after: str
+    def __init__(self, after: _Optional[str] = ...) -> None: ...
 
 class ListRunsReply(_message.Message):
-    __slots__ = ("runs",)
+    __slots__ = ("runs", "next_after")
     RUNS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
     runs: _containers.RepeatedCompositeFieldContainer[RunSummary]
-    def __init__(self, runs: _Optional[_Iterable[_Union[RunSummary, _Mapping]]] = ...) -> None: ...
+    next_after: str
+    def __init__(self, runs: _Optional[_Iterable[_Union[RunSummary, _Mapping]]] = ..., next_after: _Optional[str] = ...) -> None: ...
 
 class ListPeersRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("after",)
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    after: str
+    def __init__(self, after: _Optional[str] = ...) -> None: ...
 
 class PeerRecord(_message.Message):
-    __slots__ = ("name", "address", "tasks", "device", "last_seen", "live", "age_seconds", "peer_timeout", "outbound_only", "connected")
+    __slots__ = ("name", "address", "tasks", "device", "last_seen", "live", "age_seconds", "peer_timeout", "outbound_only", "connected", "classes_omitted")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
@@ -553,6 +563,7 @@ class PeerRecord(_message.Message):
     PEER_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_OMITTED_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     tasks: _containers.RepeatedCompositeFieldContainer[TaskOffer]
@@ -563,10 +574,13 @@ class PeerRecord(_message.Message):
     peer_timeout: float
     outbound_only: bool
     connected: bool
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskOffer, _Mapping]]] = ..., device: _Optional[str] = ..., last_seen: _Optional[float] = ..., live: _Optional[bool] = ..., age_seconds: _Optional[float] = ..., peer_timeout: _Optional[float] = ..., outbound_only: _Optional[bool] = ..., connected: _Optional[bool] = ...) -> None: ...
+    classes_omitted: int
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskOffer, _Mapping]]] = ..., device: _Optional[str] = ..., last_seen: _Optional[float] = ..., live: _Optional[bool] = ..., age_seconds: _Optional[float] = ..., peer_timeout: _Optional[float] = ..., outbound_only: _Optional[bool] = ..., connected: _Optional[bool] = ..., classes_omitted: _Optional[int] = ...) -> None: ...
 
 class ListPeersReply(_message.Message):
-    __slots__ = ("peers",)
+    __slots__ = ("peers", "next_after")
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
     peers: _containers.RepeatedCompositeFieldContainer[PeerRecord]
-    def __init__(self, peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ...) -> None: ...
+    next_after: str
+    def __init__(self, peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ..., next_after: _Optional[str] = ...) -> None: ...

@@ -245,8 +245,8 @@ class CoordinatorServicer:
 
     def ForgetPeer(self, request, context):
         """Remove a registered peer from the ledger. FAILED_PRECONDITION while it is a site of a running
-        run, NOT_FOUND for an unknown name. A daemon still running under that name registers again at
-        its next heartbeat.
+        run, NOT_FOUND for an unknown name. The daemon that was registered under that name is refused
+        from then on (PERMISSION_DENIED); a daemon started afterwards (a new instance) registers anew.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
