@@ -204,18 +204,26 @@ class EvaluateRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class EvaluateReply(_message.Message):
-    __slots__ = ("site", "correct", "test_samples", "accuracy", "seconds")
+    __slots__ = ("site", "correct", "test_samples", "accuracy", "seconds", "signature", "certificate", "run_id", "sha256")
     SITE_FIELD_NUMBER: _ClassVar[int]
     CORRECT_FIELD_NUMBER: _ClassVar[int]
     TEST_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     ACCURACY_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
     site: str
     correct: int
     test_samples: int
     accuracy: float
     seconds: float
-    def __init__(self, site: _Optional[str] = ..., correct: _Optional[int] = ..., test_samples: _Optional[int] = ..., accuracy: _Optional[float] = ..., seconds: _Optional[float] = ...) -> None: ...
+    signature: bytes
+    certificate: bytes
+    run_id: str
+    sha256: str
+    def __init__(self, site: _Optional[str] = ..., correct: _Optional[int] = ..., test_samples: _Optional[int] = ..., accuracy: _Optional[float] = ..., seconds: _Optional[float] = ..., signature: _Optional[bytes] = ..., certificate: _Optional[bytes] = ..., run_id: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class FetchModelRequest(_message.Message):
     __slots__ = ("run_id", "sha256")
