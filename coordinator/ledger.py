@@ -236,6 +236,7 @@ class Ledger:
             self._plans: dict[str, list[dict]] = {}  # run id -> every version of its plan (immutable)
             self._in_batch = False
             self._deferred: list[dict] = []  # events of the open batch, published at its commit
+            self._heads: dict[str, str] = {}  # run id -> the hash of its latest event (read once per run)
             with self._lock:
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
@@ -292,6 +293,7 @@ class Ledger:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 self._deferred.clear()
+                self._heads.clear()  # an event of the batch may have moved a run's head: read again
                 raise
             finally:
                 self._in_batch = False
@@ -555,6 +557,7 @@ class Ledger:
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
+                self._heads.pop(run_id, None)
                 raise
             if event is not None:
                 self._publish(event)
@@ -736,6 +739,7 @@ class Ledger:
             except BaseException:
                 if own:
                     self._db.execute("ROLLBACK")
+                    self._heads.pop(run_id, None)
                 raise
             if self._in_batch:
                 self._deferred.append(event)
@@ -748,9 +752,11 @@ class Ledger:
         event (``coordinator/hashchain.py``), and ``record`` with its certificate, bound to it;
         returns its seq. Lock held, inside the caller's transaction when ``record`` is given."""
         run_id = event["run_id"]
-        last = self._db.execute("SELECT hash FROM events WHERE run_id = ? ORDER BY seq DESC LIMIT 1",
-                                (run_id,)).fetchone()
-        prev = last["hash"] if last is not None and last["hash"] else hashchain.genesis(run_id)
+        prev = self._heads.get(run_id)
+        if prev is None:  # once per run and ledger: then kept (no read per event)
+            last = self._db.execute("SELECT hash FROM events WHERE run_id = ? ORDER BY seq DESC LIMIT 1",
+                                    (run_id,)).fetchone()
+            prev = last["hash"] if last is not None and last["hash"] else hashchain.genesis(run_id)
         binding = record.binding() if record is not None else ""
         digest = hashchain.event_hash(prev, {**event, "record": binding})
         seq = int(self._db.execute(
@@ -763,6 +769,7 @@ class Ledger:
             self._db.execute("INSERT INTO records (run_id, seq, type, signer, record, signature, certificate) "
                              "VALUES (?, ?, ?, ?, ?, ?, ?)",
                              (run_id, seq, record.type, record.signer, record.record, record.signature, fp))
+        self._heads[run_id] = digest
         return seq
 
     def _keep_certificate(self, record: signing.SignedRecord, now: float) -> str:
