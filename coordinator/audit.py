@@ -601,12 +601,19 @@ def verify(bundle: dict[str, Any], ca: list | None) -> Report:
     """Check a run's audit bundle (:func:`bundle_from_ledger` or :func:`load_bundle`) against
     the CA certificates ``ca`` (``fedrelay.signing.load_ca``; None only for a plaintext run).
     Returns the :class:`Report` (its ``first`` problem is the first thing in the ledger that does
-    not verify). Raises ``AuditError`` when the run's records are signed and ``ca`` is None."""
-    v = _Verifier(bundle, ca)
-    if not bundle.get("run"):
-        v.problem(-1, f"run {bundle.get('run_id')}", "the bundle holds no run row")
-        return v.report
-    v.chain()
-    v.tables()
-    v.seal()
+    not verify). Raises ``AuditError`` when the run's records are signed and ``ca`` is None, or
+    the bundle is malformed (a field of the wrong type or missing)."""
+    try:
+        v = _Verifier(bundle, ca)
+        if not bundle.get("run"):
+            v.problem(-1, f"run {bundle.get('run_id')}", "the bundle holds no run row")
+            return v.report
+        v.chain()
+        v.tables()
+        v.seal()
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        if isinstance(exc, AuditError):
+            raise
+        raise AuditError(f"the audit bundle is malformed ({type(exc).__name__}: {exc}); export it again with "
+                         "`coordinator audit RUN --export FILE`") from None
     return v.report

@@ -506,3 +506,16 @@ CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL
     ledger.close()
     report = audit.verify(audit.bundle_from_ledger(path, "old"), None)
     assert "has no chain hash" in str(report.first), report.first
+
+
+def test_a_malformed_bundle_gets_a_clear_message(tmp_path):
+    runner = CliRunner()
+    for name, text in (("not-json.json", "{"), ("other.json", '{"format": "x"}'),
+                       ("broken.json", json.dumps({"format": audit.FORMAT, "version": audit.FORMAT_VERSION,
+                                                   "run_id": "r", "run": {"insecure": 1}, "plans": [], "events": 3,
+                                                   "records": [], "certificates": {}, "seal": None, "hops": [],
+                                                   "receipts": [], "evaluations": []}))):
+        (tmp_path / name).write_text(text)
+        res = runner.invoke(coordinator_app, ["audit", "--bundle", str(tmp_path / name)])
+        assert res.exit_code == 1 and "error:" in res.output, (name, res.output, res.exception)
+        assert isinstance(res.exception, SystemExit) and "Traceback" not in res.output
