@@ -68,9 +68,11 @@ def stop_on_sigterm() -> None:
 
 
 def setup_logging(verbose: bool, prefix: str = "") -> None:
+    """Log to stderr, each line with the date, the local time and its offset from UTC
+    (``2026-11-23 09:12:01+0100 [coordinator] INFO ...``); debug lines too when ``verbose``."""
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-        format=f"%(asctime)s {prefix}%(levelname)s %(message)s", datefmt="%H:%M:%S")
+        format=f"%(asctime)s {prefix}%(levelname)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S%z")
 
 
 def fail(message: str, code: int = 1) -> None:
