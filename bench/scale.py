@@ -187,7 +187,8 @@ class FakePeer(_peer_servicer_base()):
     def Evaluate(self, request, context):
         from fedrelay.v1 import peer_pb2
 
-        return peer_pb2.EvaluateReply(site=self.name, correct=80, test_samples=100, accuracy=0.8, seconds=0.1)
+        return peer_pb2.EvaluateReply(site=self.name, correct=80, test_samples=100, accuracy=0.8, seconds=0.1,
+                                      run_id=request.run_id, sha256=request.sha256)
 
     def EndRun(self, request, context):
         from fedrelay.v1 import peer_pb2

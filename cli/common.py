@@ -70,11 +70,14 @@ def stop_on_sigterm() -> None:
 
 def setup_logging(verbose: bool, prefix: str = "") -> None:
     """Log to stderr, one line per record (``fedrelay.text.OneLineFormatter``: text from other
-    parties cannot start a line of its own or send control sequences)."""
+    parties cannot start a line of its own or send control sequences), each with the date, the
+    local time and its offset from UTC (``2026-11-23 09:12:01+0100 [coordinator] INFO ...``);
+    debug lines too when ``verbose``."""
     from fedrelay.text import OneLineFormatter
 
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(OneLineFormatter(f"%(asctime)s {prefix}%(levelname)s %(message)s", datefmt="%H:%M:%S"))
+    handler.setFormatter(OneLineFormatter(f"%(asctime)s {prefix}%(levelname)s %(message)s",
+                                          datefmt="%Y-%m-%d %H:%M:%S%z"))
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
 
 

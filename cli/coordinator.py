@@ -702,6 +702,73 @@ def health(coordinator: str = COORD,
     raise typer.Exit(0 if ok else 1)
 
 
+AUDIT_SHOWN = 10  # problems listed after the first (the rest are counted)
+
+
+@app.command()
+def audit(
+    run_id: str = typer.Argument(None, help="The run to audit (`coordinator runs` lists them); optional with --bundle."),
+    db: Path = typer.Option(Path("fedrelay-ledger.sqlite"), "--db", help="The coordinator's SQLite ledger (opened "
+                            "read-only: never changed)."),
+    bundle: Path = typer.Option(None, "--bundle", dir_okay=False, help="Audit this bundle (from --export) instead "
+                                "of a ledger: offline, by anyone who has the CA certificate."),
+    ca: Path = typer.Option(None, "--ca", help="The federation's CA certificate (ca.pem, or a folder holding it: a "
+                            "--tls or init-ca folder); needed for a run that ran under mutual TLS."),
+    export: Path = typer.Option(None, "--export", dir_okay=False, help="Write the run's audit bundle (its records, "
+                                "signatures, certificates, plan and hash chain) to this JSON file; verified too when "
+                                "--ca is given."),
+    as_json: bool = typer.Option(False, "--json", help="Print the verdict as JSON."),
+) -> None:
+    """Verify a run's ledger records with nothing but the CA certificate: the events' hash chain,
+    the sites' signatures on every report, receipt and evaluation, the plan they were made under,
+    every hops/receipts/evaluations row, and the coordinator's seal. Names the first record that
+    does not verify. Exit 0: verified; 1: something does not verify; 3: a plaintext run (its
+    records are unsigned: consistent, but nothing proves who wrote them)."""
+    from fedrelay.coordinator.audit import AuditError, bundle_from_ledger, load_bundle, load_ca_file, verify, write_bundle
+
+    if bundle is not None and export is not None:
+        fail("--export writes the bundle of a run in a ledger (--db); --bundle already is one")
+    if bundle is None and not run_id:
+        fail("name the RUN to audit (`coordinator runs` lists them), or pass --bundle FILE")
+    try:
+        doc = load_bundle(bundle) if bundle is not None else bundle_from_ledger(db, run_id)
+        if run_id and doc["run_id"] != run_id:
+            fail(f"{bundle} is the audit bundle of run {doc['run_id']}, not of {run_id}")
+        if export is not None:
+            try:
+                write_bundle(doc, export)
+            except OSError as exc:
+                fail(f"cannot write {export}: {exc.strerror or exc}")
+            signed = sum(1 for r in doc["records"] if r["signature"])
+            (err_console if as_json else console).print(
+                f"wrote the audit bundle of run {doc['run_id']} to {export} ({len(doc['events'])} events, "
+                f"{len(doc['records'])} records, {signed} signed); anyone with the CA certificate can check it: "
+                f"coordinator audit --bundle {export} --ca ca.pem", highlight=False, soft_wrap=True)
+            if ca is None:
+                return
+        report = verify(doc, load_ca_file(ca) if ca is not None else None)
+    except AuditError as exc:
+        fail(str(exc))
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=1))
+    elif report.problems:
+        problems = report.ordered()
+        console.print(f"[bold red]run {report.run_id} does not verify[/]: {problems[0]}", highlight=False,
+                      soft_wrap=True)
+        for p in problems[1:1 + AUDIT_SHOWN]:
+            console.print(f"  also: {p}", highlight=False, soft_wrap=True)
+        if len(problems) > 1 + AUDIT_SHOWN:
+            console.print(f"  and {len(problems) - 1 - AUDIT_SHOWN} more", highlight=False)
+    elif report.signed:
+        console.print(f"[bold green]run {report.run_id} verified[/] against the CA: {report.summary()}",
+                      highlight=False, soft_wrap=True)
+    else:
+        console.print(f"[bold yellow]run {report.run_id} is unsigned[/]: it ran in plaintext (--insecure), so its "
+                      f"records carry no signatures and nothing proves who wrote them. Consistency only: "
+                      f"{report.summary()}", highlight=False, soft_wrap=True)
+    raise typer.Exit({"verified": 0, "failed": 1, "unsigned": 3}[report.verdict])
+
+
 @app.command("init-ca")
 def init_ca(
     out: Path = typer.Option(..., "--out", help="PKI folder to create: ca/, coordinator/, operator/."),

@@ -11,6 +11,14 @@ accuracy of a run's final model),
 ``metrics`` (per-epoch training progress), ``events`` (the ordered log that ``WatchRun``
 streams) and ``forgotten`` (registrations the operator removed, and the daemon instance each
 had: ``coordinator/forgotten.py``). Writes are serialised by one lock; the file uses WAL so readers never block.
+
+What makes the ledger auditable (``coordinator audit``, ``coordinator/audit.py``): each run's
+events form a hash chain (``prev_hash``, ``hash``: ``coordinator/hashchain.py``); the sites'
+signed reports and evaluations (``fedrelay/signing.py``) are kept in ``records`` (canonical
+bytes, signature, the signer's certificate by fingerprint in ``certificates``), each bound into
+the chain by the event it was recorded with (``events.record``: the binding digest); and when a
+run ends, the coordinator's signed ``RunSeal`` of the chain's head, the run's row and its plan
+versions goes into ``seals``.
 """
 
 from __future__ import annotations
@@ -22,7 +30,10 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+from fedrelay import signing
+from fedrelay.coordinator import hashchain
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS peers (
@@ -110,9 +121,34 @@ CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     run_id TEXT NOT NULL, time REAL NOT NULL,
     kind TEXT NOT NULL, site TEXT NOT NULL DEFAULT '',
-    message TEXT NOT NULL, data TEXT NOT NULL DEFAULT '{}'
+    message TEXT NOT NULL, data TEXT NOT NULL DEFAULT '{}',
+    prev_hash TEXT NOT NULL DEFAULT '',  -- the run's previous event's hash (its first: hashchain.genesis)
+    hash TEXT NOT NULL DEFAULT '',       -- SHA-256 of prev_hash and this event (hashchain.event_hash)
+    record TEXT NOT NULL DEFAULT ''      -- the binding digest of the signed record recorded with it, or ''
 );
 CREATE INDEX IF NOT EXISTS events_run ON events (run_id, seq);
+CREATE TABLE IF NOT EXISTS records (  -- signed reports and evaluations, as their signers signed them
+    run_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,           -- the event that binds it into the run's hash chain
+    type TEXT NOT NULL,             -- HopReport | ReceiptReport | FinalReport | FailureReport | EvaluateReply
+    signer TEXT NOT NULL,           -- the identity that signed it (its certificate's name)
+    record BLOB NOT NULL,           -- the canonical bytes signed (fedrelay/signing.py)
+    signature BLOB NOT NULL,        -- empty: unsigned (a plaintext run)
+    certificate TEXT NOT NULL,      -- fingerprint of the signer's certificate (certificates.sha256); '' unsigned
+    PRIMARY KEY (run_id, seq)
+);
+CREATE TABLE IF NOT EXISTS certificates (
+    sha256 TEXT PRIMARY KEY,        -- SHA-256 of the certificate's DER bytes
+    name TEXT NOT NULL,             -- its common name
+    pem TEXT NOT NULL,
+    first_seen REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS seals (  -- the coordinator's signed RunSeal of each ended run
+    run_id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,           -- the last event it covers (the run's terminal event)
+    record BLOB NOT NULL, signature BLOB NOT NULL, certificate TEXT NOT NULL,
+    signer TEXT NOT NULL
+);
 CREATE INDEX IF NOT EXISTS hops_run ON hops (run_id, purpose);
 CREATE TABLE IF NOT EXISTS skips (
     run_id TEXT NOT NULL, site TEXT NOT NULL,
@@ -199,6 +235,8 @@ class Ledger:
             self._events = threading.Condition(self._lock)
             self.on_run_ended: list = []  # callables (run_id, status, error), after a run ended (finish_run)
             self.on_event: list = []  # callables (event row), under the lock, once the event is committed
+            # Signs a run's RunSeal when it ends (the coordinator's key); unsigned by default.
+            self.sealer: Callable[[Any], signing.SignedRecord] = lambda seal: signing.unsigned("coordinator", seal)
             # Heartbeats: a registration that changes nothing but last_seen is kept in memory
             # (``_seen``) and written for all sites at once every ``last_seen_flush`` seconds.
             self.last_seen_flush = LAST_SEEN_FLUSH
@@ -211,6 +249,7 @@ class Ledger:
             self._forgotten_memo: dict[str, dict] | None = None  # the forgotten table (None: not read yet)
             self._in_batch = False
             self._deferred: list[dict] = []  # events of the open batch, published at its commit
+            self._heads: dict[str, str] = {}  # run id -> the hash of its latest event (read once per run)
             with self._lock:
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
@@ -232,7 +271,9 @@ class Ledger:
                           "upload_schema_sha256 TEXT", "cancelled_by TEXT", "cancel_reason TEXT", "task TEXT",
                           "task_version TEXT", "task_sha256 TEXT", "metrics TEXT"),
                  "evaluations": ("metrics TEXT NOT NULL DEFAULT '{}'", "stats TEXT NOT NULL DEFAULT '{}'"),
-                 "peers": ("instance TEXT", "tasks TEXT NOT NULL DEFAULT '[]'")}
+                 "peers": ("instance TEXT", "tasks TEXT NOT NULL DEFAULT '[]'"),
+                 "events": ("prev_hash TEXT NOT NULL DEFAULT ''", "hash TEXT NOT NULL DEFAULT ''",
+                            "record TEXT NOT NULL DEFAULT ''")}
         for table, columns in added.items():
             have = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
             for column in columns:
@@ -267,6 +308,7 @@ class Ledger:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 self._deferred.clear()
+                self._heads.clear()  # an event of the batch may have moved a run's head: read again
                 raise
             finally:
                 self._in_batch = False
@@ -520,13 +562,16 @@ class Ledger:
     def finish_run(self, run_id: str, status: str, *, error: str | None = None,
                    accuracy: float | None = None, message: str = "", site: str = "",
                    cancelled_by: str | None = None, cancel_reason: str | None = None,
-                   metrics: dict[str, float] | None = None, **data: Any) -> bool:
+                   metrics: dict[str, float] | None = None, record: signing.SignedRecord | None = None,
+                   **data: Any) -> bool:
         """Move a running run to ``status`` (finished|failed|cancelled) and, when ``message`` is given, add
         the event of kind ``status`` that says so, in one transaction: a watcher that sees the
         terminal status has also seen that event (its data holds ``error`` and ``accuracy`` when
         given, and ``data``). The same transaction owes every site of the chain an end notice
         (:meth:`pending_end_notices`) and sets ``cancelled_by`` / ``cancel_reason`` / the global
-        ``metrics`` when given. False (nothing written) when it had already ended."""
+        ``metrics`` when given. ``record``: the signed report that ended it (a site's
+        ``FailureReport``), bound to the event. The same transaction writes the run's seal
+        (:meth:`_seal`). False (nothing written) when it had already ended."""
         data = {**({"error": error} if error is not None else {}),
                 **({"accuracy": accuracy} if accuracy is not None else {}),
                 **({"cancelled_by": cancelled_by} if cancelled_by is not None else {}),
@@ -552,13 +597,13 @@ class Ledger:
                 if ended and message:
                     event = {"run_id": run_id, "time": now, "kind": status, "site": site, "message": message,
                              "data": json.dumps(data)}
-                    event["seq"] = int(self._db.execute(
-                        "INSERT INTO events (run_id, time, kind, site, message, data) VALUES (?, ?, ?, ?, ?, ?)",
-                        tuple(event[k] for k in ("run_id", "time", "kind", "site", "message", "data")),
-                    ).lastrowid)
+                    event["seq"] = self._append_event(event, record)
+                if ended:
+                    self._seal(run_id, now)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
+                self._heads.pop(run_id, None)
                 raise
             if event is not None:
                 self._publish(event)
@@ -741,29 +786,100 @@ class Ledger:
         return self._all("SELECT * FROM metrics WHERE run_id = ? ORDER BY time", (run_id,))
 
     # -- events --------------------------------------------------------------------------------
-    def add_event(self, run_id: str, kind: str, message: str, site: str = "", **data: Any) -> int:
-        """Append an event to the run's log; returns its seq. Listeners (``on_event``) get it
-        once committed (at the end of a ``batch``)."""
+    def add_event(self, run_id: str, kind: str, message: str, site: str = "", *,
+                  record: signing.SignedRecord | None = None, **data: Any) -> int:
+        """Append an event to the run's log (and hash chain); returns its seq. ``record``: the
+        signed report or evaluation this event records, kept in ``records`` and bound into the
+        chain by this event. Listeners (``on_event``) get it once committed (at the end of a
+        ``batch``)."""
         event = {"run_id": run_id, "time": time.time(), "kind": kind, "site": site, "message": message,
                  "data": json.dumps(data)}
         with self._events:
-            cur = self._db.execute(
-                "INSERT INTO events (run_id, time, kind, site, message, data) VALUES (?, ?, ?, ?, ?, ?)",
-                tuple(event[k] for k in ("run_id", "time", "kind", "site", "message", "data")),
-            )
-            event["seq"] = int(cur.lastrowid)
+            own = record is not None and not self._in_batch  # several rows: one transaction
+            if own:
+                self._db.execute("BEGIN IMMEDIATE")
+            try:
+                event["seq"] = self._append_event(event, record)
+                if own:
+                    self._db.execute("COMMIT")
+            except BaseException:
+                if own:
+                    self._db.execute("ROLLBACK")
+                    self._heads.pop(run_id, None)
+                raise
             if self._in_batch:
                 self._deferred.append(event)
             else:
                 self._publish(event)
             return event["seq"]
 
+    def _append_event(self, event: dict[str, Any], record: signing.SignedRecord | None) -> int:
+        """Insert ``event`` (run_id, time, kind, site, message, data) linked to its run's previous
+        event (``coordinator/hashchain.py``), and ``record`` with its certificate, bound to it;
+        returns its seq. Lock held, inside the caller's transaction when ``record`` is given."""
+        run_id = event["run_id"]
+        prev = self._heads.get(run_id)
+        if prev is None:  # once per run and ledger: then kept (no read per event)
+            last = self._db.execute("SELECT hash FROM events WHERE run_id = ? ORDER BY seq DESC LIMIT 1",
+                                    (run_id,)).fetchone()
+            prev = last["hash"] if last is not None and last["hash"] else hashchain.genesis(run_id)
+        binding = record.binding() if record is not None else ""
+        digest = hashchain.event_hash(prev, {**event, "record": binding})
+        seq = int(self._db.execute(
+            "INSERT INTO events (run_id, time, kind, site, message, data, prev_hash, hash, record) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (*(event[k] for k in ("run_id", "time", "kind", "site", "message", "data")), prev, digest, binding),
+        ).lastrowid)
+        if record is not None:
+            fp = self._keep_certificate(record, event["time"])
+            self._db.execute("INSERT INTO records (run_id, seq, type, signer, record, signature, certificate) "
+                             "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                             (run_id, seq, record.type, record.signer, record.record, record.signature, fp))
+        self._heads[run_id] = digest
+        return seq
+
+    def _keep_certificate(self, record: signing.SignedRecord, now: float) -> str:
+        """Store the record's certificate once (by fingerprint); returns the fingerprint ("" for
+        an unsigned record)."""
+        if not record.certificate:
+            return ""
+        cert = signing.load_certificate(record.certificate)
+        fp = signing.fingerprint(cert)
+        self._db.execute("INSERT OR IGNORE INTO certificates (sha256, name, pem, first_seen) VALUES (?, ?, ?, ?)",
+                         (fp, signing.common_name(cert), record.certificate.decode("ascii"), now))
+        return fp
+
+    def _seal(self, run_id: str, now: float) -> None:
+        """Write the run's ``RunSeal`` (signed by ``sealer``): its chain's head and length, its
+        row (``hashchain.sealed_run``) and the SHA-256 of each plan version. Lock held, inside
+        ``finish_run``'s transaction."""
+        from fedrelay.v1 import coordinator_pb2
+
+        head = self._db.execute("SELECT seq, hash FROM events WHERE run_id = ? ORDER BY seq DESC LIMIT 1",
+                                (run_id,)).fetchone()
+        count = self._db.execute("SELECT COUNT(*) FROM events WHERE run_id = ?", (run_id,)).fetchone()[0]
+        row = dict(self._db.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone())
+        plans = [r["plan"] for r in self._db.execute("SELECT plan FROM plans WHERE run_id = ? ORDER BY version",
+                                                     (run_id,))]
+        seal = coordinator_pb2.RunSeal(
+            run_id=run_id, events=count, last_seq=head["seq"] if head else 0,
+            head=(head["hash"] if head else "") or hashchain.genesis(run_id), run_json=hashchain.sealed_run(row),
+            plans=[hashchain.plan_digest(p) for p in plans], sealed=now)
+        signed = self.sealer(seal)
+        fp = self._keep_certificate(signed, now)
+        self._db.execute("INSERT OR REPLACE INTO seals (run_id, seq, record, signature, certificate, signer) "
+                         "VALUES (?, ?, ?, ?, ?, ?)", (run_id, seal.last_seq, signed.record, signed.signature, fp,
+                                                       signed.signer))
+
     def last_event_seq(self) -> int:
         """The seq of the newest event of any run (0 when none)."""
         return int(self._exec("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0])
 
     def events_after(self, run_id: str, seq: int) -> list[dict[str, Any]]:
-        return self._all("SELECT * FROM events WHERE run_id = ? AND seq > ? ORDER BY seq", (run_id, seq))
+        """The run's events with seq > ``seq``, oldest first: seq, run_id, time, kind, site, message,
+        data (JSON text)."""
+        return self._all("SELECT seq, run_id, time, kind, site, message, data FROM events "
+                         "WHERE run_id = ? AND seq > ? ORDER BY seq", (run_id, seq))
 
     def wait_for_events(self, timeout: float) -> None:
         """Block until any event is added or ``timeout`` seconds pass."""

@@ -7,7 +7,9 @@ peers' calls (Register, Report*) only from site identities, each only as itself 
 ``sender`` or ``site`` must equal the certificate name); operator calls (StartChain, WatchRun,
 GetRun, ListRuns, ListPeers, FetchModel, GetMetrics, StopRun, ForgetPeer) only from the ``operator`` or
 ``coordinator`` identity.
-Refusals are PERMISSION_DENIED. On an insecure (plaintext) coordinator there are no identities
+Refusals are PERMISSION_DENIED. Under TLS every report and evaluation must also be signed by the
+reporting site's key (``coordinator/signatures.py``; the ledger keeps the signed records for
+``coordinator audit``). On an insecure (plaintext) coordinator there are no identities
 and only the ledger's name checks apply. After the last
 site reports the final model (which it has already copied to every site), the coordinator asks
 each site to evaluate it on its own test split, and records per-site and global accuracy.
@@ -39,8 +41,10 @@ from fedrelay.coordinator.plan import (FINAL, HOP, UPLOAD, Plan, PlanError, Tran
 from fedrelay.coordinator.planner import PeerInfo, plan_chain
 from fedrelay.coordinator.relay import RelayService
 from fedrelay.coordinator import forgotten, replies
+from fedrelay.coordinator.signatures import Signatures
 from fedrelay.coordinator.tunnel import Tunnels
 from fedrelay.final_model import MODEL_SPEC_METADATA
+from fedrelay.signing import SignatureError
 from fedrelay.tasks.offers import Offer
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc, relay_pb2_grpc
 
@@ -70,6 +74,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.ledger = ledger
         self.transport = transport
         self.insecure = not transport.secure
+        # Signed records (coordinator/signatures.py): the sites' reports and evaluations are
+        # verified before the ledger keeps them; each ended run's seal is signed with our key.
+        self.signatures = Signatures(transport)
+        ledger.sealer = self.signatures.seal
         if peer_timeout <= 0:
             raise ValueError("--peer-timeout must be > 0 seconds")
         self.peer_timeout = peer_timeout  # seconds without a heartbeat before a site is routed around
@@ -443,17 +451,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, PURPOSE_ERROR)
         t = self._check_report(run, purpose, request.hop, request.sender, request.receiver,
                                request.payload_bytes, context)
+        record = self.signatures.report(request, context, request.sender)
         try:
             with self.ledger.batch():  # the report, its event and what it settles: one commit
-                new = self._record_hop(request, run, purpose, t)
+                new = self._record_hop(request, run, purpose, t, record)
         except LedgerConflict as exc:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         if new:
             self.monitor.transfer_reported(request, purpose)
         return cpb.ReportReply(duplicate=not new)
 
-    def _record_hop(self, request: cpb.HopReport, run: dict, purpose: str, t: Transfer) -> bool:
-        """ReportHop's writes (inside a ledger batch); False for a repeated report."""
+    def _record_hop(self, request: cpb.HopReport, run: dict, purpose: str, t: Transfer, record=None) -> bool:
+        """ReportHop's writes (inside a ledger batch), the signed ``record`` bound to its event;
+        False for a repeated report."""
         new = self.ledger.record_hop(request.run_id, purpose, request.hop, request.sender, request.receiver,
                                      request.payload_bytes, request.wire_bytes, request.sha256,
                                      request.started, request.ended, request.attempts, request.resumed_from,
@@ -474,7 +484,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 site=request.sender, hop=request.hop, round=t.round, sender=request.sender,
                 receiver=request.receiver, payload_bytes=request.payload_bytes, wire_bytes=request.wire_bytes,
                 sha256=request.sha256, seconds=seconds, attempts=max(1, request.attempts),
-                resumed_from=request.resumed_from, route=request.route or "direct",
+                resumed_from=request.resumed_from, route=request.route or "direct", record=record,
             )
             self._settle(run, purpose, request.hop, request.receiver)
             if request.route == "relayed" and self.ledger.transfer(request.run_id, purpose, request.hop,
@@ -497,14 +507,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if purpose is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, PURPOSE_ERROR)
         self._check_report(run, purpose, request.hop, request.sender, request.receiver, request.payload_bytes, context)
+        record = self.signatures.report(request, context, request.receiver)
         try:
-            with self.ledger.batch():  # the receipt and what it settles: one commit
+            with self.ledger.batch():  # the receipt, its event and what it settles: one commit
                 new = self.ledger.record_receipt(request.run_id, purpose, request.hop, request.sender,
                                                  request.receiver, request.payload_bytes, request.sha256,
                                                  request.schema_sha256, request.received,
                                                  route=request.route or "direct",
                                                  relay_wire_bytes=request.relay_wire_bytes)
                 if new:
+                    what = {"chain": f"hop {request.hop}", "upload": f"upload {request.hop}"}.get(purpose, "final model")
+                    self.ledger.add_event(
+                        request.run_id, "receipt", f"{request.receiver} attests {what} from {request.sender}: "
+                        f"{request.payload_bytes} bytes, sha256 {request.sha256[:12]}", site=request.receiver,
+                        hop=request.hop, purpose=purpose, sender=request.sender, receiver=request.receiver,
+                        payload_bytes=request.payload_bytes, sha256=request.sha256, record=record)
                     self._settle(run, purpose, request.hop, request.receiver)
         except LedgerConflict as exc:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
@@ -602,14 +619,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if copies - {request.sha256, None}:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the final model's sha256 differs from the copies "
                                                             f"{request.site} reported sending")
+        record = self.signatures.report(request, context, request.site)
         if request.missing:
             self._record_missing(run, list(request.missing), context)
-        self.ledger.update_run(request.run_id, final_sha256=request.sha256, final_site=request.site,
-                               model_bytes=run["model_bytes"] or request.model_bytes)
-        self.ledger.add_event(request.run_id, "final",
-                              f"final model from {request.site}: sha256 {request.sha256}, "
-                              f"{request.model_bytes} bytes", site=request.site,
-                              sha256=request.sha256, model_bytes=request.model_bytes)
+        with self.ledger.batch():  # the final model, its event and its signed report: one commit
+            self.ledger.update_run(request.run_id, final_sha256=request.sha256, final_site=request.site,
+                                   model_bytes=run["model_bytes"] or request.model_bytes)
+            self.ledger.add_event(request.run_id, "final",
+                                  f"final model from {request.site}: sha256 {request.sha256}, "
+                                  f"{request.model_bytes} bytes", site=request.site,
+                                  sha256=request.sha256, model_bytes=request.model_bytes, record=record)
         self._submit_evaluation(request.run_id)
         return cpb.ReportReply()
 
@@ -642,11 +661,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.ledger.add_event(request.run_id, "state", f"ignored a failure of {request.site} (routed around): "
                                   f"{request.error}", site=request.site)
             return cpb.ReportReply(duplicate=True)
-        self._fail(request.run_id, f"{request.site}: {request.error}", site=request.site)
+        record = self.signatures.report(request, context, request.site)
+        self._fail(request.run_id, f"{request.site}: {request.error}", site=request.site, record=record)
         return cpb.ReportReply()
 
-    def _fail(self, run_id: str, error: str, site: str = "") -> None:
-        self.ledger.finish_run(run_id, "failed", error=error, message=f"run failed: {error}", site=site)
+    def _fail(self, run_id: str, error: str, site: str = "", record=None) -> None:
+        """End the run as failed with ``error`` (``record``: the site's signed failure report)."""
+        self.ledger.finish_run(run_id, "failed", error=error, message=f"run failed: {error}", site=site,
+                               record=record)
 
     # -- routing around a site that stayed down ---------------------------------------------------
     def start_monitor(self, stop: threading.Event, interval: float = 1.0) -> None:
@@ -898,17 +920,23 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 reply = self._call_peer(site, "Evaluate", peer_pb2.EvaluateRequest(run_id=run_id, sha256=sha),
                                         timeout=wire.EVALUATE_TIMEOUT)
                 checks.check_evaluation(reply, site["name"])  # counts, accuracy, seconds (InvalidName)
+                record = self.signatures.evaluation(reply, site["name"], run_id, sha)
                 stats = evaluation.site_stats(reply, len(run["class_index"]))
                 results[site["name"]] = (reply, stats)
-                self.ledger.record_evaluation(run_id, site["name"], sha, reply.correct, reply.test_samples,
-                                              reply.accuracy, reply.seconds, dict(reply.metrics), stats.to_dict())
-                self.ledger.add_event(run_id, "evaluated",
-                                      f"{site['name']}: accuracy {reply.accuracy:.4f} on "
-                                      f"{reply.test_samples} test samples{evaluation.metrics_line(reply.metrics)}",
-                                      site=site["name"], accuracy=reply.accuracy, test_samples=reply.test_samples,
-                                      metrics=dict(reply.metrics))
+                with self.ledger.batch():  # the figures, their event and the signed reply: one commit
+                    self.ledger.record_evaluation(run_id, site["name"], sha, reply.correct, reply.test_samples,
+                                                  reply.accuracy, reply.seconds, dict(reply.metrics),
+                                                  stats.to_dict())
+                    self.ledger.add_event(run_id, "evaluated",
+                                          f"{site['name']}: accuracy {reply.accuracy:.4f} on {reply.test_samples} "
+                                          f"test samples{evaluation.metrics_line(reply.metrics)}",
+                                          site=site["name"], accuracy=reply.accuracy,
+                                          test_samples=reply.test_samples, metrics=dict(reply.metrics),
+                                          record=record)
             except grpc.RpcError as exc:
                 errors.append(f"{site['name']}: {wire.status_message(exc)}")
+            except SignatureError as exc:
+                errors.append(f"{site['name']}: its evaluation was refused: {exc}")
             except ValueError as exc:
                 errors.append(f"{site['name']}: its evaluation does not check: {exc}")
 

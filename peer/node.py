@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, params as run_params, payload, registry, tasks as task_registry, wire
+from fedrelay import __version__, params as run_params, payload, registry, signing, tasks as task_registry, wire
 from fedrelay.task import ModelSpec, SiteData, canonical_json
 from fedrelay.tasks.offers import Offer
 from fedrelay.peer.inbound import InboundStreams, Stream
@@ -1099,18 +1099,24 @@ class PeerNode:
 
     def evaluate(self, run_id: str, sha256: str) -> peer_pb2.EvaluateReply:
         """Accuracy, metrics and aggregate statistics of the run's final model on this site's test
-        split (``fedrelay.scoring``): the ``evaluate`` job on a worker (waiting for a host slot like any job: at most that many evaluations at once on
-        one machine). Raises ``LookupError`` (no such final model here) or what the job raises."""
+        split (``fedrelay.scoring``): the ``evaluate`` job on a worker (waiting for a host slot like
+        any job: at most that many evaluations at once on one machine). The reply names the run
+        and the model's SHA-256 and, under TLS, is signed with this site's key
+        (``fedrelay/signing.py``): the coordinator records only a verified one. Raises
+        ``LookupError`` (no such final model here) or what the job raises."""
         path = self.final_model_path(run_id, sha256)
+        sha256 = sha256 or wire.sha256_file(path)
         a = self.runs[run_id].assignment
         started = time.time()
         answer = self.jobs.run({"op": "evaluate", "model": str(path), "spec": self._spec(a),
                                 "class_index": list(a.class_index)}, cancelled=self.stop.is_set)
         correct, total = answer["correct"], answer["total"]
-        return peer_pb2.EvaluateReply(site=self.name, correct=correct, test_samples=total,
-                                      accuracy=correct / total if total else 0.0, seconds=time.time() - started,
-                                      metrics=answer.get("metrics") or {},
-                                      stats_json=json.dumps(answer.get("stats") or {}, separators=(",", ":")))
+        reply = peer_pb2.EvaluateReply(site=self.name, correct=correct, test_samples=total, run_id=run_id,
+                                       sha256=sha256, accuracy=correct / total if total else 0.0,
+                                       seconds=time.time() - started, metrics=answer.get("metrics") or {},
+                                       stats_json=json.dumps(answer.get("stats") or {}, separators=(",", ":")))
+        signer = signing.signer_for(self.transport)  # TLS: signed with this site's key for the ledger
+        return signer.sign(reply) if signer is not None else reply
 
     def status(self) -> peer_pb2.PeerStatus:
         st = peer_pb2.PeerStatus(name=self.name, address=self.address, device=self.device, version=__version__,

@@ -2,7 +2,9 @@
 
 - :class:`CoordinatorLink`: the one channel to the coordinator (whose certificate must name
   ``coordinator`` under TLS), reused by every call, retried with ``wire.backoff_delays`` (the
-  one retry policy of both daemons).
+  one retry policy of both daemons). Under TLS its reports for the ledger (``ReportHop``,
+  ``ReportReceipt``, ``ReportFinal``, ``ReportFailure``) are signed with the site's key
+  (``fedrelay.signing.SigningStub``) on every call.
 - :class:`Reporter`: two background threads. Progress (epochs, state changes) is best effort and
   never blocks the caller: one try of up to 5 s each, dropped when :data:`PROGRESS_QUEUE` reports
   wait. Receipts (what this site verified and kept, ``Coordinator.ReportReceipt``) must reach the
@@ -20,7 +22,7 @@ from typing import Callable
 
 import grpc
 
-from fedrelay import wire
+from fedrelay import signing, wire
 from fedrelay.wire import backoff_delays
 from fedrelay.v1 import coordinator_pb2_grpc
 
@@ -44,7 +46,8 @@ class CoordinatorLink:
         self.registration_error = ""  # why the latest registration failed ("" after a success)
         self.relay = ""  # the relay the coordinator names (RegisterReply.relay; "": the coordinator itself)
         self._channel = transport.channel(address, expect=wire.COORDINATOR_IDENTITY)
-        self.stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self.stub = signing.SigningStub(coordinator_pb2_grpc.CoordinatorStub(self._channel),
+                                        signing.signer_for(transport))
 
     def call(self, method: str, request, *, retry_for: float = 0.0, stop: threading.Event | None = None,
              timeout: float = wire.CONTROL_TIMEOUT):

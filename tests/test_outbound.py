@@ -180,6 +180,12 @@ def test_outbound_only_sites_get_their_models_through_the_relay_with_the_same_di
                 assert h["relay_wire_bytes"] >= h["sealed_bytes"]
         assert relayed["total_bytes"] == relayed["expected_total_bytes"]
         assert set(relayed["final"]["per_site"]) == set(trial.names)  # evaluated over the control streams
+        # The ledger's records of the run verify against the CA alone (coordinator audit).
+        from fedrelay.coordinator import audit
+
+        bundle = audit.bundle_from_ledger(trial.workdir / "ledger.sqlite", relayed["run_id"])
+        report = audit.verify(bundle, audit.load_ca_file(trial.pki))
+        assert report.verdict == "verified", [str(p) for p in report.ordered()]
         # Their predecessors cannot reach them: the coordinator told them to prepare, over their streams.
         for name in outbound:
             log = (tmp_path / "logs" / f"{name}.log").read_text()

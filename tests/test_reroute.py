@@ -79,6 +79,12 @@ def test_a_site_down_before_its_hop_is_routed_around(trial):
         assert [(h["sender"], h["receiver"]) for h in done["hops"]] == [(a, c), (c, d)]
         assert done["total_bytes"] == 2 * done["model_bytes"]
         assert set(done["final"]["per_site"]) == {a, c, d}  # evaluated where the sites are up
+        # The ledger's records of the run verify against the CA alone (coordinator audit).
+        from fedrelay.coordinator import audit
+
+        bundle = audit.bundle_from_ledger(trial.workdir / "ledger.sqlite", run["run_id"])
+        report = audit.verify(bundle, audit.load_ca_file(trial.pki))
+        assert report.verdict == "verified", [str(p) for p in report.ordered()]
     finally:
         trial.restart(b)  # the next test needs every peer reachable
         trial.wait_ready(b)

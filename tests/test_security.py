@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from fedrelay import wire
+from fedrelay import signing, wire
 from fedrelay.coordinator import pki
 from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.service import CoordinatorService
@@ -470,8 +470,11 @@ def coordinator(ids, tmp_path_factory):
     ledger.close()
 
 
-def cstub(transport: wire.Transport, address: str) -> coordinator_pb2_grpc.CoordinatorStub:
-    return coordinator_pb2_grpc.CoordinatorStub(transport.channel(address, expect="coordinator"))
+def cstub(transport: wire.Transport, address: str, signed: bool = True) -> coordinator_pb2_grpc.CoordinatorStub:
+    """A stub to the coordinator with ``transport``'s identity; its reports are signed with that
+    identity's key, as a peer's are (``signed=False``: sent as given)."""
+    stub = coordinator_pb2_grpc.CoordinatorStub(transport.channel(address, expect="coordinator"))
+    return signing.SigningStub(stub, signing.signer_for(transport)) if signed else stub
 
 
 def registration(name: str) -> cpb.RegisterRequest:

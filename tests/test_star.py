@@ -154,6 +154,12 @@ def test_a_dead_site_is_not_waited_for_and_the_ledger_says_who_is_missing(trial)
         assert [f["receiver"] for f in run["final_transfers"]] == [trial.names[1]]
         assert run["planned_uploads"] == 1 and run["planned_final_copies"] == 1
         assert run["upload_total_bytes"] + run["final_total_bytes"] == run["expected_total_bytes"]
+        # The ledger's records of the run verify against the CA alone (coordinator audit).
+        from fedrelay.coordinator import audit
+
+        bundle = audit.bundle_from_ledger(trial.workdir / "ledger.sqlite", run_id)
+        report = audit.verify(bundle, audit.load_ca_file(trial.pki))
+        assert report.verdict == "verified", [str(p) for p in report.ordered()]
     finally:
         trial.restart(dead)
         trial.wait_ready(dead)

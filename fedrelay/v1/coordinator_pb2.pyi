@@ -105,7 +105,7 @@ class ResolveSiteRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class HopReport(_message.Message):
-    __slots__ = ("run_id", "hop", "purpose", "sender", "receiver", "payload_bytes", "wire_bytes", "sha256", "started", "ended", "attempts", "resumed_from", "round", "schema_sha256", "route", "sealed_bytes", "relay", "sealed_sha256")
+    __slots__ = ("run_id", "hop", "purpose", "sender", "receiver", "payload_bytes", "wire_bytes", "sha256", "started", "ended", "attempts", "resumed_from", "round", "schema_sha256", "route", "sealed_bytes", "relay", "sealed_sha256", "signature")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     HOP_FIELD_NUMBER: _ClassVar[int]
     PURPOSE_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class HopReport(_message.Message):
     SEALED_BYTES_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
     SEALED_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     hop: int
     purpose: _common_pb2.Purpose
@@ -142,10 +143,11 @@ class HopReport(_message.Message):
     sealed_bytes: int
     relay: str
     sealed_sha256: str
-    def __init__(self, run_id: _Optional[str] = ..., hop: _Optional[int] = ..., purpose: _Optional[_Union[_common_pb2.Purpose, str]] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., started: _Optional[float] = ..., ended: _Optional[float] = ..., attempts: _Optional[int] = ..., resumed_from: _Optional[int] = ..., round: _Optional[int] = ..., schema_sha256: _Optional[str] = ..., route: _Optional[str] = ..., sealed_bytes: _Optional[int] = ..., relay: _Optional[str] = ..., sealed_sha256: _Optional[str] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, run_id: _Optional[str] = ..., hop: _Optional[int] = ..., purpose: _Optional[_Union[_common_pb2.Purpose, str]] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., started: _Optional[float] = ..., ended: _Optional[float] = ..., attempts: _Optional[int] = ..., resumed_from: _Optional[int] = ..., round: _Optional[int] = ..., schema_sha256: _Optional[str] = ..., route: _Optional[str] = ..., sealed_bytes: _Optional[int] = ..., relay: _Optional[str] = ..., sealed_sha256: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ReceiptReport(_message.Message):
-    __slots__ = ("run_id", "purpose", "hop", "sender", "receiver", "payload_bytes", "sha256", "schema_sha256", "received", "route", "relay_wire_bytes")
+    __slots__ = ("run_id", "purpose", "hop", "sender", "receiver", "payload_bytes", "sha256", "schema_sha256", "received", "route", "relay_wire_bytes", "signature")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PURPOSE_FIELD_NUMBER: _ClassVar[int]
     HOP_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +159,7 @@ class ReceiptReport(_message.Message):
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     RELAY_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     purpose: _common_pb2.Purpose
     hop: int
@@ -168,7 +171,8 @@ class ReceiptReport(_message.Message):
     received: float
     route: str
     relay_wire_bytes: int
-    def __init__(self, run_id: _Optional[str] = ..., purpose: _Optional[_Union[_common_pb2.Purpose, str]] = ..., hop: _Optional[int] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., schema_sha256: _Optional[str] = ..., received: _Optional[float] = ..., route: _Optional[str] = ..., relay_wire_bytes: _Optional[int] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, run_id: _Optional[str] = ..., purpose: _Optional[_Union[_common_pb2.Purpose, str]] = ..., hop: _Optional[int] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., schema_sha256: _Optional[str] = ..., received: _Optional[float] = ..., route: _Optional[str] = ..., relay_wire_bytes: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ProgressReport(_message.Message):
     __slots__ = ("run_id", "site", "kind", "state", "detail", "stage", "model", "epoch", "epochs", "train_loss", "val_accuracy", "seconds")
@@ -199,28 +203,32 @@ class ProgressReport(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., site: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., stage: _Optional[str] = ..., model: _Optional[int] = ..., epoch: _Optional[int] = ..., epochs: _Optional[int] = ..., train_loss: _Optional[float] = ..., val_accuracy: _Optional[float] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class FinalReport(_message.Message):
-    __slots__ = ("run_id", "site", "sha256", "model_bytes", "missing")
+    __slots__ = ("run_id", "site", "sha256", "model_bytes", "missing", "signature")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     site: str
     sha256: str
     model_bytes: int
     missing: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., site: _Optional[str] = ..., sha256: _Optional[str] = ..., model_bytes: _Optional[int] = ..., missing: _Optional[_Iterable[str]] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, run_id: _Optional[str] = ..., site: _Optional[str] = ..., sha256: _Optional[str] = ..., model_bytes: _Optional[int] = ..., missing: _Optional[_Iterable[str]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class FailureReport(_message.Message):
-    __slots__ = ("run_id", "site", "error")
+    __slots__ = ("run_id", "site", "error", "signature")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     site: str
     error: str
-    def __init__(self, run_id: _Optional[str] = ..., site: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, run_id: _Optional[str] = ..., site: _Optional[str] = ..., error: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ("duplicate",)
@@ -584,3 +592,21 @@ class ListPeersReply(_message.Message):
     peers: _containers.RepeatedCompositeFieldContainer[PeerRecord]
     next_after: str
     def __init__(self, peers: _Optional[_Iterable[_Union[PeerRecord, _Mapping]]] = ..., next_after: _Optional[str] = ...) -> None: ...
+
+class RunSeal(_message.Message):
+    __slots__ = ("run_id", "events", "last_seq", "head", "run_json", "plans", "sealed")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    RUN_JSON_FIELD_NUMBER: _ClassVar[int]
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    events: int
+    last_seq: int
+    head: str
+    run_json: str
+    plans: _containers.RepeatedScalarFieldContainer[str]
+    sealed: float
+    def __init__(self, run_id: _Optional[str] = ..., events: _Optional[int] = ..., last_seq: _Optional[int] = ..., head: _Optional[str] = ..., run_json: _Optional[str] = ..., plans: _Optional[_Iterable[str]] = ..., sealed: _Optional[float] = ...) -> None: ...

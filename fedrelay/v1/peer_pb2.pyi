@@ -204,7 +204,7 @@ class EvaluateRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class EvaluateReply(_message.Message):
-    __slots__ = ("site", "correct", "test_samples", "accuracy", "seconds", "metrics", "stats_json")
+    __slots__ = ("site", "correct", "test_samples", "accuracy", "seconds", "metrics", "stats_json", "signature", "certificate", "run_id", "sha256")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,10 @@ class EvaluateReply(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     STATS_JSON_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
     site: str
     correct: int
     test_samples: int
@@ -226,7 +230,11 @@ class EvaluateReply(_message.Message):
     seconds: float
     metrics: _containers.ScalarMap[str, float]
     stats_json: str
-    def __init__(self, site: _Optional[str] = ..., correct: _Optional[int] = ..., test_samples: _Optional[int] = ..., accuracy: _Optional[float] = ..., seconds: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., stats_json: _Optional[str] = ...) -> None: ...
+    signature: bytes
+    certificate: bytes
+    run_id: str
+    sha256: str
+    def __init__(self, site: _Optional[str] = ..., correct: _Optional[int] = ..., test_samples: _Optional[int] = ..., accuracy: _Optional[float] = ..., seconds: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., stats_json: _Optional[str] = ..., signature: _Optional[bytes] = ..., certificate: _Optional[bytes] = ..., run_id: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class FetchModelRequest(_message.Message):
     __slots__ = ("run_id", "sha256")
