@@ -268,7 +268,16 @@ def _describe_record(type_: str, msg, signer: str) -> str:
             "EvaluateReply": f"{signer}'s evaluation"}.get(type_, f"{signer}'s {type_}")
 
 
+def _json_or_none(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
 def _same(a, b) -> bool:
+    if isinstance(b, (dict, list)) and isinstance(a, str):  # a JSON column against what was signed
+        a = _json_or_none(a)
     if isinstance(a, float) or isinstance(b, float):
         try:
             return float(a) == float(b) or (math.isnan(float(a)) and math.isnan(float(b)))
@@ -447,7 +456,8 @@ class _Verifier:
             self.evaluations[msg.site] = msg
             self.expect(("evaluations", msg.site), seq, f"the evaluations row of {msg.site}", signer,
                         {"sha256": msg.sha256, "correct": msg.correct, "test_samples": msg.test_samples,
-                         "accuracy": msg.accuracy, "seconds": msg.seconds}, replace=True)
+                         "accuracy": msg.accuracy, "seconds": msg.seconds, "metrics": dict(msg.metrics),
+                         "stats": _json_or_none(msg.stats_json or "{}")}, replace=True)
         elif type_ == "FailureReport":
             if msg.site not in self.order:
                 self.problem(seq, where, f"{msg.site} is not a site of the run: not planned for it")

@@ -51,7 +51,8 @@ def event_hash(prev_hash: str, event: dict[str, Any]) -> str:
 # and the signed reports prove them anyway.
 SEALED_RUN_FIELDS = ("run_id", "created", "ended", "status", "strategy", "arch", "seed", "params", "chain",
                      "class_index", "model", "warnings", "insecure", "rounds", "final_sha256", "final_site",
-                     "accuracy", "error", "cancelled_by", "cancel_reason")
+                     "accuracy", "error", "cancelled_by", "cancel_reason", "task", "task_version", "task_sha256",
+                     "metrics")
 
 
 def sealed_run(row: dict[str, Any]) -> str:

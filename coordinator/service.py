@@ -926,7 +926,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 with self.ledger.batch():  # the figures, their event and the signed reply: one commit
                     self.ledger.record_evaluation(run_id, site["name"], sha, reply.correct, reply.test_samples,
                                                   reply.accuracy, reply.seconds, dict(reply.metrics),
-                                                  stats.to_dict())
+                                                  json.loads(reply.stats_json or "{}"))  # as the site signed them
                     self.ledger.add_event(run_id, "evaluated",
                                           f"{site['name']}: accuracy {reply.accuracy:.4f} on {reply.test_samples} "
                                           f"test samples{evaluation.metrics_line(reply.metrics)}",

@@ -224,9 +224,10 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     if not deterministic and device.startswith("cuda"):
         log.warning("--no-deterministic: CUDA kernels may differ from run to run; the same seed will "
                     "not give the same model digests")
+    served = any(o.usable for o in offers)
     for o in offers:
-        if not o.usable:
-            log.warning("task %s cannot read %s: %s", o.name, data_dir, o.error)
+        if not o.usable:  # normal when the folder is another task's format: worth a warning only if none can read it
+            (log.info if served else log.warning)("task %s cannot read %s: %s", o.name, data_dir, o.error)
             continue
         names.check_class_names(sorted(o.summary.classes), f"the classes task {o.name} reads in {data_dir}")
         for note in o.summary.notes:

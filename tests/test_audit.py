@@ -250,7 +250,7 @@ def finished(three_sites, tmp_path_factory):
     try:
         while {p.name for p in client.peers()} != set(names):
             time.sleep(0.1)
-        reply = client.start_chain(peers=names, order="given", seed=1, arch="cnn", params=run_params.to_pb(PARAMS))
+        reply = client.start_chain(peers=names, order="given", seed=1, model="cnn", params=run_params.to_pb(PARAMS))
         for _ in client.watch(reply.run_id):  # the stream ends with the run
             pass
         run = client.run(reply.run_id)
