@@ -580,10 +580,10 @@ def run_site(
         check_outputs(model, task, spec, train[0])
         m0 = warm_up(model, train, val, cfg, seed, device, on_epoch=on_epoch, task=task)
         del model
+        if on_warmup is not None:
+            on_warmup(m0)
     else:
         check_signature(m0, expected_signature(spec), "the received model")
         check_outputs(build_loaded(spec, m0), task, spec, train[0])
-        if on_warmup is not None:
-            on_warmup(m0)
     return registry.load(cfg.strategy).train(m0, spec, train, val, cfg, seed, device,
                                              finished=finished, on_epoch=on_epoch, on_model=on_model)
