@@ -155,8 +155,7 @@ def main(argv=None) -> dict:
                     params=common_pb2.TrainingParams(strategy="fedelmy", models_per_site=1, local_epochs=1,
                                                      warmup_epochs=0, alpha=1, beta=1, lr=1e-3, batch_size=8,
                                                      weight_decay=0, selection="best-val"),
-                    model=common_pb2.ModelSpec(arch=spec.arch, in_channels=1, height=28, width=28,
-                                               num_classes=spec.num_classes),
+                    model=spec.to_pb(),
                     class_index=names[:spec.num_classes])
                 stub.Assign(a, timeout=120)
                 header = common_pb2.TransferHeader(run_id=run_id, hop=0, sender="send", total_bytes=size,
