@@ -59,6 +59,9 @@ _SERVER_OPTIONS = _OPTIONS + [
     ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
     ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
     ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+    # Identity only: no compressed request is accepted (UNIMPLEMENTED), so a few KiB on the wire
+    # cannot unpack into a large model stream or report (issue 28).
+    ("grpc.compression_enabled_algorithms_bitset", 1),
 ]
 
 
@@ -84,7 +87,8 @@ def transfer_timeout(total_bytes: int) -> float:
 KEY_FILE, CERT_FILE, CA_FILE = "key.pem", "cert.pem", "ca.pem"
 # The Peer methods the coordinator may call over the control stream of a site that only connects
 # out (coordinator/tunnel.py, peer/control.py); site-to-site calls never go that way.
-TUNNELED_METHODS = ("Assign", "Reroute", "EndRun", "Evaluate", "GetStatus", "FetchModel", "RelayReady", "Prepare")
+TUNNELED_METHODS = ("Assign", "Reroute", "EndRun", "Evaluate", "GetStatus", "FetchModel", "RelayReady", "Prepare",
+                    "RelayQuota")
 COORDINATOR_IDENTITY = "coordinator"
 OPERATOR_IDENTITY = "operator"
 

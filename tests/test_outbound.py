@@ -63,6 +63,16 @@ def _transfer(sender="site-a", receiver="site-b") -> common_pb2.PlannedTransfer:
     return common_pb2.PlannedTransfer(purpose=common_pb2.CHAIN_HOP, index=1, round=1, sender=sender, receiver=receiver)
 
 
+def _grant(federation, run_id: str, t: common_pb2.PlannedTransfer, cap: int = 64 << 20) -> common_pb2.RelayGrant:
+    """The coordinator's grant of ``t`` (what ``Coordinator.GrantRelay`` answers a planned sender)."""
+    from fedrelay import signing
+    from fedrelay.coordinator.relay_bounds import Permit, issue_grant
+
+    c = federation["coordinator"]
+    return issue_grant(signing.Signer(c.key, c.cert), run_id, t.purpose, t.index, t.sender, t.receiver,
+                       Permit.for_plan(cap, 4))
+
+
 def test_the_relay_holds_only_ciphertext_and_gives_it_to_its_receiver_only(federation, relay, tmp_path):
     address, service, held = relay
     a, b, c = federation["site-a"], federation["site-b"], federation["site-c"]
@@ -70,7 +80,7 @@ def test_the_relay_holds_only_ciphertext_and_gives_it_to_its_receiver_only(feder
     payload.write_bytes(os.urandom(300_000))
     t = _transfer()
     sealed, size, sha = relaying.seal(a, "run-1", t, payload, b.cert, tmp_path / "out")
-    sent = relaying.put(address, a, "run-1", t, sealed, counter := [0])
+    sent = relaying.put(address, a, "run-1", t, sealed, counter := [0], grant=_grant(federation, "run-1", t))
     assert sent.receipt.stored_bytes == size and sent.receipt.sha256 == sha and counter[0] > size
     # What the relay holds shares no 64-byte window with the model (it cannot read it).
     plain = payload.read_bytes()
@@ -100,7 +110,8 @@ def test_the_relay_refuses_a_sender_that_is_not_the_caller_and_plaintext(federat
                                  tmp_path / "out")
     # site-c sends an envelope whose header says site-a: refused before any byte is kept.
     with pytest.raises(grpc.RpcError) as err:
-        relaying.put(address, federation["site-c"], "run-1", _transfer(), sealed, [0])
+        relaying.put(address, federation["site-c"], "run-1", _transfer(), sealed, [0],
+                     grant=_grant(federation, "run-1", _transfer()))
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     with pytest.raises(relaying.RelayUnavailable, match="mutual TLS"):
         relaying.seal(wire.INSECURE, "run-1", _transfer(), payload, b"", tmp_path / "out2")
@@ -116,11 +127,12 @@ def test_a_broken_upload_and_a_broken_download_resume_through_the_relay(federati
     # The sender's stream is cut after its first chunk: the relay keeps those bytes ...
     chunks = iter([0])
     with pytest.raises(Exception):
-        relaying.put(address, a, "run-2", t, sealed, [0], cancelled=lambda: next(chunks, 1) == 1)
+        relaying.put(address, a, "run-2", t, sealed, [0], cancelled=lambda: next(chunks, 1) == 1,
+                     grant=_grant(federation, "run-2", t))
     dest = service.path("run-2", common_pb2.CHAIN_HOP, 1, "site-b")
     assert partial_path(dest, sha).stat().st_size == wire.CHUNK_BYTES
     # ... and the next attempt sends only the rest.
-    sent = relaying.put(address, a, "run-2", t, sealed, [0])
+    sent = relaying.put(address, a, "run-2", t, sealed, [0], grant=_grant(federation, "run-2", t))
     assert sent.resumed_from == wire.CHUNK_BYTES and sent.receipt.stored_bytes == size
     # A download that broke after 1 MiB carries on from there.
     key = relay_pb2.RelayKey(run_id="run-2", purpose=common_pb2.CHAIN_HOP, index=1, receiver="site-b")
