@@ -36,7 +36,7 @@ from typing import Callable
 import grpc
 
 from fedrelay import names, signing, wire
-from fedrelay.coordinator.relay_bounds import Permit, RelayLimits, Reservations, check_grant
+from fedrelay.coordinator.relay_bounds import CapUnknown, Permit, RelayLimits, Reservations, check_grant
 from fedrelay.peer.inbound import InboundStreams
 from fedrelay.peer.transfer import TransferError, check_header_fields, held_bytes, receive_model
 from fedrelay.v1 import common_pb2, peer_pb2, relay_pb2, relay_pb2_grpc
@@ -57,8 +57,8 @@ class RelayService(relay_pb2_grpc.RelayServicer):
 
     Which transfers it carries: ``authorize(run_id, purpose, index, sender, receiver)``, when
     given (the coordinator's own relay), returns the transfer's ``Permit`` or raises
-    ``PermissionError`` (not in a running run's plan) or ``LookupError`` (the run's payload cap
-    cannot be learnt now: UNAVAILABLE, retry). Otherwise ``coordinator_cert`` (PEM; the
+    ``PermissionError`` (not in a running run's plan) or ``relay_bounds.CapUnknown`` (the run's
+    payload cap cannot be learnt now: UNAVAILABLE, retry). Otherwise ``coordinator_cert`` (PEM; the
     operator's relay) checks the grant each Put and Offset header carries; with neither, nothing
     is carried. ``on_stored(path)``, when given, is called with each envelope once it is complete
     (tests look at what the relay holds)."""
@@ -134,8 +134,8 @@ class RelayService(relay_pb2_grpc.RelayServicer):
                 permit = self.authorize(h.run_id, h.purpose, h.hop, h.sender, h.receiver)
             except PermissionError as exc:
                 raise TransferError(grpc.StatusCode.PERMISSION_DENIED, str(exc)) from None
-            except LookupError as exc:
-                raise TransferError(grpc.StatusCode.UNAVAILABLE, str(exc.args[0] if exc.args else exc)) from None
+            except CapUnknown as exc:
+                raise TransferError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
             if not isinstance(permit, Permit):
                 raise TransferError(grpc.StatusCode.PERMISSION_DENIED, "the coordinator gave this transfer no permit")
             return permit

@@ -46,6 +46,11 @@ GRANT_SECONDS = 900.0  # a grant is valid this long after it was issued (the upl
 MAX_GRANT_BYTES = 2048  # bound on a presented grant's body
 
 
+class CapUnknown(LookupError):
+    """A transfer's payload cap cannot be learnt now (its receiver cannot be asked): the relay
+    answers UNAVAILABLE and the sender retries."""
+
+
 @dataclass(frozen=True)
 class RelayLimits:
     """A relay's own bounds (``coordinator relay`` / ``coordinator serve`` options).

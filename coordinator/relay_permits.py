@@ -10,7 +10,7 @@ The envelope's cap is the run's payload cap plus the sealing overhead
   ``upload_bytes`` of the ledger), the cap of that size;
 - before, the cap the receiver states (``Peer.RelayQuota``: the cap it enforces itself, from
   the run's payload schemas), asked once per (run, receiver) and kept in memory. A receiver
-  that cannot be asked now makes the transfer wait (``LookupError``: UNAVAILABLE, the sender
+  that cannot be asked now makes the transfer wait (``relay_bounds.CapUnknown``: UNAVAILABLE, the sender
   retries).
 
 The run's quota at a relay is what its plan can need: every planned transfer relayed, each at
@@ -25,10 +25,10 @@ from typing import Callable
 import grpc
 
 from fedrelay import limits, names, wire
-from fedrelay.coordinator.relay_bounds import Permit
+from fedrelay.coordinator.relay_bounds import CapUnknown, Permit
 from fedrelay.v1 import common_pb2, peer_pb2
 
-PURPOSES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}
+PURPOSES = {common_pb2.CHAIN_HOP: "chain", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}  # the ledger's words
 MAX_STATED_CAP = 1 << 40  # bytes: a receiver's stated cap above this is not believed
 
 
@@ -51,7 +51,7 @@ class RelayPermits:
     def permit(self, run_id: str, purpose: int, index: int, sender: str, receiver: str) -> Permit:
         """The permit of the transfer ``sender -> receiver`` (``purpose``, ``index``) of run
         ``run_id``. Raises ``PermissionError`` (the run is not running, or the transfer is in no
-        version of its plan) or ``LookupError`` (its payload cap cannot be learnt now)."""
+        version of its plan) or ``CapUnknown`` (its payload cap cannot be learnt now)."""
         try:
             names.check_run_id(run_id)
             names.check_site_name(sender, "sender")
@@ -68,7 +68,7 @@ class RelayPermits:
 
     def payload_cap(self, run: dict, word: str, receiver: str) -> int:
         """The largest payload (bytes) of a ``word`` transfer of ``run`` into ``receiver``.
-        Raises ``LookupError``."""
+        Raises ``CapUnknown``."""
         size = run["upload_bytes"] if word == "upload" else run["model_bytes"]
         if size:
             return limits.payload_cap(size)
@@ -80,11 +80,11 @@ class RelayPermits:
             reply = self.peer({"name": receiver, "address": ""}).RelayQuota(
                 peer_pb2.RelayQuotaRequest(run_id=run["run_id"]), timeout=wire.CONTROL_TIMEOUT)
         except grpc.RpcError as exc:
-            raise LookupError(f"the payload cap of run {run['run_id']} is not known yet ({receiver} did not say: "
+            raise CapUnknown(f"the payload cap of run {run['run_id']} is not known yet ({receiver} did not say: "
                               f"{wire.status_message(exc)}); retry") from None
         cap = int(reply.payload_cap_bytes)
         if not 0 < cap <= MAX_STATED_CAP:
-            raise LookupError(f"{receiver} stated a payload cap of {cap} bytes for run {run['run_id']}; retry")
+            raise CapUnknown(f"{receiver} stated a payload cap of {cap} bytes for run {run['run_id']}; retry")
         with self._lock:
             self._caps[key] = cap
         return cap

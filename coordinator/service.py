@@ -304,7 +304,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def _relay_authorize(self, run_id: str, purpose: int, index: int, sender: str, receiver: str) -> Permit:
         """The coordinator's relay carries only transfers of a running run's plan (any version),
         within their permit (``coordinator/relay_permits.py``). Raises ``PermissionError`` or
-        ``LookupError``."""
+        ``relay_bounds.CapUnknown``."""
         return self.relay_permits.permit(run_id, purpose, index, sender, receiver)
 
     def GrantRelay(self, request: cpb.RelayGrantRequest, context) -> common_pb2.RelayGrant:
@@ -318,8 +318,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             permit = self.relay_permits.permit(request.run_id, request.purpose, request.index, who, request.receiver)
         except PermissionError as exc:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        except LookupError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc.args[0]))
+        except relay_bounds.CapUnknown as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return relay_bounds.issue_grant(signing.signer_for(self.transport), request.run_id, request.purpose,
                                         request.index, who, request.receiver, permit)
 

@@ -16,7 +16,7 @@ import pytest
 from fedrelay import limits, signing, wire
 from fedrelay.coordinator import pki
 from fedrelay.coordinator.relay import RelayService, serve_relay
-from fedrelay.coordinator.relay_bounds import GRANT_SECONDS, Permit, RelayLimits, issue_grant
+from fedrelay.coordinator.relay_bounds import GRANT_SECONDS, CapUnknown, Permit, RelayLimits, issue_grant
 from fedrelay.peer import relaying
 from fedrelay.peer.transfer import partial_path
 from fedrelay.v1 import common_pb2, relay_pb2
@@ -265,7 +265,7 @@ class _Plan:
 def _permits(runs, peer=None):
     from fedrelay.coordinator.relay_permits import RelayPermits
 
-    planned = {("run-1", "hop", 1, "site-a", "site-b"), ("run-2", "hop", 1, "site-a", "site-b")}
+    planned = {("run-1", "chain", 1, "site-a", "site-b"), ("run-2", "chain", 1, "site-a", "site-b")}
     return RelayPermits(_Ledger(runs), lambda *k: object() if k in planned else None, lambda run_id: (0, _Plan()),
                         peer or (lambda site: (_ for _ in ()).throw(AssertionError("the receiver is not asked"))))
 
@@ -319,7 +319,7 @@ def test_before_the_runs_sizes_are_known_the_receiver_states_its_cap(federation,
 
     runs = {"run-2": {"run_id": "run-2", "status": "running", "model_bytes": None, "upload_bytes": None}}
     down = _permits(runs, peer=lambda site: Receiver(relaying_error()))
-    with pytest.raises(LookupError, match="not known yet"):
+    with pytest.raises(CapUnknown, match="not known yet"):
         down.permit("run-2", common_pb2.CHAIN_HOP, 1, "site-a", "site-b")
     permits = _permits(runs, peer=lambda site: Receiver(2 * MiB))
     assert permits.permit("run-2", common_pb2.CHAIN_HOP, 1, "site-a", "site-b").max_bytes == limits.sealed_cap(2 * MiB)
@@ -339,3 +339,56 @@ def relaying_error():
     from fedrelay.coordinator.tunnel import TunnelError
 
     return TunnelError(grpc.StatusCode.UNAVAILABLE, "site-b has no control stream open")
+
+
+# -- the operator's relay with a real coordinator's grants ---------------------------------------------
+def test_a_planned_sender_gets_a_grant_the_operators_relay_takes_and_nobody_else_does(federation, relay_with, tmp_path):
+    from fedrelay.coordinator.ledger import Ledger
+    from fedrelay.coordinator.plan import chain_plan
+    from fedrelay.coordinator.service import CoordinatorService
+    from fedrelay.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    sites = ["site-a", "site-b", "site-c"]
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.create_run("run-g", strategy="fedelmy", arch="cnn", seed=1, params={},
+                      chain=[{"name": n, "address": "127.0.0.1:9"} for n in sites], class_index=["x"], model={},
+                      warnings=[], insecure=False, plan=chain_plan(sites).to_json())
+    ledger.update_run("run-g", model_bytes=850_000)  # fixed by the run's first agreed transfer
+    service = CoordinatorService(ledger, transport=federation["coordinator"], relay="127.0.0.1:1")
+    server, port = wire.make_server("127.0.0.1:0", transport=federation["coordinator"])
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+    server.start()
+    coordinator = f"127.0.0.1:{port}"
+    relay, folder = relay_with()
+    try:
+        def grant(who, run_id="run-g", index=1, receiver="site-b"):
+            with federation[who].channel(coordinator, expect="coordinator") as channel:
+                return coordinator_pb2_grpc.CoordinatorStub(channel).GrantRelay(cpb.RelayGrantRequest(
+                    run_id=run_id, purpose=common_pb2.CHAIN_HOP, index=index, receiver=receiver), timeout=30)
+
+        t = _t()  # hop 1: site-a -> site-b
+        mine = grant("site-a")
+        # Only the planned sender of a planned transfer of a running run gets one.
+        for who, kw in (("site-c", {}), ("site-a", {"run_id": "made-up"}), ("site-a", {"index": 2})):
+            with pytest.raises(grpc.RpcError) as err:
+                grant(who, **kw)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, (who, kw)
+        # The grant bounds the envelope by the run's cap: 24 MiB of junk is refused, a real-sized one kept.
+        err = _put_code(relay, federation, "run-g", t, _junk(tmp_path, 24 * MiB), grant=mine)
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _stored(folder) == []
+        sent = relaying.put(relay, federation["site-a"], "run-g", t, _junk(tmp_path, 900_000, "ok.sealed"), [0],
+                            grant=mine)
+        assert sent.receipt.stored_bytes == 900_000
+        # site-c cannot use site-a's grant (the relay checks the caller is the header's sender).
+        err = _put_code(relay, federation, "run-g", t, _junk(tmp_path, 1000, "c.sealed"), grant=mine, sender="site-c")
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        # Once the run has ended, no grant.
+        ledger.finish_run("run-g", "finished")
+        with pytest.raises(grpc.RpcError) as err:
+            grant("site-a")
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "not running" in err.value.details()
+    finally:
+        server.stop(0)
+        service.close()
+        ledger.close()
