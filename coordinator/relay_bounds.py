@@ -201,6 +201,8 @@ class Reservations:
                                     f"(at most {n_cap} envelopes, {cap} bytes)")
         old = self.read(own) if own.exists() else None
         created = old["created"] if old and old.get("sha256") == header.sha256 and "created" in old else time.time()
+        if old and old.get("sha256") != header.sha256:
+            dest.unlink(missing_ok=True)  # a resealed envelope replaces the one held (same sender, checked before)
         dest.parent.mkdir(parents=True, exist_ok=True)
         wire.atomic_write(own, json.dumps({"sender": header.sender, "receiver": header.receiver,
                                            "sha256": header.sha256, "bytes": total, "created": created,

@@ -392,3 +392,62 @@ def test_a_planned_sender_gets_a_grant_the_operators_relay_takes_and_nobody_else
         server.stop(0)
         service.close()
         ledger.close()
+
+
+def test_a_resealed_envelope_replaces_the_one_held_and_a_refused_one_leaves_nothing(federation, relay_with, tmp_path):
+    address, folder = relay_with()
+    t = _t()
+    first, second = _junk(tmp_path, 20_000, "1.sealed"), _junk(tmp_path, 30_000, "2.sealed")
+    relaying.put(address, federation["site-a"], "run-w", t, first, [0], grant=_grant(federation, "run-w", t))
+    relaying.put(address, federation["site-a"], "run-w", t, second, [0], grant=_grant(federation, "run-w", t))
+    key = relay_pb2.RelayKey(run_id="run-w", purpose=common_pb2.CHAIN_HOP, index=1, receiver="site-b")
+    got = relaying.fetch(address, federation["site-b"], key, "site-a", tmp_path / "b.sealed", 30_000,
+                         wire.sha256_file(second), [0])
+    assert got.path.read_bytes() == second.read_bytes()
+    assert len([p for p in _stored(folder) if p.suffix == ".json"]) == 1  # one reservation for the transfer
+    # A third whose bytes are not its declared digest: refused, and nothing of it or before it stays
+    # behind (no envelope without a meta file, no reservation without an envelope).
+    header = common_pb2.TransferHeader(run_id="run-w", hop=1, purpose=common_pb2.CHAIN_HOP, sender="site-a",
+                                       receiver="site-b", total_bytes=1000, sha256="ab" * 32)
+    header.relay_grant.CopyFrom(_grant(federation, "run-w", t))
+    with federation["site-a"].channel(address, expect=wire.COORDINATOR_IDENTITY) as channel:
+        put = channel.stream_unary(PUT, request_serializer=common_pb2.ModelChunk.SerializeToString,
+                                   response_deserializer=relay_pb2.RelayReceipt.FromString)
+        with pytest.raises(grpc.RpcError) as err:
+            put(iter([common_pb2.ModelChunk(header=header), common_pb2.ModelChunk(data=os.urandom(1000))]), timeout=30)
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert _stored(folder) == []
+
+
+class _Context:
+    def __init__(self, who):
+        self.who = who
+
+    def auth_context(self):
+        return {"transport_security_type": [b"ssl"], "x509_common_name": [self.who.encode()]}
+
+    def abort(self, code, message):
+        raise grpc.RpcError(code, message)
+
+
+def test_a_site_states_its_payload_cap_to_the_coordinator_only():
+    from fedrelay.peer.servicer import PeerServicer
+    from fedrelay.v1 import peer_pb2
+
+    class Node:
+        name = "site-b"
+
+        def relay_quota(self, run_id):
+            if run_id != "run-1":
+                raise LookupError(f"unknown run {run_id!r}")
+            return 4_400_000
+
+    servicer = PeerServicer(Node())
+    request = peer_pb2.RelayQuotaRequest(run_id="run-1")
+    assert servicer.RelayQuota(request, _Context("coordinator")).payload_cap_bytes == 4_400_000
+    with pytest.raises(grpc.RpcError) as err:
+        servicer.RelayQuota(request, _Context("site-a"))
+    assert err.value.args[0] == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(grpc.RpcError) as err:
+        servicer.RelayQuota(peer_pb2.RelayQuotaRequest(run_id="run-2"), _Context("coordinator"))
+    assert err.value.args[0] == grpc.StatusCode.NOT_FOUND
