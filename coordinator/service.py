@@ -310,6 +310,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def GrantRelay(self, request: cpb.RelayGrantRequest, context) -> common_pb2.RelayGrant:
         """A planned sender's leave to send a transfer through the operator's relay: the
         coordinator's signed grant (``coordinator/relay_bounds.py``). Mutual TLS only."""
+        names.check_run_id(request.run_id)
+        names.check_site_name(request.receiver, "receiver")
+        names.check_hop(request.index, "index")
         who = wire.caller_identity(context)
         if who is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "relay grants need mutual TLS")

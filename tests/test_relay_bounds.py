@@ -451,3 +451,26 @@ def test_a_site_states_its_payload_cap_to_the_coordinator_only():
     with pytest.raises(grpc.RpcError) as err:
         servicer.RelayQuota(peer_pb2.RelayQuotaRequest(run_id="run-2"), _Context("coordinator"))
     assert err.value.args[0] == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_grant_request_with_hostile_strings_is_invalid_argument(federation, tmp_path):
+    from fedrelay.coordinator.ledger import Ledger
+    from fedrelay.coordinator.service import CoordinatorService
+    from fedrelay.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc
+
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    service = CoordinatorService(ledger, transport=federation["coordinator"], relay="127.0.0.1:1")
+    server, port = wire.make_server("127.0.0.1:0", transport=federation["coordinator"])
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+    server.start()
+    try:
+        with federation["site-a"].channel(f"127.0.0.1:{port}", expect="coordinator") as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            for kw in ({"run_id": "[/]\x1b", "receiver": "site-b"}, {"run_id": "run-1", "receiver": "x" * 5000}):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.GrantRelay(cpb.RelayGrantRequest(purpose=common_pb2.CHAIN_HOP, index=1, **kw), timeout=30)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kw
+    finally:
+        server.stop(0)
+        service.close()
+        ledger.close()
