@@ -295,3 +295,39 @@ def test_coordinator_relay_says_what_it_needs(federation, tmp_path):
     site = pki.enroll("site-z", pki_dir, tmp_path / "site-z")
     r = runner.invoke(app, ["relay", "--listen", "127.0.0.1:0", "--dir", str(tmp_path / "r"), "--tls", str(site)])
     assert r.exit_code == 1 and "coordinator's identity" in r.output
+
+
+def test_through_the_operators_relay_senders_present_the_coordinators_grants(three_sites, tmp_path):
+    """``coordinator serve --relay HOST:PORT`` with ``coordinator relay`` there (issue 28): the
+    sender of each relayed transfer asks the coordinator for a grant and the relay takes the
+    envelope with it; the run finishes with every relayed transfer done."""
+    import threading
+
+    from bench.common import deploy_script
+    from fedrelay.coordinator.relay import serve_relay
+
+    local_trial = deploy_script("local_trial")
+    relay = f"127.0.0.1:{local_trial.free_ports(1)[0]}"
+    sites = three_sites[:2]  # the shortest chain: its one hop goes through the relay
+    last = sites[-1].name
+    stop, ready, stored = threading.Event(), threading.Event(), []
+    with local_trial.LocalTrial(tmp_path, sites, coordinator_args=["--relay", relay],
+                                outbound_only=[last]) as trial:
+        thread = threading.Thread(target=serve_relay, args=(relay, tmp_path / "own-relay"), daemon=True, kwargs=dict(
+            transport=wire.Transport.from_dir(trial.pki / "coordinator"), stop=stop, ready=ready,
+            on_stored=stored.append))
+        thread.start()
+        try:
+            assert ready.wait(30)
+            res = trial.cli("start-chain", "--seed", "4", "--wait", "--json", "--order", "given", "--peers",
+                            ",".join(d.name for d in sites), *CHAIN, capture_output=True, text=True, timeout=600)
+            assert res.returncode == 0, res.stderr[-3000:]
+            run = json.loads(res.stdout)
+            relayed = [h for h in run["hops"] + run["final_transfers"] if h["route"] == "relayed"]
+            assert relayed and {h["receiver"] for h in relayed} == {last}
+            assert all(h["status"] == "done" and h["relay"] == relay for h in relayed)
+            assert stored  # the operator's relay held them (with the coordinator's grants)
+            assert not [p for p in (tmp_path / "own-relay").rglob("*.sealed")]  # and discarded them once fetched
+        finally:
+            stop.set()
+            thread.join(10)
