@@ -26,7 +26,6 @@ live at ``DIR/<run>/<purpose>-<index>-<receiver>.sealed`` with a meta file ``.js
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import threading
@@ -147,7 +146,10 @@ class RelayService(relay_pb2_grpc.RelayServicer):
     # -- the calls --------------------------------------------------------------------------------
     def Put(self, request_iterator, context) -> relay_pb2.RelayReceipt:
         caller = self._caller(context)
-        self.sweep()
+        try:
+            self.sweep()
+        except OSError as exc:  # a broken disk: the upload below says so if it cannot be stored either
+            log.error("relay: cannot remove expired envelopes: %s", exc)
         holder: dict = {}
 
         def check_header(h: common_pb2.TransferHeader) -> Path:

@@ -19,7 +19,7 @@ from fedrelay.coordinator.relay import RelayService, serve_relay
 from fedrelay.coordinator.relay_bounds import GRANT_SECONDS, CapUnknown, Permit, RelayLimits, issue_grant
 from fedrelay.peer import relaying
 from fedrelay.peer.transfer import partial_path
-from fedrelay.v1 import common_pb2, relay_pb2
+from fedrelay.v1 import common_pb2, relay_pb2, relay_pb2_grpc
 
 MiB = 1 << 20
 PUT = "/fedrelay.v1.Relay/Put"
@@ -278,9 +278,6 @@ def _coordinator_relay(federation, folder, authorize):
     return server, f"127.0.0.1:{port}"
 
 
-from fedrelay.v1 import relay_pb2_grpc  # noqa: E402
-
-
 def test_the_coordinators_relay_takes_the_runs_cap_from_its_sizes_and_only_planned_transfers(federation, tmp_path):
     runs = {"run-1": {"run_id": "run-1", "status": "running", "model_bytes": 850_000, "upload_bytes": None},
             "run-9": {"run_id": "run-9", "status": "finished", "model_bytes": 850_000, "upload_bytes": None}}
@@ -318,7 +315,7 @@ def test_before_the_runs_sizes_are_known_the_receiver_states_its_cap(federation,
             return peer_pb2.RelayQuotaReply(payload_cap_bytes=self.answer)
 
     runs = {"run-2": {"run_id": "run-2", "status": "running", "model_bytes": None, "upload_bytes": None}}
-    down = _permits(runs, peer=lambda site: Receiver(relaying_error()))
+    down = _permits(runs, peer=lambda site: Receiver(_unreachable()))
     with pytest.raises(CapUnknown, match="not known yet"):
         down.permit("run-2", common_pb2.CHAIN_HOP, 1, "site-a", "site-b")
     permits = _permits(runs, peer=lambda site: Receiver(2 * MiB))
@@ -335,7 +332,8 @@ def test_before_the_runs_sizes_are_known_the_receiver_states_its_cap(federation,
         server.stop(0)
 
 
-def relaying_error():
+def _unreachable():
+    """What a Peer stub over a closed control stream raises."""
     from fedrelay.coordinator.tunnel import TunnelError
 
     return TunnelError(grpc.StatusCode.UNAVAILABLE, "site-b has no control stream open")
