@@ -36,7 +36,7 @@ import grpc
 
 from fedrelay import names, signing, wire
 from fedrelay.coordinator.relay_bounds import CapUnknown, Permit, RelayLimits, Reservations, check_grant
-from fedrelay.peer.inbound import InboundStreams
+from fedrelay.peer.inbound import InboundStreams, Stream
 from fedrelay.peer.transfer import TransferError, check_header_fields, held_bytes, receive_model
 from fedrelay.v1 import common_pb2, peer_pb2, relay_pb2, relay_pb2_grpc
 
@@ -151,12 +151,15 @@ class RelayService(relay_pb2_grpc.RelayServicer):
         except OSError as exc:  # a broken disk: the upload below says so if it cannot be stored either
             log.error("relay: cannot remove expired envelopes: %s", exc)
         holder: dict = {}
+        mine = Stream()
 
         def check_header(h: common_pb2.TransferHeader) -> Path:
             holder["dest"] = self._check(h, caller, reserve=True)
+            self.streams.claim(holder["dest"], mine)  # one stream writes into an envelope: an older one ends
             return holder["dest"]
 
-        watched = self.streams.watched(request_iterator)  # dropped when it stalls or runs past its deadline
+        # Dropped when it stalls, runs past its deadline, or a newer stream of the transfer takes over.
+        watched = self.streams.watched(request_iterator, mine.cancel)
         try:
             got = receive_model(watched, Path("/nonexistent"), check_header, lambda data: None, resumable=True)
         except _Held:
@@ -173,6 +176,7 @@ class RelayService(relay_pb2_grpc.RelayServicer):
             raise
         finally:
             watched.close()
+            self.streams.release(mine)
         h = got.header
         self.reservations.complete(got.path, got.sha256, got.size)
         log.info("relay: holds run %s %s %d for %s from %s (%d sealed bytes)", h.run_id, PURPOSE_WORDS[h.purpose],
@@ -198,6 +202,10 @@ class RelayService(relay_pb2_grpc.RelayServicer):
             dest = self._check(request, caller)
         except _Held:
             return peer_pb2.TransferOffsetReply(offset=request.total_bytes, complete=True)
+        except TransferError as exc:
+            context.abort(exc.code, exc.message)
+        try:
+            self.streams.end(dest)  # the sender gave up on an older stream: the answer is final
         except TransferError as exc:
             context.abort(exc.code, exc.message)
         return peer_pb2.TransferOffsetReply(offset=min(held_bytes(dest, request.sha256), request.total_bytes))

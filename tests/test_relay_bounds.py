@@ -472,3 +472,55 @@ def test_a_grant_request_with_hostile_strings_is_invalid_argument(federation, tm
         server.stop(0)
         service.close()
         ledger.close()
+
+
+def test_a_newer_put_of_the_same_transfer_ends_the_older_one(federation, relay_with, tmp_path):
+    """As at a site's Handoff: one stream writes into an envelope; a sender that resumes after a
+    link dropped (or an attacker opening many) ends the older stream, which keeps its bytes."""
+    address, folder = relay_with()
+    t = _t()
+    envelope = _junk(tmp_path, 3 * MiB)
+    grant = _grant(federation, "run-n", t, payload_cap=4 * MiB)
+    header = common_pb2.TransferHeader(run_id="run-n", hop=1, purpose=common_pb2.CHAIN_HOP, sender="site-a",
+                                       receiver="site-b", total_bytes=3 * MiB, sha256=wire.sha256_file(envelope))
+    header.relay_grant.CopyFrom(grant)
+    first_sent, release, outcome = threading.Event(), threading.Event(), {}
+
+    def older():
+        yield common_pb2.ModelChunk(header=header)
+        yield common_pb2.ModelChunk(data=envelope.read_bytes()[:MiB])
+        first_sent.set()
+        release.wait(120)
+
+    def run_older():
+        with federation["site-a"].channel(address, expect=wire.COORDINATOR_IDENTITY) as channel:
+            put = channel.stream_unary(PUT, request_serializer=common_pb2.ModelChunk.SerializeToString,
+                                       response_deserializer=relay_pb2.RelayReceipt.FromString)
+            try:
+                put(older(), timeout=120)
+            except grpc.RpcError as exc:
+                outcome["code"], outcome["details"] = exc.code(), exc.details()
+
+    thread = threading.Thread(target=run_older, daemon=True)
+    thread.start()
+    try:
+        assert first_sent.wait(30)
+        dest = RelayService(folder, limits=RelayLimits()).path("run-n", common_pb2.CHAIN_HOP, 1, "site-b")
+        deadline = time.monotonic() + 30
+        while held(dest, envelope) < MiB and time.monotonic() < deadline:  # the relay wrote the first MiB
+            time.sleep(0.05)
+        sent = relaying.put(address, federation["site-a"], "run-n", t, envelope, [0], grant=grant)
+        assert sent.resumed_from == MiB and sent.receipt.stored_bytes == 3 * MiB
+        thread.join(30)
+        assert outcome.get("code") == grpc.StatusCode.ABORTED, outcome
+        assert dest.read_bytes() == envelope.read_bytes()
+    finally:
+        release.set()
+        thread.join(10)
+
+
+def held(dest, envelope) -> int:
+    try:
+        return partial_path(dest, wire.sha256_file(envelope)).stat().st_size
+    except FileNotFoundError:
+        return 0
