@@ -267,10 +267,13 @@ def schema_digest(path: str | Path) -> str:
     is not safetensors."""
     import json
 
-    from fedrelay.safetensors_header import read_header
+    from fedrelay.safetensors_header import HeaderError, read_header
 
     try:
         header = read_header(path, limit=MAX_MESSAGE_BYTES)
+    except HeaderError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    try:
         entries = sorted((k, v["dtype"], list(v["shape"])) for k, v in header.items() if k != "__metadata__")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{path}: not a safetensors header: {exc}") from None
