@@ -195,6 +195,59 @@ def health(
 
 
 @app.command()
+def init(
+    name: str = typer.Option(..., "--name", help="This site's name (what it passes as `peer serve --name`)."),
+    state_dir: Path = typer.Option(None, "--state-dir", file_okay=False,
+                                   help="The site's state dir (`peer serve --state-dir`) \\[default: ./.fedrelay/<name>]."),
+    tls: Path = typer.Option(None, "--tls", file_okay=False,
+                             help="Folder for the key and request (later `peer serve --tls`) \\[default: "
+                                  "<state-dir>/tls]."),
+    host: list[str] = typer.Option(None, "--host", help="Host name or IP other sites dial this site at (repeatable; "
+                                   "goes in the certificate's SAN) \\[default: localhost, 127.0.0.1, ::1]."),
+    force: bool = typer.Option(False, "--force", help="Replace a key the folder already holds (its certificate "
+                               "stops working: the operator must sign the new request)."),
+) -> None:
+    """Make this site's private key and a certificate signing request, here at the site: send the
+    request (NAME.csr) to the operator (`coordinator enroll --csr`), then put the cert.pem and
+    ca.pem you get back beside the key (`peer install-cert`). The key never leaves this folder."""
+    from fedrelay.cli.common import console
+    from fedrelay.identity import DEFAULT_HOSTS, IdentityError, init_site
+
+    folder = tls or (state_dir or Path(".fedrelay") / name) / "tls"
+    try:
+        request = init_site(name, folder, hosts=host or DEFAULT_HOSTS, force=force)
+    except (IdentityError, OSError) as exc:
+        fail(str(exc))
+    console.print(f"site {name}: private key {folder / 'key.pem'} (mode 0600; it never leaves this host), "
+                  f"request {request}", highlight=False, soft_wrap=True)
+    console.print(f"next: send {request.name} to the federation's operator, who runs\n"
+                  f"  coordinator enroll --csr {request.name} --ca PKI --out DIR\n"
+                  f"then put what comes back beside the key: peer install-cert DIR --tls {folder}",
+                  highlight=False, soft_wrap=True)
+
+
+@app.command("install-cert")
+def install_cert(
+    source: Path = typer.Argument(..., help="The folder the operator returned (cert.pem and ca.pem from "
+                                  "`coordinator enroll --csr`; a site kit folder)."),
+    tls: Path = typer.Option(..., "--tls", file_okay=False, help="The folder `peer init` wrote the key to."),
+) -> None:
+    """Check that the operator's certificate is for this site's key and from the CA, and put
+    cert.pem and ca.pem beside the key: the folder is then `peer serve --tls`."""
+    from fedrelay.cli.common import console
+    from fedrelay.identity import IdentityError, copy_certificate
+    from fedrelay.wire import Transport, TransportError
+
+    try:
+        copy_certificate(source, tls)
+        t = Transport.from_dir(tls)
+    except (IdentityError, TransportError, OSError) as exc:
+        fail(str(exc))
+    console.print(f"site {t.identity}: certificate installed in {tls}; serve with `peer serve --tls {tls} ...`",
+                  highlight=False, soft_wrap=True)
+
+
+@app.command()
 def prune(
     state_dir: Path = typer.Option(..., "--state-dir", file_okay=False,
                                    help="The peer's state dir (`peer serve --state-dir`)."),
