@@ -111,6 +111,9 @@ def relay_command(
                                 help="Where the sealed payloads are kept until their receiver fetches them."),
     tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " Here: PKI/coordinator (sites dial "
                              "the relay expecting the coordinator's certificate name).", file_okay=False),
+    crl: Path = typer.Option(None, "--crl", envvar="FEDRELAY_CRL", dir_okay=False,
+                             help="The federation's revocation list (PKI/ca/crl.pem, rewritten by `coordinator "
+                                  "revoke`), reloaded when it changes: revoked sites are refused."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
 ) -> None:
     """Run a relay on its own: where senders leave payloads, sealed to the receiver's key, for sites
@@ -124,7 +127,7 @@ def relay_command(
     from fedrelay.coordinator.relay import serve_relay
 
     try:
-        serve_relay(listen, folder, transport=transport)
+        serve_relay(listen, folder, transport=transport, crl=crl)
     except (RuntimeError, ValueError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -365,7 +368,16 @@ def render_summary(s: dict) -> None:
     else:
         _render_chain(s)
     _render_relayed(s)
+    for r in s.get("revoked") or ():
+        console.print(f"[bold red]revoked:[/] {_revoked_line(r)}", highlight=False, soft_wrap=True)
     _render_outcome(s)
+
+
+def _revoked_line(r: dict) -> str:
+    """One revoked site, for people: who revoked it, when (local time) and why."""
+    why = f": {r['reason']}" if r.get("reason") else ""
+    return (f"{r['name']} (certificate {r['serial'][:16]}) by {r['revoked_by'] or '?'} at "
+            f"{_local_time(r['revoked_at'])}{why}")
 
 
 def _render_live(s: dict) -> None:
@@ -577,6 +589,10 @@ def peers(coordinator: str = COORD,
         t.add_column(col, no_wrap=col not in ("site", "address"), overflow="fold")
     for p in records:
         status = "[green]live[/]" if p.live else f"[red]stale[/] (> {p.peer_timeout:.0f} s)"
+        if p.HasField("revocation"):
+            from fedrelay.coordinator.client import revocation_dict
+
+            status = f"[bold red]revoked[/] {safe(_revoked_line(revocation_dict(p.revocation)))}"
         address = safe(p.address) or ("connects out only, " + ("[green]stream open[/]" if p.connected
                                                               else "[red]no stream[/]"))
         offers = "\n".join(_offer_line(o) for o in p.tasks) or "-"
@@ -767,6 +783,59 @@ def audit(
                       f"records carry no signatures and nothing proves who wrote them. Consistency only: "
                       f"{report.summary()}", highlight=False, soft_wrap=True)
     raise typer.Exit({"verified": 0, "failed": 1, "unsigned": 3}[report.verdict])
+
+
+@app.command()
+def revoke(
+    name: str = typer.Argument(..., help="The site to revoke (its certificate name)."),
+    ca: Path = typer.Option(..., "--ca", help="The PKI folder made by init-ca: its CA key signs the revocation list "
+                            "(PKI/ca/crl.pem), and PKI/ca/issued holds the site's certificates."),
+    reason: str = typer.Option("", "--reason", help="Why, recorded in the ledger with who revoked the site and when."),
+    serial: list[str] = typer.Option(None, "--serial", help="Revoke this certificate serial (hex; repeatable) "
+                                     "\\[default: every certificate PKI/ca/issued holds for NAME]."),
+    coordinator: str = COORD,
+    tls: Path = TLS,
+    insecure: bool = INSECURE,
+) -> None:
+    """Revoke a site: sign a new certificate revocation list with the CA (PKI/ca/crl.pem) and
+    publish it through the coordinator, which records who revoked the site, when and why. The
+    site's next call to the coordinator or to any site is refused and its transfers in flight
+    stop (the sites fetch the list with their next heartbeat); its running runs are routed around
+    it. No daemon restarts."""
+    from fedrelay.coordinator.pki import PKIError, check_name, crl_path, issued, revoke as sign_revocation
+
+    try:
+        check_name(name)
+    except PKIError as exc:
+        fail(str(exc))
+    if serial:
+        try:
+            serials = [int(s, 16) for s in serial]
+        except ValueError:
+            fail(f"--serial must be hex serial numbers (as `openssl x509 -serial` prints them), not {serial!r}")
+    else:
+        try:
+            serials = [c.serial_number for c in issued(ca, name)]
+        except OSError as exc:
+            fail(f"--ca {ca}: {exc.strerror or exc}")
+        if not serials:
+            fail(f"--ca {ca} holds no certificate issued to {name} (PKI/ca/issued); pass its serial with --serial HEX")
+    with _client(coordinator, tls, insecure) as client:  # the TLS options are checked before the CRL changes
+        try:
+            crl_der, number = sign_revocation(ca, serials)
+        except (PKIError, OSError) as exc:
+            fail(str(exc))
+        try:
+            reply = client.revoke(name, serials, crl_der, reason=reason)
+        except grpc.RpcError as exc:
+            err_console.print(f"[yellow]the revocation list {number} is signed ({crl_path(ca)}) but was not "
+                              "published:[/]", highlight=False)
+            _rpc_fail(exc, coordinator)
+    runs = f"; running run(s) routed around it: {', '.join(reply.runs)}" if reply.runs else ""
+    console.print(f"revoked {safe(name)} (certificate(s) {', '.join(f'{s:x}' for s in serials)}) by "
+                  f"{safe(reply.revoked_by)} at {_local_time(reply.revoked_at)}; revocation list {reply.crl_number} "
+                  f"published ({crl_path(ca)}): the site's calls are refused from the next heartbeat of each "
+                  f"site{runs}", highlight=False, soft_wrap=True)
 
 
 @app.command("init-ca")

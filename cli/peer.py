@@ -65,6 +65,10 @@ def serve(
                                         "module:attr for a task module on this daemon's Python path \\[default: "
                                         "every installed task (entry-point group fedrelay.tasks) and the built-in "
                                         "ones]."),
+    crl: Path = typer.Option(None, "--crl", envvar="FEDRELAY_CRL", dir_okay=False,
+                             help="A certificate revocation list file from the operator (PKI/ca/crl.pem), reloaded "
+                                  "when it changes (every 10 s); the coordinator's newest list also comes with the "
+                                  "heartbeats. Calls from revoked sites are refused."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
     check: bool = typer.Option(False, "--check", help="Only validate the options (name, TLS identity, addresses, "
                                "device, state dir, data folder), print one line and exit 0; listens on nothing."),
@@ -86,7 +90,7 @@ def serve(
                    transport=transport, stall_timeout=stall_timeout, deterministic=deterministic,
                    weights_dir=weights_dir, metrics_listen=metrics_listen, worker_slots=worker_slots,
                    outbound_only=outbound_only, relay_after=relay_after, fork_workers=fork_workers,
-                   tasks=task or None)
+                   tasks=task or None, crl=crl)
     except (DataError, ValueError, RuntimeError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:

@@ -247,3 +247,50 @@ def enroll(name: str, ca: str | Path, out: str | Path, *, hosts=DEFAULT_HOSTS, d
     _write(out / CERT_FILE, cert_pem, 0o644)
     _write(out / CA_FILE, ca_pem, 0o644)
     return out
+
+
+CRL_FILE = "crl.pem"
+CRL_DAYS = 30  # the CRL's nextUpdate (informative: daemons keep enforcing the newest list they hold)
+
+
+def crl_path(ca: str | Path) -> Path:
+    """Where the CA in ``ca`` keeps its certificate revocation list."""
+    return _ca_folder(ca) / CRL_FILE
+
+
+def revoke(ca: str | Path, serials: list[int], *, reason: x509.ReasonFlags | None = None,
+           when: dt.datetime | None = None) -> tuple[bytes, int]:
+    """Add ``serials`` to the CA's certificate revocation list (``ca/crl.pem``; made when there
+    is none) and sign the new list with the CA's key: its number is one more than the old one's,
+    and every entry of the old list stays. Returns (the new list as DER, its number); the PEM is
+    written to ``ca/crl.pem``. Raises ``PKIError`` (no serials, an unusable CA or old list)."""
+    from fedrelay.revocation import CrlError, crl_number, load_crl
+
+    if not serials:
+        raise PKIError("nothing to revoke: no certificate serials")
+    cert, key, _ = load_ca(ca)
+    path = crl_path(ca)
+    old = None
+    if path.exists():
+        try:
+            old = load_crl(path.read_bytes(), str(path))
+        except CrlError as exc:
+            raise PKIError(str(exc)) from None
+    now = when or dt.datetime.now(dt.timezone.utc)
+    builder = (x509.CertificateRevocationListBuilder().issuer_name(cert.subject)
+               .last_update(now).next_update(now + dt.timedelta(days=CRL_DAYS))
+               .add_extension(x509.CRLNumber((crl_number(old) if old is not None else 0) + 1), critical=False))
+    kept = set()
+    for entry in old or ():
+        builder = builder.add_revoked_certificate(entry)
+        kept.add(entry.serial_number)
+    for serial in dict.fromkeys(serials):
+        if serial in kept:
+            continue
+        entry = x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now)
+        if reason is not None:
+            entry = entry.add_extension(x509.CRLReason(reason), critical=False)
+        builder = builder.add_revoked_certificate(entry.build())
+    crl = builder.sign(key, hashes.SHA256())
+    _write(path, crl.public_bytes(serialization.Encoding.PEM), 0o644)
+    return crl.public_bytes(serialization.Encoding.DER), crl_number(crl)
