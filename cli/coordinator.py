@@ -289,7 +289,8 @@ def _follow(client, run_id: str, total_epochs: int, out) -> None:
             if ev.kind == "epoch":
                 progress.advance(task)
                 progress.update(task, description=safe(ev.site))
-            elif ev.kind in ("hop", "upload", "final", "failed", "finished", "cancelled", "warning", "skip"):
+            elif ev.kind in ("hop", "upload", "final", "failed", "finished", "cancelled", "warning", "skip",
+                             "revoked"):
                 progress.console.print(safe(ev.message), highlight=False)
             elif ev.kind == "state" and (ev.message.endswith(": training") or "restarted" in ev.message):
                 progress.console.print(safe(ev.message), highlight=False)

@@ -75,6 +75,16 @@ def serve(
 ) -> None:
     """Serve a site: receive models from the predecessor, train the model pool, send to the successor."""
     transport = transport_from(tls, insecure)
+    if crl is not None:  # said before anything starts (--check too): a list that is not this CA's
+        from fedrelay import revocation
+
+        try:
+            revocation.RevocationList(transport.ca if transport.secure else None).update(
+                crl.read_bytes(), source=f"--crl {crl}")
+        except OSError as exc:
+            fail(f"--crl {crl}: cannot read it ({exc.strerror or exc})")
+        except revocation.CrlError as exc:
+            fail(str(exc))
     if check:
         _check_serve(data, name, listen, coordinator, state_dir or Path(".fedrelay") / name, device, advertise,
                      transport, stall_timeout, weights_dir, outbound_only, relay_after, task or None)

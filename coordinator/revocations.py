@@ -81,8 +81,22 @@ class Revocations:
         return found[-1] if found else None
 
     def names(self) -> dict[str, Revoked]:
-        """Revoked site name -> its latest revocation."""
+        """Revoked site name -> its latest revocation (ever: see ``current``)."""
         return {e.name: e for e in self.entries()}
+
+    def current(self, certificates: dict[str, bytes]) -> dict[str, Revoked]:
+        """The sites revoked now: revoked, and not registered since with a certificate that is
+        not on the list (``certificates``: name -> the PEM certificate each site registered with;
+        a site enrolled anew with a new key is back in good standing once it registers)."""
+        out = {}
+        for name, entry in self.names().items():
+            pem = certificates.get(name)
+            if pem is not None:
+                serial = self.list.serial_for(pem)
+                if serial is not None and not self.list.is_revoked(serial):
+                    continue
+            out[name] = entry
+        return out
 
     def revoke(self, name: str, serials: list[str], crl_der: bytes, revoked_by: str, reason: str = "") -> Revoked:
         """Record the revocation of site ``name``'s certificates ``serials`` (hex) by
@@ -133,15 +147,17 @@ class Revocations:
 
     # -- the wire ------------------------------------------------------------------------------------
     @staticmethod
-    def entry_pb(e: Revoked):
+    def entry_pb(e: Revoked, reinstated: bool = False):
         from fedrelay.v1 import coordinator_pb2 as cpb
 
         return cpb.CrlEntry(name=e.name, serial=f"{e.serial:x}", revoked_at=e.revoked_at, revoked_by=e.revoked_by,
-                            reason=e.reason)
+                            reason=e.reason, reinstated=reinstated)
 
-    def reply(self):
-        """The ``CrlReply`` of ``GetCrl``: the newest list (DER) and every revoked certificate."""
+    def reply(self, certificates: dict[str, bytes]):
+        """The ``CrlReply`` of ``GetCrl``: the newest list (DER) and every revoked certificate,
+        those of sites enrolled anew since marked ``reinstated`` (``current``)."""
         from fedrelay.v1 import coordinator_pb2 as cpb
 
+        now = self.current(certificates)
         return cpb.CrlReply(crl=self.list.der, number=self.list.number,
-                            entries=[self.entry_pb(e) for e in self.entries()])
+                            entries=[self.entry_pb(e, reinstated=e.name not in now) for e in self.entries()])

@@ -190,7 +190,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if request.instance:
             self.ledger.set_peer_instance(request.name, request.instance)
         return cpb.RegisterReply(version=__version__, heartbeat_seconds=self.heartbeat_period(),
-                                 relay=self.relay_address, crl_number=self.revocations.list.number)
+                                 relay=self.relay_address, crl_number=self.revocations.list.number,
+                                 revoked_sites=len(self._revoked_sites()))
 
     def heartbeat_period(self) -> int:
         """Seconds between a site's heartbeats, told in every ``RegisterReply``: 10 (at most a
@@ -706,12 +707,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         or revoked (``coordinator revoke``)."""
         now = time.time()
         seen = self.ledger.last_seen()
-        revoked = self.revocations.names()
+        revoked = self._revoked_sites()
         return {n for n in names if now - seen.get(n, 0) > self.peer_timeout or n in revoked}
+
+    def _revoked_sites(self) -> dict:
+        """The sites revoked now (``Revocations.current``: not enrolled anew since)."""
+        return self.revocations.current(self._certificates)
 
     def _down_reason(self, name: str) -> str:
         """Why ``name`` is routed around (its revocation, else its silence)."""
-        revoked = self.revocations.names().get(name)
+        revoked = self._revoked_sites().get(name)
         if revoked is not None:
             return f"certificate {revoked.describe()}"
         return f"no heartbeat for more than {self.peer_timeout:.0f} s"
@@ -1051,7 +1056,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         peers = self.ledger.peers()
         now = time.time()
         stale = {p["name"]: now - (p["last_seen"] or 0) for p in peers if now - (p["last_seen"] or 0) > self.peer_timeout}
-        revoked = self.revocations.names()
+        revoked = self._revoked_sites()
         if revoked:
             bad = [n for n in named if n in revoked]
             if bad:
@@ -1160,7 +1165,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return cpb.ListPeersReply(peers=peers, next_after=peers[-1].name if more else "")
 
     def _revocation_pb(self, name: str) -> cpb.CrlEntry | None:
-        revoked = self.revocations.names().get(name)
+        revoked = self._revoked_sites().get(name)
         return Revocations.entry_pb(revoked) if revoked is not None else None
 
     def _liveness(self, peer: dict) -> dict:
@@ -1296,7 +1301,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def GetCrl(self, request: cpb.CrlRequest, context) -> cpb.CrlReply:
         """The newest revocation list and the revoked sites (any authenticated caller)."""
-        return self.revocations.reply()
+        return self.revocations.reply(self._certificates)
 
     # -- summaries --------------------------------------------------------------------------------
     def summary(self, run_id: str) -> cpb.RunSummary | None:

@@ -55,6 +55,7 @@ class Revoked:
     revoked_at: float  # unix seconds
     revoked_by: str = ""
     reason: str = ""
+    reinstated: bool = False  # the site was enrolled anew since (a new certificate, not on the list)
 
     def describe(self) -> str:
         when = dt.datetime.fromtimestamp(self.revoked_at, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -214,7 +215,7 @@ class RevocationList:
 
     def _take_entries(self, entries: list[Revoked]) -> None:
         """Lock held."""
-        self._names = {e.name: e for e in entries if e.serial in self._serials}
+        self._names = {e.name: e for e in entries if e.serial in self._serials and not e.reinstated}
         self._by_serial = {e.serial: e for e in entries if e.serial in self._serials}
 
     # -- a CRL file ----------------------------------------------------------------------------------
@@ -269,17 +270,21 @@ def entries_from_pb(reply) -> list[Revoked]:
     out = []
     for e in reply.entries:
         try:
-            out.append(Revoked(e.name, int(e.serial, 16), e.revoked_at, e.revoked_by, e.reason))
+            out.append(Revoked(e.name, int(e.serial, 16), e.revoked_at, e.revoked_by, e.reason, e.reinstated))
         except ValueError:
             continue
     return out
 
 
-def follow(stub, revocations: RevocationList, number: int, timeout: float = 10.0) -> bool:
+def follow(stub, revocations: RevocationList, number: int, revoked_sites: int | None = None,
+           timeout: float = 10.0) -> bool:
     """A site's side of publication: when the coordinator's newest CRL (``number``, from a
-    ``RegisterReply``) is newer than the one held, fetch it (``Coordinator.GetCrl``) and take it.
-    Returns True when a newer CRL was taken. Raises ``grpc.RpcError`` or ``CrlError``."""
-    if number <= revocations.number:
+    ``RegisterReply``) is newer than the one held, or it revokes another number of sites now
+    (``revoked_sites``: a site enrolled anew is reinstated), fetch it (``Coordinator.GetCrl``)
+    and take it. Returns True when a newer CRL was taken. Raises ``grpc.RpcError`` or
+    ``CrlError``."""
+    if number < revocations.number or (number == revocations.number and (
+            revoked_sites is None or revoked_sites == len(revocations.names()))):
         return False
     from fedrelay.v1 import coordinator_pb2 as cpb
 

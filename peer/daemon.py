@@ -128,7 +128,7 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
             period = reply.heartbeat_seconds or 10
             delays = backoff_delays(cap=10.0)
             if revocations is not None:
-                _follow_crl(link, revocations, reply.crl_number)
+                _follow_crl(link, revocations, reply.crl_number, reply.revoked_sites)
             stop.wait(period)
         except grpc.RpcError as exc:
             link.registration_error = wire.status_message(exc)
@@ -152,11 +152,14 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
             stop.wait(next(delays))
 
 
-def _follow_crl(link: CoordinatorLink, revocations: revocation.RevocationList, number: int) -> None:
-    """Take the coordinator's newest revocation list when it is newer than ours; a failure is
-    logged and tried again at the next heartbeat."""
+def _follow_crl(link: CoordinatorLink, revocations: revocation.RevocationList, number: int,
+                revoked_sites: int | None = None) -> None:
+    """Take the coordinator's newest revocation list when it is newer than ours (or revokes
+    another number of sites); a failure is logged and tried again at the next heartbeat."""
+    if not number:
+        return
     try:
-        revocation.follow(link.stub, revocations, number, timeout=wire.CONTROL_TIMEOUT)
+        revocation.follow(link.stub, revocations, number, revoked_sites, timeout=wire.CONTROL_TIMEOUT)
     except grpc.RpcError as exc:
         log.warning("could not fetch the coordinator's revocation list %d: %s", number, wire.status_message(exc))
     except revocation.CrlError as exc:

@@ -202,6 +202,22 @@ def test_a_revoked_site_is_refused_and_cut_off_everywhere(world):
     assert "revoked" in said(r) and "left the federation" in said(r)
     hello_sent.set()
 
+    # site-a is enrolled anew (a new key, a new certificate): back in good standing once it
+    # registers; its old certificate stays refused; the peer learns it with its next heartbeat.
+    w["ids"]["site-a2"] = wire.Transport.from_dir(pki.enroll("site-a", w["root"] / "pki", w["root"] / "site-a2"))
+    reply = coord_stub(w, "site-a2").Register(cpb.RegisterRequest(name="site-a", address="127.0.0.1:9", instance="ia2"),
+                                              timeout=WAIT)
+    assert (reply.crl_number, reply.revoked_sites) == (1, 0)
+    refused_as_revoked(lambda: a.ResolveSite(cpb.ResolveSiteRequest(name="site-c"), timeout=WAIT))
+    b_link = CoordinatorLink(w["coordinator"], w["ids"]["site-b"])
+    try:
+        daemon._follow_crl(b_link, w["peer_revocations"], reply.crl_number, reply.revoked_sites)
+    finally:
+        b_link.close()
+    assert not w["node"]._is_revoked("site-a")
+    refused_as_revoked(lambda: peer_stub(w, "site-a").TransferOffset(header, timeout=WAIT))
+    assert w["service"].ListPeers(cpb.ListPeersRequest(), _operator_context()).peers[0].HasField("revocation") is False
+
 
 def test_a_running_run_is_routed_around_the_revoked_site(world):
     w = world
@@ -274,6 +290,18 @@ def test_revocation_lists_are_checked_and_files_reloaded(world, tmp_path):
     with pytest.raises(grpc.RpcError) as err:
         coord_stub(w, "site-c").Revoke(cpb.RevocationRequest(name="site-a", crl=b"x", serials=["1"]), timeout=WAIT)
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def _operator_context():
+    """A stand-in server context for calling a servicer method directly (plaintext caller)."""
+    class Context:
+        def auth_context(self):
+            return {}
+
+        def abort(self, code, details):
+            raise AssertionError(f"{code}: {details}")
+
+    return Context()
 
 
 def _older(ca) -> bytes:

@@ -59,16 +59,18 @@ class RegisterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskOffer, _Mapping]]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., instance: _Optional[str] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("version", "heartbeat_seconds", "relay", "crl_number")
+    __slots__ = ("version", "heartbeat_seconds", "relay", "crl_number", "revoked_sites")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
     CRL_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_SITES_FIELD_NUMBER: _ClassVar[int]
     version: str
     heartbeat_seconds: int
     relay: str
     crl_number: int
-    def __init__(self, version: _Optional[str] = ..., heartbeat_seconds: _Optional[int] = ..., relay: _Optional[str] = ..., crl_number: _Optional[int] = ...) -> None: ...
+    revoked_sites: int
+    def __init__(self, version: _Optional[str] = ..., heartbeat_seconds: _Optional[int] = ..., relay: _Optional[str] = ..., crl_number: _Optional[int] = ..., revoked_sites: _Optional[int] = ...) -> None: ...
 
 class ControlRequest(_message.Message):
     __slots__ = ("id", "method", "request", "timeout")
@@ -618,18 +620,20 @@ class RunSeal(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., events: _Optional[int] = ..., last_seq: _Optional[int] = ..., head: _Optional[str] = ..., run_json: _Optional[str] = ..., plans: _Optional[_Iterable[str]] = ..., sealed: _Optional[float] = ...) -> None: ...
 
 class CrlEntry(_message.Message):
-    __slots__ = ("name", "serial", "revoked_at", "revoked_by", "reason")
+    __slots__ = ("name", "serial", "revoked_at", "revoked_by", "reason", "reinstated")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SERIAL_FIELD_NUMBER: _ClassVar[int]
     REVOKED_AT_FIELD_NUMBER: _ClassVar[int]
     REVOKED_BY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    REINSTATED_FIELD_NUMBER: _ClassVar[int]
     name: str
     serial: str
     revoked_at: float
     revoked_by: str
     reason: str
-    def __init__(self, name: _Optional[str] = ..., serial: _Optional[str] = ..., revoked_at: _Optional[float] = ..., revoked_by: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    reinstated: bool
+    def __init__(self, name: _Optional[str] = ..., serial: _Optional[str] = ..., revoked_at: _Optional[float] = ..., revoked_by: _Optional[str] = ..., reason: _Optional[str] = ..., reinstated: _Optional[bool] = ...) -> None: ...
 
 class RevocationRequest(_message.Message):
     __slots__ = ("name", "reason", "crl", "serials")
