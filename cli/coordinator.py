@@ -905,9 +905,10 @@ def enroll(
         from fedrelay.identity import IdentityError, csr_name, load_csr
 
         try:
-            asked = csr_name(load_csr(request, f"--csr {csr}"))
+            parsed = load_csr(request, f"--csr {csr}")
         except IdentityError as exc:
             fail(str(exc))
+        asked = csr_name(parsed)
         if name and asked != name:
             fail(f"--csr {csr} is for {asked!r}, not {name!r}")
         name = asked
@@ -952,7 +953,17 @@ def enroll(
     except (PKIError, OSError, ValueError) as exc:
         fail(str(exc))
     if csr is not None:
-        console.print(f"enrolled {name}: {out} (cert.pem, ca.pem) for the key of its request; the site installs "
+        from fedrelay.identity import request_fingerprint
+
+        from cryptography import x509 as _x509
+
+        san = _x509.load_pem_x509_certificate(cert_pem).extensions.get_extension_for_class(
+            _x509.SubjectAlternativeName).value
+        dialled = [str(v) for v in san.get_values_for_type(_x509.DNSName)] + [
+            str(v) for v in san.get_values_for_type(_x509.IPAddress)]
+        console.print(f"certificate for {name}, dialled at {', '.join(dialled)}", highlight=False, soft_wrap=True)
+        console.print(f"enrolled {name}: {out} (cert.pem, ca.pem) for the key of its request (request SHA-256 "
+                      f"{request_fingerprint(parsed)}: the site's `peer init` printed the same); the site installs "
                       f"them beside its key: peer install-cert {out} --tls ITS_TLS_FOLDER", highlight=False,
                       soft_wrap=True)
     else:

@@ -232,8 +232,13 @@ def init(
         request = init_site(name, folder, hosts=host or DEFAULT_HOSTS, force=force)
     except (IdentityError, OSError) as exc:
         fail(str(exc))
+    from fedrelay.identity import load_csr, request_fingerprint
+
+    digest = request_fingerprint(load_csr(request.read_bytes()))
     console.print(f"site {name}: private key {folder / 'key.pem'} (mode 0600; it never leaves this host), "
                   f"request {request}", highlight=False, soft_wrap=True)
+    console.print(f"request SHA-256 {digest} (read it to the operator over another channel: `enroll --csr` "
+                  "prints the same)", highlight=False, soft_wrap=True)
     console.print(f"next: send {request.name} to the federation's operator, who runs\n"
                   f"  coordinator enroll --csr {request.name} --ca PKI --out DIR\n"
                   f"then put what comes back beside the key: peer install-cert DIR --tls {folder}",

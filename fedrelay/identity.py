@@ -17,6 +17,7 @@ fit the key and puts them beside it. The folder is then what ``peer serve --tls`
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 from pathlib import Path
@@ -137,6 +138,13 @@ def load_csr(pem: bytes, source: str = "the request") -> x509.CertificateSigning
     if not isinstance(pub, ec.EllipticCurvePublicKey) or not isinstance(pub.curve, CURVE):
         raise IdentityError(f"{source}: the key must be EC P-256 (make it with `peer init`)")
     return csr
+
+
+def request_fingerprint(csr: x509.CertificateSigningRequest) -> str:
+    """SHA-256 (hex) of the request's DER bytes: the site reads it out (``peer init`` prints it)
+    and the operator compares it with what ``enroll --csr`` prints, over a second channel (a
+    phone call), before the certificate goes back."""
+    return hashlib.sha256(csr.public_bytes(serialization.Encoding.DER)).hexdigest()
 
 
 def csr_name(csr: x509.CertificateSigningRequest) -> str:
