@@ -31,7 +31,7 @@ def serve(
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda:N"),
     advertise: str = typer.Option(None, "--advertise", help="HOST:PORT other sites use to reach this peer \\[default: the listen address]."),
     tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS,
-                             help=TLS_HELP + " Here: the folder `coordinator enroll NAME` wrote.", file_okay=False),
+                             help=TLS_HELP + " Here: the folder `peer init` wrote the site's key to.", file_okay=False),
     insecure: bool = INSECURE,
     stall_timeout: float = typer.Option(60.0, "--stall-timeout",
                                         help="Seconds a sender may send nothing before its handoff is dropped."),
