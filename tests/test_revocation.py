@@ -239,6 +239,13 @@ def test_a_running_run_is_routed_around_the_revoked_site(world):
     summary = w["service"].summary("run1")
     assert list(summary.skipped) == ["site-b"]
     assert [(e.name, e.revoked_by, e.reason) for e in summary.revoked] == [("site-b", "operator", "compromised")]
+    show = ["show", "run1", "-c", w["coordinator"], "--tls", str(w["root"] / "pki" / "operator")]
+    r = runner.invoke(coord_app, [*show, "--json"], env={"FEDRELAY_INSECURE": None})
+    assert r.exit_code == 0, r.output
+    assert [(x["name"], x["revoked_by"]) for x in json.loads(r.output)["revoked"]] == [("site-b", "operator")]
+    r = runner.invoke(coord_app, show, env={"FEDRELAY_INSECURE": None})
+    assert r.exit_code == 0, r.output
+    assert "revoked: site-b" in said(r) and "by operator" in said(r) and "compromised" in said(r)
     # A revoked site cannot be named for a new run.
     with pytest.raises(grpc.RpcError) as err:
         coord_stub(w, "operator").StartChain(cpb.StartChainRequest(peers=["site-b", "site-c"]), timeout=WAIT)
