@@ -26,13 +26,11 @@ a site. ``enroll`` therefore refuses those two names.
 from __future__ import annotations
 
 import datetime as dt
-import ipaddress
 import os
 from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedrelay import identity, names

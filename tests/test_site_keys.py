@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from typer.testing import CliRunner
 
-from fedrelay import identity, signing, wire
+from fedrelay import signing, wire
 from fedrelay.cli.coordinator import app as coord_app
 from fedrelay.cli.peer import app as peer_app
 from fedrelay.coordinator import pki
