@@ -1019,8 +1019,8 @@ class PeerNode:
         if not self._is_revoked(name):
             return False
         if time.monotonic() + delay > deadline:
-            raise RuntimeError(f"cannot deliver to {name}: its certificate was revoked "
-                               f"({self.revocations.revoked_name(name).describe()})")
+            raise RuntimeError(f"cannot deliver to {name}: its certificate was "
+                               f"{self.revocations.revoked_name(name).describe()}")
         log.warning("run %s: not sending %s %d to %s: its certificate was revoked; waiting for the coordinator "
                     "to route around it", run.run_id, PURPOSE_NAMES[t.purpose], t.index, name)
         self._pause(run, delay)

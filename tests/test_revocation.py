@@ -324,3 +324,25 @@ def _older(ca) -> bytes:
            .next_update(now + dt.timedelta(days=1)).add_extension(x509.CRLNumber(1), critical=False)
            .sign(key, hashes.SHA256()))
     return crl.public_bytes(serialization.Encoding.DER)
+
+
+def test_a_sender_sends_nothing_to_a_revoked_receiver(world):
+    """site-b's next transfer (hop 2, to site-c) waits while site-c is revoked, until the
+    coordinator's reroute takes the transfer off its plan (``run.rerouted`` wakes the wait); past
+    the send deadline it fails, saying why."""
+    import time
+
+    w = world
+    node, ca = w["node"], w["root"] / "pki"
+    serial = pki.issued(ca, "site-c")[0].serial_number
+    der, _ = pki.revoke(ca, [serial])
+    w["peer_revocations"].update(der, [revocation.Revoked("site-c", serial, time.time(), "operator", "gone")])
+    run = node.runs["r1"]
+    hop = next(t for t in run.assignment.transfers if t.receiver == "site-c")
+    with pytest.raises(RuntimeError, match="site-c: its certificate was revoked by operator"):
+        node._revoked("site-c", run, hop, deadline=time.monotonic(), delay=1.0)
+    run.rerouted.set()  # a reroute arrived: the wait ends at once (then _deliver finds hop off the plan)
+    started = time.monotonic()
+    assert node._revoked("site-c", run, hop, deadline=time.monotonic() + 600, delay=300.0)
+    assert time.monotonic() - started < WAIT
+    assert not node._revoked("site-a", run, hop, deadline=time.monotonic() + 600, delay=300.0)
