@@ -263,23 +263,34 @@ class RelayService(relay_pb2_grpc.RelayServicer):
 def serve_relay(listen: str, folder: str | Path, *, transport: wire.Transport, stop: threading.Event | None = None,
                 ready: threading.Event | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
                 limits: RelayLimits | None = None,
-                on_stored: Callable[[Path], None] | None = None, bound: list | None = None) -> None:
+                on_stored: Callable[[Path], None] | None = None, bound: list | None = None,
+                crl: Path | None = None) -> None:
     """``coordinator relay``: the Relay service alone, until ``stop`` is set (or forever). Needs
     mutual TLS (``transport`` secure; sites dial it expecting the certificate name
     ``coordinator``, so run it with the coordinator's identity folder, whose certificate also
     checks the coordinator's grants). ``limits``: its bounds (default ``RelayLimits`` with
     ``max_bytes``); expired envelopes are removed every ``limits.sweep_every`` seconds.
     ``on_stored``: see :class:`RelayService`; ``bound``, when given, gets the ``HOST:PORT``
-    listened on appended (before ``ready`` is set). Raises ``ValueError`` (plaintext, or
-    another identity) or ``RuntimeError`` (cannot listen)."""
+    listened on appended (before ``ready`` is set). ``crl``: the federation's revocation list
+    file (PKI/ca/crl.pem), reloaded when it changes: revoked sites' calls are refused
+    (``fedrelay.revocation``). Raises ``ValueError`` (plaintext, another identity, a CRL not
+    signed by the CA) or ``RuntimeError`` (cannot listen)."""
     if not transport.secure:
         raise ValueError("the relay needs mutual TLS (--tls PKI/coordinator): payloads are sealed to certificate keys")
     if transport.identity != wire.COORDINATOR_IDENTITY:
         raise ValueError(f"--tls {transport.source}: the relay runs with the coordinator's identity (PKI/coordinator), "
                          f"not {transport.identity!r}")
+    from fedrelay import revocation
+    from fedrelay.guard import Guard
+
+    stop = stop or threading.Event()
+    try:
+        guard = Guard(revocations=revocation.for_daemon(transport, crl_file=crl, stop=stop))
+    except revocation.CrlError as exc:
+        raise ValueError(str(exc)) from None
     service = RelayService(folder, coordinator_cert=transport.cert, on_stored=on_stored,
                            limits=limits if limits is not None else RelayLimits(max_bytes=max_bytes))
-    server, port = wire.make_server(listen, transport=transport)
+    server, port = wire.make_server(listen, transport=transport, guard=guard)
     relay_pb2_grpc.add_RelayServicer_to_server(service, server)
     server.start()
     log.info("relay listening on %s (mutual TLS), envelopes in %s", wire.with_port(listen, port), folder)
@@ -287,7 +298,6 @@ def serve_relay(listen: str, folder: str | Path, *, transport: wire.Transport, s
         bound.append(wire.with_port(listen, port))
     if ready is not None:
         ready.set()
-    stop = stop or threading.Event()
     try:
         while not stop.wait(1.0):
             try:

@@ -42,6 +42,7 @@ from fedrelay.coordinator import relay_bounds
 from fedrelay.coordinator.relay import RelayService
 from fedrelay.coordinator.relay_bounds import Permit
 from fedrelay.coordinator.relay_permits import RelayPermits
+from fedrelay.coordinator.revocations import RevocationRefused, Revocations
 from fedrelay.coordinator import forgotten, replies
 from fedrelay.coordinator.signatures import Signatures
 from fedrelay.coordinator.tunnel import Tunnels
@@ -79,6 +80,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # Signed records (coordinator/signatures.py): the sites' reports and evaluations are
         # verified before the ledger keeps them; each ended run's seal is signed with our key.
         self.signatures = Signatures(transport)
+        # Revoked sites and the revocation list this coordinator publishes (coordinator/revocations.py).
+        self.revocations = Revocations(ledger, transport)
         ledger.sealer = self.signatures.seal
         if peer_timeout <= 0:
             raise ValueError("--peer-timeout must be > 0 seconds")
@@ -190,7 +193,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if request.instance:
             self.ledger.set_peer_instance(request.name, request.instance)
         return cpb.RegisterReply(version=__version__, heartbeat_seconds=self.heartbeat_period(),
-                                 relay=self.relay_address)
+                                 relay=self.relay_address, crl_number=self.revocations.list.number,
+                                 revoked_sites=len(self._revoked_sites()))
 
     def heartbeat_period(self) -> int:
         """Seconds between a site's heartbeats, told in every ``RegisterReply``: 10 (at most a
@@ -721,9 +725,23 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         threading.Thread(target=loop, name="route-monitor", daemon=True).start()
 
     def _dead(self, names: list[str]) -> set[str]:
+        """The sites of ``names`` to route around: no heartbeat for more than ``peer_timeout``,
+        or revoked (``coordinator revoke``)."""
         now = time.time()
         seen = self.ledger.last_seen()
-        return {n for n in names if now - seen.get(n, 0) > self.peer_timeout}
+        revoked = self._revoked_sites()
+        return {n for n in names if now - seen.get(n, 0) > self.peer_timeout or n in revoked}
+
+    def _revoked_sites(self) -> dict:
+        """The sites revoked now (``Revocations.current``: not enrolled anew since)."""
+        return self.revocations.current(self._certificates)
+
+    def _down_reason(self, name: str) -> str:
+        """Why ``name`` is routed around (its revocation, else its silence)."""
+        revoked = self._revoked_sites().get(name)
+        if revoked is not None:
+            return f"certificate {revoked.describe()}"
+        return f"no heartbeat for more than {self.peer_timeout:.0f} s"
 
     def check_route(self, run_id: str) -> list[str]:
         """Route a running run around sites that stayed down; returns the sites newly skipped.
@@ -764,14 +782,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if not set(order) - skipped - skip:
             self._fail(run_id, "every site of the chain is unreachable")
             return []
-        reason = f"no heartbeat for more than {self.peer_timeout:.0f} s"
         new = replan(order, run["rounds"], plan, skipped | skip, resume)
-        version = self.ledger.reroute(run_id, new.to_json(), [(n, reason) for n in sorted(skip)])
+        version = self.ledger.reroute(run_id, new.to_json(), [(n, self._down_reason(n)) for n in sorted(skip)])
         if version is None:
             return []
         for name in sorted(skip):
-            self.ledger.add_event(run_id, "skip", f"{name} unreachable for more than {self.peer_timeout:.0f} s: "
-                                  "routed around it", site=name)
+            self.ledger.add_event(run_id, "skip", f"{name}: {self._down_reason(name)}: routed around it", site=name)
         self._queue_reroutes(run, plan, new, version)
         return sorted(skip)
 
@@ -782,19 +798,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         evaluated. The aggregator gets the new part of the plan at once (``Peer.Reroute``)."""
         run_id = run["run_id"]
         if plan.aggregator in dead:
-            self._fail(run_id, f"the aggregating site {plan.aggregator} is unreachable (no heartbeat for more "
-                               f"than {self.peer_timeout:.0f} s)", site=plan.aggregator)
+            self._fail(run_id, f"the aggregating site {plan.aggregator} is out of the run "
+                               f"({self._down_reason(plan.aggregator)})", site=plan.aggregator)
             return []
         skip = dead - skipped
         received = {h["sender"] for h in self.ledger.hops(run_id, "upload")}
         new = star_plan(order, plan.aggregator, skipped | skip, received)
-        reason = f"no heartbeat for more than {self.peer_timeout:.0f} s"
-        version = self.ledger.reroute(run_id, new.to_json(), [(n, reason) for n in sorted(skip)])
+        version = self.ledger.reroute(run_id, new.to_json(), [(n, self._down_reason(n)) for n in sorted(skip)])
         if version is None:
             return []
         for name in sorted(skip):
             held = " (its upload arrived and stays in the final model)" if name in received else ""
-            self.ledger.add_event(run_id, "skip", f"{name} unreachable for more than {self.peer_timeout:.0f} s: "
+            self.ledger.add_event(run_id, "skip", f"{name}: {self._down_reason(name)}: "
                                   f"the aggregator no longer waits for it{held}", site=name)
         self._queue_reroutes(run, plan, new, version)
         return sorted(skip)
@@ -1063,6 +1078,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         peers = self.ledger.peers()
         now = time.time()
         stale = {p["name"]: now - (p["last_seen"] or 0) for p in peers if now - (p["last_seen"] or 0) > self.peer_timeout}
+        revoked = self._revoked_sites()
+        if revoked:
+            bad = [n for n in named if n in revoked]
+            if bad:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "revoked sites cannot take part in a run: " + ", ".join(
+                    f"{n} ({revoked[n].describe()})" for n in bad))
+            left = sorted(p["name"] for p in peers if p["name"] in revoked)
+            if left and not named:
+                warnings.append(f"left out {len(left)} revoked site(s): {', '.join(left)}")
+            peers = [p for p in peers if p["name"] not in revoked]
         if named:
             bad = [n for n in named if n in stale]
             if bad:
@@ -1154,11 +1179,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 last_seen=p["last_seen"] or 0,
                 tasks=[Offer.from_dict(o).to_pb() for o in p["tasks"]], **self._liveness(p),
                 outbound_only=not p["address"],
-                connected=not p["address"] and self.tunnels.get(p["name"]) is not None))
+                connected=not p["address"] and self.tunnels.get(p["name"]) is not None,
+                revocation=self._revocation_pb(p["name"])))
 
         peers, more = replies.page((record(p) for p in self.ledger.peers() if p["name"] > request.after),
                                    lambda r: r.ByteSize())
         return cpb.ListPeersReply(peers=peers, next_after=peers[-1].name if more else "")
+
+    def _revocation_pb(self, name: str) -> cpb.CrlEntry | None:
+        revoked = self._revoked_sites().get(name)
+        return Revocations.entry_pb(revoked) if revoked is not None else None
 
     def _liveness(self, peer: dict) -> dict:
         """PeerRecord's liveness fields: live (heard from within --peer-timeout), age_seconds
@@ -1262,6 +1292,39 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         log.info("forgot peer %s (was registered at %s)", request.name, peer["address"])
         return cpb.ForgetPeerReply(name=request.name, address=peer["address"])
 
+    # -- revocation -------------------------------------------------------------------------------
+    def Revoke(self, request: cpb.RevocationRequest, context) -> cpb.RevocationReply:
+        """Record and publish a site's revocation (``coordinator/revocations.py``), then route
+        its running runs around it (each gets a ``revoked`` event). Aborts INVALID_ARGUMENT for
+        a list that is not usable, FAILED_PRECONDITION on a plaintext coordinator."""
+        names.check_site_name(request.name, "name")
+        names.check_text(request.reason, "reason", max_chars=1000)
+        self._as_operator(context)
+        who = wire.caller_identity(context) or INSECURE_OPERATOR
+        try:
+            entry = self.revocations.revoke(request.name, list(request.serials), request.crl, who, request.reason)
+        except RevocationRefused as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION if self.insecure else grpc.StatusCode.INVALID_ARGUMENT,
+                          str(exc))
+        tunnel = self.tunnels.get(request.name)
+        if tunnel is not None:
+            self.tunnels.drop(tunnel)
+        runs = [r for r in self.ledger.running_run_ids()
+                if request.name in [c["name"] for c in self.ledger.run(r)["chain"]] and request.name not in self._skipped(r)]
+        for run_id in runs:
+            self.ledger.add_event(run_id, "revoked", f"{request.name}: certificate {entry.describe()}",
+                                  site=request.name, revoked_by=who, reason=request.reason)
+            try:
+                self.check_route(run_id)
+            except Exception:  # noqa: BLE001 - the monitor tries again at its next tick
+                log.exception("routing run %s around revoked %s failed", run_id, request.name)
+        return cpb.RevocationReply(name=request.name, revoked_by=who, revoked_at=entry.revoked_at, runs=runs,
+                                   crl_number=self.revocations.list.number)
+
+    def GetCrl(self, request: cpb.CrlRequest, context) -> cpb.CrlReply:
+        """The newest revocation list and the revoked sites (any authenticated caller)."""
+        return self.revocations.reply(self._certificates)
+
     # -- summaries --------------------------------------------------------------------------------
     def summary(self, run_id: str) -> cpb.RunSummary | None:
         run = self.ledger.run(run_id)
@@ -1283,6 +1346,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         plan = Plan.from_json(plans[-1]["plan"]) if plans else None
         skipped = self._skipped(run_id)
         s.skipped.extend(c["name"] for c in run["chain"] if c["name"] in skipped)
+        revoked = self.revocations.names()
+        s.revoked.extend(Revocations.entry_pb(revoked[c["name"]]) for c in run["chain"] if c["name"] in revoked)
         s.contributors.extend(c["name"] for c in run["chain"] if c["name"] not in skipped)
         reported = {}
         for purpose, field in (("chain", s.hops), ("upload", s.uploads), ("final", s.final_transfers)):
@@ -1342,7 +1407,9 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
         relay_dir = Path(db).resolve().parent / "relay"
     service = CoordinatorService(ledger, transport=transport, peer_timeout=peer_timeout,
                                  relay_dir=relay_dir if transport.secure else None, relay=relay)
-    server, port = wire.make_server(listen, transport=transport, guard=service.monitor.guard())
+    guard = service.monitor.guard()
+    guard.watch(service.revocations.list)  # revoked sites' calls refused, those in flight cancelled
+    server, port = wire.make_server(listen, transport=transport, guard=guard)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     if service.relay is not None:
         relay_pb2_grpc.add_RelayServicer_to_server(service.relay, server)

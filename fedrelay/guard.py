@@ -29,6 +29,12 @@ one on every server) that wraps every method:
   K refusal lines ...") once the window is over (written with the caller's next refusal or the
   next refusal of anyone, or by :meth:`RefusalLog.flush`).
 
+- **Revoked certificates** (``revocations``, a :class:`fedrelay.revocation.RevocationList`): a
+  call whose client certificate's serial is on the federation's revocation list is refused
+  (PERMISSION_DENIED, saying who revoked it and when), before any bound is counted; when a new
+  list revokes a certificate, the calls it has in flight are cancelled (a revoked site's running
+  transfers and control stream stop at once).
+
 On a plaintext server (``--insecure``) there are no identities: the per-caller bounds do not
 apply (only ``shared``, the deadline and the rest); the log names the caller's address.
 """
@@ -144,16 +150,23 @@ class _Slot:
     """One admitted call of the caller ``label``: released once (the handler returned, or the
     call ended)."""
 
-    __slots__ = ("guard", "keys", "label", "released")
+    __slots__ = ("guard", "keys", "label", "released", "serial", "context")
 
-    def __init__(self, guard: "Guard", keys: tuple, label: str):
+    def __init__(self, guard: "Guard", keys: tuple, label: str, serial: int | None = None, context=None):
         self.guard, self.keys, self.label, self.released = guard, keys, label, False
+        self.serial, self.context = serial, context
 
     def release(self) -> None:
         with self.guard._lock:
             if self.released:
                 return
             self.released = True
+            if self.serial is not None:
+                live = self.guard._live.get(self.serial)
+                if live is not None:
+                    live.discard(self)
+                    if not live:
+                        del self.guard._live[self.serial]
             for key in self.keys:
                 self.guard._counts[key] -= 1
                 if not self.guard._counts[key]:
@@ -179,9 +192,13 @@ class Guard(grpc.ServerInterceptor):
     ``grpc.StatusCode``), also those whose log line the rate limit suppresses: the daemons'
     metrics count refusals with it."""
 
-    def __init__(self, limits: Limits | None = None, on_refusal=None):
+    def __init__(self, limits: Limits | None = None, on_refusal=None, revocations=None):
         self.limits = limits or Limits()
         self.on_refusal = on_refusal
+        self._live: dict[int, set] = {}  # certificate serial -> its admitted calls in flight (_Slot)
+        self.revocations = None
+        if revocations is not None:
+            self.watch(revocations)
         self.refusals = RefusalLog(log, self.limits.log_lines, self.limits.log_window)
         self._lock = threading.Lock()
         self._counts: dict[tuple, int] = {}
@@ -190,6 +207,27 @@ class Guard(grpc.ServerInterceptor):
         # calls read, so it never runs out of threads).
         self._readers = futures.ThreadPoolExecutor(max_workers=self.limits.max_workers,
                                                    thread_name_prefix="guard-first-message")
+
+    def watch(self, revocations) -> None:
+        """Enforce ``revocations`` (a ``fedrelay.revocation.RevocationList``): refuse revoked
+        callers, and cancel the calls in flight of every certificate a new list revokes."""
+        self.revocations = revocations
+        revocations.on_change.append(self.cancel_revoked)
+
+    def cancel_revoked(self, _new=None) -> int:
+        """Cancel the calls in flight whose caller's certificate is revoked now; returns how many."""
+        if self.revocations is None:
+            return 0
+        revoked = self.revocations.serials
+        with self._lock:
+            doomed = [slot for serial, slots in self._live.items() if serial in revoked for slot in slots]
+        for slot in doomed:
+            log.warning("cancelled a call in flight of %s: its certificate was revoked", slot.label)
+            try:
+                slot.context.cancel()
+            except Exception:  # noqa: BLE001 - a call that ended meanwhile
+                pass
+        return len(doomed)
 
     def counts(self) -> dict[tuple, int]:
         """Calls in flight: ``("caller", ID)``, ``("method", ID, METHOD)``, ``("shared",)``,
@@ -279,6 +317,14 @@ class Guard(grpc.ServerInterceptor):
     def _admit(self, context, method: str) -> _Slot:
         """Count the call in, or refuse it (RESOURCE_EXHAUSTED) when it is over a bound."""
         who, label = self._caller(context)
+        serial = None
+        if who is not None and self.revocations is not None:
+            pem = (context.auth_context() or {}).get("x509_pem_cert") or []
+            if pem:
+                refused = self.revocations.refused(pem[0])
+                if refused:
+                    self._refuse(context, label, method, grpc.StatusCode.PERMISSION_DENIED, refused)
+                serial = self.revocations.serial_for(pem[0])
         lim = self.limits
         if who is not None and who in lim.privileged:
             bounds = [(("caller", who), lim.privileged_per_caller, "this identity"),
@@ -299,8 +345,15 @@ class Guard(grpc.ServerInterceptor):
         if over is not None:
             self._refuse(context, label, method, grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"too many calls in flight: {over[1]} may hold {over[0]} at once; retry later")
-        slot = _Slot(self, tuple(key for key, _, _ in bounds), label)
+        slot = _Slot(self, tuple(key for key, _, _ in bounds), label, serial, context)
+        if serial is not None:
+            with self._lock:
+                self._live.setdefault(serial, set()).add(slot)
         context.add_callback(slot.release)  # also when a streamed response is abandoned
+        if serial is not None and self.revocations.is_revoked(serial):  # revoked while it was admitted
+            slot.release()
+            self._refuse(context, label, method, grpc.StatusCode.PERMISSION_DENIED,
+                         self.revocations.refused(pem[0]) or "this certificate was revoked")
         return slot
 
     def _first_message(self, request_iterator, context, method: str, slot):

@@ -141,7 +141,8 @@ class Transport:
             except OSError as exc:
                 raise TransportError(f"--tls {folder}: cannot read {name} ({exc.strerror}); expected "
                                      f"{KEY_FILE}, {CERT_FILE} and {CA_FILE} as written by "
-                                     "`coordinator init-ca` / `coordinator enroll`") from exc
+                                     "`coordinator init-ca`, or at a site `peer init` then `peer install-cert` (a site "
+                                     "whose cert.pem is missing: its request awaits the operator's signature)") from exc
         try:
             cert = x509.load_pem_x509_certificate(blobs[CERT_FILE])
             x509.load_pem_x509_certificates(blobs[CA_FILE])

@@ -93,6 +93,9 @@ class PeerNode:
         self.metrics = PeerMetrics(self)  # Prometheus metrics (peer/monitoring.py)
         self.started = time.time()
         self.instance = ""  # the daemon process's random id (RegisterRequest.instance), set by serve()
+        # The federation's revocation list (fedrelay/revocation.py), set by serve(): nothing goes
+        # to a site the coordinator says is revoked.
+        self.revocations = None
         self._load_runs()
 
     # -- persistence -----------------------------------------------------------------------------
@@ -816,16 +819,22 @@ class PeerNode:
                 log.info("run %s: %s to %s is no longer in this site's plan; not sending it", run.run_id,
                          PURPOSE_NAMES[t.purpose], t.receiver)
                 return False
+            if self._revoked(to.name, run, t, deadline, delay):  # wait for the coordinator's reroute
+                continue
             try:
                 attempts += 1
                 if relayed:
                     sent = self._send_relayed(run, t, path, counter)
                 else:  # under TLS the receiver's certificate must name the site we mean to reach
                     sent = send_model(to.address, header, path, transport=self.transport, expect=to.name,
-                                      counter=counter, cancelled=run.ended.is_set)
+                                      counter=counter,
+                                      cancelled=lambda: run.ended.is_set() or self._is_revoked(to.name))
                 break
-            except SendCancelled:  # the coordinator ended the run mid-stream
-                raise RunEnded(run.run_id) from None
+            except SendCancelled:  # the coordinator ended the run mid-stream, or revoked the receiver
+                if run.ended.is_set():
+                    raise RunEnded(run.run_id) from None
+                log.warning("run %s: stopped sending %s %d to %s mid-stream: its certificate was revoked", run.run_id,
+                            PURPOSE_NAMES[t.purpose], t.index, to.name)
             except (RelayUnavailable, SealError) as exc:
                 raise RuntimeError(f"cannot send {PURPOSE_NAMES[t.purpose]} {t.index} to {to.name} through the "
                                    f"relay: {exc}") from exc
@@ -1013,6 +1022,25 @@ class PeerNode:
             log.info("%s moved from %s to %s", to.name, to.address, now.address)
             return common_pb2.SiteRef(name=to.name, address=now.address)
         return to
+
+    def _is_revoked(self, name: str) -> bool:
+        return self.revocations is not None and self.revocations.revoked_name(name) is not None
+
+    def _revoked(self, name: str, run: Run, t: common_pb2.PlannedTransfer, deadline: float, delay: float) -> bool:
+        """True (after a pause) when ``name`` is revoked: nothing is sent to it; the coordinator
+        routes the run around it, and the reroute ends the wait (``_deliver`` finds ``t`` off
+        the plan). Raises ``RuntimeError`` past ``deadline`` (monotonic seconds)."""
+        if not self._is_revoked(name):
+            return False
+        if time.monotonic() + delay > deadline:
+            raise RuntimeError(f"cannot deliver to {name}: its certificate was "
+                               f"{self.revocations.revoked_name(name).describe()}")
+        log.warning("run %s: not sending %s %d to %s: its certificate was revoked; waiting for the coordinator "
+                    "to route around it", run.run_id, PURPOSE_NAMES[t.purpose], t.index, name)
+        self._pause(run, delay)
+        if self.stop.is_set():
+            raise RuntimeError("daemon stopping")
+        return True
 
     @staticmethod
     def _still_planned(run: Run, t: common_pb2.PlannedTransfer) -> bool:

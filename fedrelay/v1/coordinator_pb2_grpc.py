@@ -126,6 +126,16 @@ class CoordinatorStub:
                 request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerRequest.SerializeToString,
                 response_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerReply.FromString,
                 _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/fedrelay.v1.Coordinator/Revoke',
+                request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.RevocationRequest.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.RevocationReply.FromString,
+                _registered_method=True)
+        self.GetCrl = channel.unary_unary(
+                '/fedrelay.v1.Coordinator/GetCrl',
+                request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.CrlRequest.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.CrlReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -265,6 +275,26 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Revoke(self, request, context):
+        """Revoke a site (`coordinator revoke`): the operator sends the CA-signed revocation list that
+        holds the site's certificate serials; the coordinator checks it against the CA, records who
+        revoked whom, when and why in the ledger (and in every running run of the site), serves it
+        from then on (GetCrl), refuses the site's calls and cancels those in flight, and routes
+        running runs around the site. Operator only. INVALID_ARGUMENT for a list that is not the
+        CA's, older than the one held, or without the serials named.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCrl(self, request, context):
+        """The newest revocation list the coordinator holds (empty crl: none yet), with the names of
+        the revoked sites. Any authenticated caller; RegisterReply.crl_number says when to ask.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -357,6 +387,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ForgetPeer,
                     request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerRequest.FromString,
                     response_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerReply.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.RevocationRequest.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_coordinator__pb2.RevocationReply.SerializeToString,
+            ),
+            'GetCrl': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCrl,
+                    request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.CrlRequest.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_coordinator__pb2.CrlReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -845,6 +885,60 @@ class Coordinator:
             '/fedrelay.v1.Coordinator/ForgetPeer',
             fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerRequest.SerializeToString,
             fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Coordinator/Revoke',
+            fedrelay_dot_v1_dot_coordinator__pb2.RevocationRequest.SerializeToString,
+            fedrelay_dot_v1_dot_coordinator__pb2.RevocationReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCrl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Coordinator/GetCrl',
+            fedrelay_dot_v1_dot_coordinator__pb2.CrlRequest.SerializeToString,
+            fedrelay_dot_v1_dot_coordinator__pb2.CrlReply.FromString,
             options,
             channel_credentials,
             insecure,
