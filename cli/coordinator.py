@@ -359,6 +359,8 @@ def render_summary(s: dict) -> None:
                   f"[bold]{s['status']}[/]", highlight=False)
     if s.get("task_sha256"):
         console.print(f"task code SHA-256 {s['task_sha256']} (the same at every site)", highlight=False)
+    if s.get("started_by"):
+        console.print(f"started by {s['started_by']}", highlight=False)
     _render_live(s)
     if s.get("aggregator"):
         _render_star(s)
@@ -436,6 +438,10 @@ def _render_outcome(s: dict) -> None:
                       f"the final model holds the training of {', '.join(s['contributors'])}", highlight=False)
     if s["status"] == "cancelled":
         _render_cancelled(s)
+    if s.get("refused_by"):
+        whose = "its site policy" if s.get("refused_by_policy") else "the site"
+        console.print(f"[red]refused by {s['refused_by']}[/] ({whose}), before any model moved: {s['refusal']}",
+                      highlight=False)
     if s["error"]:
         console.print(f"[red]error:[/] {s['error']}", highlight=False)
     for w in s["warnings"]:
@@ -803,13 +809,24 @@ def enroll(
                                       "through the relay)."),
     kit_port: int = typer.Option(50071, "--port", help="--kit: the port the site's daemon listens on; it is "
                                  "advertised at the first --host."),
+    operator: bool = typer.Option(False, "--operator", help="Enroll a further operator NAME instead of a site: "
+                                  "its certificate names operator.NAME, which may start and stop runs (the ledger "
+                                  "records which operator did; a site's policy may accept only some operators)."),
 ) -> None:
     """Issue a key and certificate for one site (give the folder to the site; --tls DIR for `peer serve`);
-    with --kit, the folder is a whole site kit."""
-    from fedrelay.coordinator.pki import DEFAULT_HOSTS, PKIError, check_name, enroll as do_enroll
+    with --kit, the folder is a whole site kit; with --operator, for a further operator (--tls DIR for the
+    operator commands)."""
+    from fedrelay.coordinator.pki import DEFAULT_HOSTS, PKIError, check_name, enroll as do_enroll, operator_identity
 
     if days < 1:
         fail("--days must be >= 1")
+    if operator:
+        if kit:
+            fail("--kit makes a site's kit; it does not go with --operator")
+        try:
+            name = operator_identity(name)
+        except PKIError as exc:
+            fail(f"--operator: {exc}")
     if not kit and (kit_coordinator is not None or kit_port != 50071 or kit_outbound):
         fail("--coordinator, --port and --outbound-only only go with --kit")
     if kit:

@@ -14,7 +14,9 @@ are written with mode 0600.
 Identity is the certificate's subject common name (CN), also put in the SAN as a DNS name so a
 client can verify it is talking to the identity it meant to reach. The roles are fixed by name:
 CN ``coordinator`` is the coordinator, CN ``operator`` the operator; every other enrolled name is
-a site. ``enroll`` therefore refuses those two names.
+a site. ``enroll`` therefore refuses those two names. Further operators are enrolled with
+``enroll --operator NAME`` (:func:`operator_identity`): CN ``operator.NAME``, a name no site can
+have (site names are one DNS label).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedrelay import names
+from fedrelay import names, wire
 from fedrelay.wire import CA_FILE, CERT_FILE, COORDINATOR_IDENTITY, KEY_FILE, OPERATOR_IDENTITY
 
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -53,6 +55,13 @@ def check_name(name: str) -> None:
         raise PKIError(str(exc)) from None
     if name in RESERVED:
         raise PKIError(f"{name!r} is a reserved identity (the {name}'s, made by init-ca)")
+
+
+def operator_identity(name: str) -> str:
+    """The certificate name of the further operator ``name``: ``operator.NAME``. Raises
+    ``PKIError`` unless ``name`` is a valid site-style name (one DNS label, not reserved)."""
+    check_name(name)
+    return wire.OPERATOR_PREFIX + name
 
 
 def _new_key() -> ec.EllipticCurvePrivateKey:
@@ -187,14 +196,17 @@ def load_ca(ca: str | Path) -> tuple[x509.Certificate, object, bytes]:
 
 def enroll(name: str, ca: str | Path, out: str | Path, *, hosts=DEFAULT_HOSTS, days: float = CERT_DAYS,
            not_before: dt.datetime | None = None, allow_reserved: bool = False) -> Path:
-    """Write a key and a certificate for site ``name``, signed by the CA in ``ca``, to ``out``
+    """Write a key and a certificate for site ``name`` (or the further operator
+    ``operator.NAME``, see :func:`operator_identity`), signed by the CA in ``ca``, to ``out``
     (``key.pem`` mode 0600, ``cert.pem``, ``ca.pem``).
 
     ``hosts``: host names and IPs other sites dial this site at (the SAN; the name itself is
     always added). ``days``: validity from ``not_before`` (default: now). Returns ``out``.
     Raises ``PKIError`` for a bad name or an unusable CA.
     """
-    if not allow_reserved:
+    if wire.is_operator(name) and name != wire.OPERATOR_IDENTITY:
+        check_name(name[len(wire.OPERATOR_PREFIX):])  # a further operator (operator_identity)
+    elif not allow_reserved:
         check_name(name)
     cert, key, ca_pem = load_ca(ca)
     k, c = _issue(name, cert, key, hosts, days=days, not_before=not_before)

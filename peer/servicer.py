@@ -19,6 +19,7 @@ import grpc
 
 from fedrelay import names, wire
 from fedrelay.peer.node import PeerNode
+from fedrelay.peer.policy import PolicyRefusal
 from fedrelay.peer.transfer import TransferError, model_stream
 from fedrelay.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
@@ -41,6 +42,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self._from_coordinator(context)
         try:
             state = self.node.assign(request)
+        except PolicyRefusal as exc:  # the site's own policy (peer/policy.py): the coordinator records it as such
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{wire.POLICY_REFUSAL}{exc}")
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"assignment refused: {exc}")
         return peer_pb2.AssignReply(run_id=request.run_id, state=state)
