@@ -42,7 +42,7 @@ from fedrelay.coordinator.plan import (FINAL, HOP, UPLOAD, Plan, PlanError, Tran
                                        replan, star_plan)
 from fedrelay.coordinator.planner import PeerInfo, plan_chain
 from fedrelay.coordinator.relay import RelayService
-from fedrelay.coordinator import forgotten, replies
+from fedrelay.coordinator import forgotten, replies, site_policy
 from fedrelay.coordinator.signatures import Signatures
 from fedrelay.coordinator.tunnel import Tunnels
 from fedrelay.final_model import MODEL_SPEC_METADATA
@@ -1025,12 +1025,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         positions = list(reversed(range(n)))
         if plan.aggregator:
             positions.sort(key=lambda pos: chosen.names[pos] != plan.aggregator)
+        assignments = {pos: peer_pb2.Assignment(
+            run_id=run_id, position=pos, chain_length=n, seed=request.seed, params=request.params,
+            model=spec, class_index=chosen.class_index, site=chosen.names[pos], order=chosen.names, rounds=rounds,
+            aggregator=plan.aggregator, operator=operator, **plan.part_pb(chosen.names[pos], address))
+            for pos in positions}
+        # Every site's own policy first, before any site keeps or starts anything.
+        refusal = site_policy.first_refusal(((chosen.names[pos], self._peer(chosen.order[pos]), assignments[pos])
+                                             for pos in positions), timeout=wire.CONTROL_TIMEOUT)
+        if refusal is not None:
+            self.ledger.refuse_run(run_id, *refusal, policy=True)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.ledger.run(run_id)["error"])
         for pos in positions:
-            site = chosen.names[pos]
-            a = peer_pb2.Assignment(
-                run_id=run_id, position=pos, chain_length=n, seed=request.seed, params=request.params,
-                model=spec, class_index=chosen.class_index, site=site, order=chosen.names, rounds=rounds,
-                aggregator=plan.aggregator, operator=operator, **plan.part_pb(site, address))
+            site, a = chosen.names[pos], assignments[pos]
             try:
                 self._peer(chosen.order[pos]).Assign(a, timeout=wire.CONTROL_TIMEOUT)
             except grpc.RpcError as exc:

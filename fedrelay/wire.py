@@ -84,7 +84,8 @@ def transfer_timeout(total_bytes: int) -> float:
 KEY_FILE, CERT_FILE, CA_FILE = "key.pem", "cert.pem", "ca.pem"
 # The Peer methods the coordinator may call over the control stream of a site that only connects
 # out (coordinator/tunnel.py, peer/control.py); site-to-site calls never go that way.
-TUNNELED_METHODS = ("Assign", "Reroute", "EndRun", "Evaluate", "GetStatus", "FetchModel", "RelayReady", "Prepare")
+TUNNELED_METHODS = ("Assign", "Reroute", "EndRun", "Evaluate", "GetStatus", "FetchModel", "RelayReady", "Prepare",
+                    "CheckPolicy")
 COORDINATOR_IDENTITY = "coordinator"
 OPERATOR_IDENTITY = "operator"
 # Further operators (``coordinator enroll --operator NAME``): certificate name "operator.NAME".

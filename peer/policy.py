@@ -231,12 +231,14 @@ class SitePolicy:
                 raise PolicyError(self._error)
             return self._policy
 
-    def check(self, assignment) -> None:
+    def check(self, assignment) -> bool:
         """Raise ``PolicyRefusal`` unless the current policy accepts ``assignment``; a policy
-        file that cannot be used refuses it too (naming the problem)."""
+        file that cannot be used refuses it too (naming the problem). Returns whether there is
+        a policy (False: no policy file, nothing was checked)."""
         try:
             policy = self.current()
         except PolicyError as exc:
             raise PolicyRefusal(f"this site's policy file is unusable, so it accepts no runs: {exc}") from None
         if policy is not None:
             policy.check(assignment)
+        return policy is not None

@@ -188,9 +188,8 @@ def test_a_run_outside_a_sites_policy_fails_before_any_transfer_and_show_names_t
     assert run["status"] == "failed" and run["refused_by"] == site and run["refused_by_policy"] is True
     assert words in run["refusal"] and run["started_by"] == "operator"
     assert run["hops"] == [] and run["final_transfers"] == [] and run["final"] is None
-    # Nothing of the run was kept at the refusing site, and its predecessor was never assigned.
-    assert not (world["state"] / site / "runs" / run_id).exists()
-    assert not (world["state"] / world["names"][0] / "runs" / run_id).exists()
+    # Every site's policy is asked before any site is assigned: no site kept anything of the run.
+    assert not any((world["state"] / n / "runs" / run_id).exists() for n in world["names"])
     shown = cli(world, "show", run_id, "--json")
     assert shown.exit_code == 0, shown.output
     js = json.loads(shown.output)
@@ -202,6 +201,21 @@ def test_a_run_outside_a_sites_policy_fails_before_any_transfer_and_show_names_t
               "--models-per-site", str(params.get("models_per_site", 1)), "--local-epochs",
               str(params.get("local_epochs", 1)), "--warmup-epochs", "1", "--strategy", params.get("strategy", "fedelmy"))
     assert res.exit_code != 0 and f"assignment refused by {site}" in flat(res.output) and "Traceback" not in res.output
+
+
+def test_a_star_run_is_refused_before_any_site_is_assigned(world):
+    """In a star plan every site trains as soon as it is assigned: the coordinator asks every
+    site's policy (Peer.CheckPolicy) before it assigns any, so no site keeps anything."""
+    write_policy(world, 'strategies = ["fedelmy"]\n')
+    names = world["names"]
+    before = {r["run_id"] for r in world["ops"]["operator"].runs()}
+    with pytest.raises(grpc.RpcError) as err:
+        world["ops"]["operator"].start_chain(peers=names, order="given", seed=1, model="cnn", aggregator=names[0],
+                                             params=run_params.to_pb({**PARAMS, "strategy": "fedavg"}))
+    assert f"assignment refused by {names[1]}: its site policy: strategy 'fedavg'" in err.value.details()
+    (run_id,) = {r["run_id"] for r in world["ops"]["operator"].runs()} - before
+    assert not any((world["state"] / n / "runs" / run_id).exists() for n in names)
+    assert world["ops"]["operator"].run(run_id)["refused_by"] == names[1]
 
 
 def test_an_allowed_run_by_a_second_operator_finishes_and_each_operator_is_recorded(world):

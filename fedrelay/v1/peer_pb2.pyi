@@ -7,6 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PolicyVerdict(_message.Message):
+    __slots__ = ("run_id", "has_policy")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_POLICY_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    has_policy: bool
+    def __init__(self, run_id: _Optional[str] = ..., has_policy: _Optional[bool] = ...) -> None: ...
+
 class RelayNotice(_message.Message):
     __slots__ = ("run_id", "purpose", "index", "sender", "relay", "sealed_bytes", "sealed_sha256")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
