@@ -80,6 +80,19 @@ def test_the_operator_identities():
             pki.operator_identity(bad)
 
 
+def test_enroll_operator_says_what_is_wrong(tmp_path):
+    pki.init_ca(tmp_path / "pki")
+    runner = CliRunner()
+    for args, words in ((["Bob"], "--operator: "), (["operator"], "reserved"), (["bob", "--kit"], "--kit")):
+        res = runner.invoke(coordinator_app, ["enroll", "--operator", *args, "--ca", str(tmp_path / "pki"),
+                                              "--out", str(tmp_path / "out")])
+        assert res.exit_code != 0 and words in flat(res.output) and "Traceback" not in res.output, res.output
+    res = runner.invoke(coordinator_app, ["enroll", "bob", "--operator", "--ca", str(tmp_path / "pki"),
+                                          "--out", str(tmp_path / "bob")])
+    assert res.exit_code == 0, res.output
+    assert wire.Transport.from_dir(tmp_path / "bob").identity == "operator.bob"
+
+
 # -- through the daemons ----------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
