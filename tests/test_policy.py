@@ -93,6 +93,39 @@ def test_enroll_operator_says_what_is_wrong(tmp_path):
     assert wire.Transport.from_dir(tmp_path / "bob").identity == "operator.bob"
 
 
+def test_a_site_that_connects_out_only_answers_the_policy_check_over_its_control_stream(tmp_path):
+    """CheckPolicy goes over the control stream like Assign: the refusal reaches the
+    coordinator's tunnel as the same PERMISSION_DENIED, and reads as the site policy's."""
+    from types import SimpleNamespace
+
+    from fedrelay.coordinator.site_policy import first_refusal
+    from fedrelay.coordinator.tunnel import Tunnels
+    from fedrelay.peer.control import answer
+    from fedrelay.peer.servicer import PeerServicer
+    from fedrelay.v1 import coordinator_pb2 as cpb
+
+    (tmp_path / "policy.toml").write_text('strategies = ["fedelmy"]\n')
+    servicer = PeerServicer(SimpleNamespace(name="site-b", policy=policy.SitePolicy.at(None, tmp_path)))
+    from test_transfer import assignment
+
+    a = assignment("r1")
+    a.operator, a.params.strategy = "operator", "fedseq"
+    tunnels = Tunnels()
+    tunnel = tunnels.open("site-b", "i1")
+
+    def site() -> None:
+        request = tunnel.outbox.get(timeout=10)
+        for reply in answer(servicer, request, secure=True):
+            tunnel.deliver(reply)
+
+    threading.Thread(target=site, daemon=True).start()
+    assert first_refusal([("site-b", tunnels.stub("site-b"), a)], timeout=10) == \
+        ("site-b", "strategy 'fedseq' is not accepted here (strategies: fedelmy)")
+    a.params.strategy = "fedelmy"
+    threading.Thread(target=site, daemon=True).start()
+    assert first_refusal([("site-b", tunnels.stub("site-b"), a)], timeout=10) is None
+
+
 # -- through the daemons ----------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
