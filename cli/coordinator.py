@@ -374,6 +374,8 @@ def render_summary(s: dict) -> None:
                   f"[bold]{s['status']}[/]", highlight=False)
     if s.get("task_sha256"):
         console.print(f"task code SHA-256 {s['task_sha256']} (the same at every site)", highlight=False)
+    if s.get("started_by"):
+        console.print(f"started by {s['started_by']}", highlight=False)
     _render_live(s)
     if s.get("aggregator"):
         _render_star(s)
@@ -460,6 +462,10 @@ def _render_outcome(s: dict) -> None:
                       f"the final model holds the training of {', '.join(s['contributors'])}", highlight=False)
     if s["status"] == "cancelled":
         _render_cancelled(s)
+    if s.get("refused_by"):
+        whose = "its site policy" if s.get("refused_by_policy") else "the site"
+        console.print(f"[red]refused by {s['refused_by']}[/] ({whose}), before any model moved: {s['refusal']}",
+                      highlight=False)
     if s["error"]:
         console.print(f"[red]error:[/] {s['error']}", highlight=False)
     for w in s["warnings"]:
@@ -891,15 +897,29 @@ def enroll(
                                       "through the relay)."),
     kit_port: int = typer.Option(50071, "--port", help="--kit: the port the site's daemon listens on; it is "
                                  "advertised at the first --host."),
+    operator: bool = typer.Option(False, "--operator", help="Enroll a further operator NAME instead of a site: "
+                                  "its certificate names operator.NAME, which may start and stop runs (the ledger "
+                                  "records which operator did; a site's policy may accept only some operators)."),
 ) -> None:
     """Sign a site's certificate request (--csr, from `peer init` at the site) and write its
     certificate and the CA's (give them back to the site: `peer install-cert`); with --kit, the
-    folder is a whole site kit. Without --csr (LOCAL TRIALS ONLY), the key is made here, at the
-    operator's desk, and must then be carried to the site."""
-    from fedrelay.coordinator.pki import DEFAULT_HOSTS, PKIError, check_name, enroll as do_enroll, sign_csr
+    folder is a whole site kit; with --operator, a key and certificate for a further operator (--tls
+    DIR for the operator commands). Without --csr (LOCAL TRIALS ONLY), a site's key is made here,
+    at the operator's desk, and must then be carried to the site."""
+    from fedrelay.coordinator.pki import (DEFAULT_HOSTS, PKIError, check_name, enroll as do_enroll,
+                                          operator_identity, sign_csr)
 
     if days < 1:
         fail("--days must be >= 1")
+    if operator:
+        if kit:
+            fail("--kit makes a site's kit; it does not go with --operator")
+        if csr is not None:
+            fail("--operator makes the further operator's key and certificate here; it does not go with --csr")
+        try:
+            name = operator_identity(name)
+        except PKIError as exc:
+            fail(f"--operator: {exc}")
     if not kit and (kit_coordinator is not None or kit_port != 50071 or kit_outbound):
         fail("--coordinator, --port and --outbound-only only go with --kit")
     if kit and csr is None:
@@ -924,7 +944,8 @@ def enroll(
             fail(f"--csr {csr} is for {asked!r}, not {name!r}")
         name = asked
     try:
-        check_name(name)
+        if not operator:
+            check_name(name)
     except PKIError as exc:
         fail(str(exc))
     hosts = host or (None if csr is not None else DEFAULT_HOSTS)

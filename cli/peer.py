@@ -69,6 +69,10 @@ def serve(
                              help="A certificate revocation list file from the operator (PKI/ca/crl.pem), reloaded "
                                   "when it changes (every 10 s); the coordinator's newest list also comes with the "
                                   "heartbeats. Calls from revoked sites are refused."),
+    policy: Path = typer.Option(None, "--policy", envvar="FEDRELAY_POLICY", dir_okay=False,
+                                help="This site's policy file (TOML: the tasks, strategies, epochs and operators it "
+                                     "accepts, and a pause switch; read again when it changes; docs/site-policy.md) "
+                                     "\\[default: STATE_DIR/policy.toml if it exists]."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
     check: bool = typer.Option(False, "--check", help="Only validate the options (name, TLS identity, addresses, "
                                "device, state dir, data folder), print one line and exit 0; listens on nothing."),
@@ -87,7 +91,7 @@ def serve(
             fail(str(exc))
     if check:
         _check_serve(data, name, listen, coordinator, state_dir or Path(".fedrelay") / name, device, advertise,
-                     transport, stall_timeout, weights_dir, outbound_only, relay_after, task or None)
+                     transport, stall_timeout, weights_dir, outbound_only, relay_after, task or None, policy)
         return
     setup_logging(verbose, prefix=f"[{name}] ")
     stop_on_sigterm()
@@ -100,7 +104,7 @@ def serve(
                    transport=transport, stall_timeout=stall_timeout, deterministic=deterministic,
                    weights_dir=weights_dir, metrics_listen=metrics_listen, worker_slots=worker_slots,
                    outbound_only=outbound_only, relay_after=relay_after, fork_workers=fork_workers,
-                   tasks=task or None, crl=crl)
+                   tasks=task or None, crl=crl, policy=policy)
     except (DataError, ValueError, RuntimeError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -108,10 +112,17 @@ def serve(
 
 
 def _check_serve(data, name, listen, coordinator, state_dir, device, advertise, transport, stall_timeout,
-                 weights_dir, outbound_only=False, relay_after=60.0, tasks=None) -> None:
-    """``peer serve --check``: ``fedrelay.peer.preflight.check_serve_options``, one line, exit 0 or fail."""
+                 weights_dir, outbound_only=False, relay_after=60.0, tasks=None, policy=None) -> None:
+    """``peer serve --check``: ``fedrelay.peer.preflight.check_serve_options`` and the site's
+    policy file, one line, exit 0 or fail."""
     from fedrelay.cli.common import console
+    from fedrelay.peer.policy import SitePolicy
     from fedrelay.peer.preflight import check_serve_options
+
+    try:
+        site_policy = SitePolicy.at(policy, state_dir).current()
+    except ValueError as exc:
+        fail(str(exc))
 
     try:
         r = check_serve_options(data_dir=data, name=name, listen=listen, coordinator=coordinator, state_dir=state_dir,
@@ -122,7 +133,9 @@ def _check_serve(data, name, listen, coordinator, state_dir, device, advertise, 
         fail(str(exc))
     reach = f"dialled at {r.address}" if r.address else "connects out only (models through the relay)"
     console.print(f"ok: site {name}, {'; '.join(r.lines())}, device {r.device}, {reach}, "
-                  f"coordinator {coordinator}, state dir {state_dir}", highlight=False, soft_wrap=True, markup=False)
+                  f"coordinator {coordinator}, state dir {state_dir}, "
+                  f"{'site policy ' + str(policy or Path(state_dir) / 'policy.toml') if site_policy else 'no site policy'}",
+                  highlight=False, soft_wrap=True, markup=False)
 
 
 @app.command()
@@ -185,7 +198,7 @@ def _own_site(transport) -> str | None:
     from fedrelay import wire
 
     who = transport.identity
-    return who if who and who not in (wire.COORDINATOR_IDENTITY, wire.OPERATOR_IDENTITY) else None
+    return who if who and who != wire.COORDINATOR_IDENTITY and not wire.is_operator(who) else None
 
 
 @app.command()

@@ -583,6 +583,8 @@ class _Verifier:
             self.problem(-1, where, f"its run row does not parse: {exc}")
             return
         for k in hashchain.SEALED_RUN_FIELDS:
+            if k in hashchain.SEALED_SINCE_POLICY and k not in sealed:
+                continue  # sealed by a coordinator from before the column
             if not _same(have.get(k), sealed.get(k)):
                 words = {"chain": "order", "params": "training parameters"}.get(k, k)
                 self.problem(-1, f"run {self.run_id}'s row",

@@ -52,7 +52,10 @@ def summary_dict(s: cpb.RunSummary) -> dict:
     age_seconds (since then, by the coordinator's clock), line (e.g. "site-03 training, model 2/5, epoch 3/10"), busy (receiving, training or
     sending); ``[]`` once the run has ended), cancelled_by and cancel_reason (status cancelled: who stopped the run
     — the operator's certificate name, or "insecure operator" — and the reason given; null
-    otherwise; ``ended`` is when).
+    otherwise; ``ended`` is when), started_by (the operator who started the run: its
+    certificate name, or "insecure operator"; null in older ledgers), refused_by, refusal and
+    refused_by_policy (a site refused its assignment, so the run failed before any model moved:
+    which site, its reason, and whether its own site policy refused it; docs/site-policy.md).
 
     Star plans (the parallel one-shot methods) add: aggregator (the aggregating site), uploads
     (the sites' payloads to it, records like ``hops``, ``hop`` = the upload's index),
@@ -97,6 +100,9 @@ def summary_dict(s: cpb.RunSummary) -> dict:
                   "busy": v.state in BUSY} for v in s.live],
         "cancelled_by": s.cancelled_by or None, "cancel_reason": s.cancel_reason or None,
         "revoked": [revocation_dict(e) for e in s.revoked],
+        "started_by": s.started_by or None,
+        "refused_by": s.refused_by or None, "refusal": s.refusal or None,
+        "refused_by_policy": s.refused_by_policy,
     }
     if s.aggregator:
         out.update({

@@ -20,7 +20,9 @@ are written with mode 0600.
 Identity is the certificate's subject common name (CN), also put in the SAN as a DNS name so a
 client can verify it is talking to the identity it meant to reach. The roles are fixed by name:
 CN ``coordinator`` is the coordinator, CN ``operator`` the operator; every other enrolled name is
-a site. ``enroll`` therefore refuses those two names.
+a site. ``enroll`` therefore refuses those two names. Further operators are enrolled with
+``enroll --operator NAME`` (:func:`operator_identity`): CN ``operator.NAME``, a name no site can
+have (site names are one DNS label).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedrelay import identity, names
+from fedrelay import identity, names, wire
 from fedrelay.wire import CA_FILE, CERT_FILE, COORDINATOR_IDENTITY, KEY_FILE, OPERATOR_IDENTITY
 
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -63,6 +65,13 @@ _new_key = identity.new_key
 _key_pem = identity.key_pem
 _write = identity.write_private
 _san = identity.san
+
+
+def operator_identity(name: str) -> str:
+    """The certificate name of the further operator ``name``: ``operator.NAME``. Raises
+    ``PKIError`` unless ``name`` is a valid site-style name (one DNS label, not reserved)."""
+    check_name(name)
+    return wire.OPERATOR_PREFIX + name
 
 
 def _issue(name: str, ca_cert: x509.Certificate, ca_key, hosts, *, days: float,
@@ -217,20 +226,26 @@ def sign_csr(csr_pem: bytes, ca: str | Path, *, name: str | None = None, hosts=N
 
 def enroll(name: str, ca: str | Path, out: str | Path, *, hosts=DEFAULT_HOSTS, days: float = CERT_DAYS,
            not_before: dt.datetime | None = None, allow_reserved: bool = False) -> Path:
-    """**For local trials** (the demo, tests): both halves of an enrolment in one process: the
-    site's key and request as ``peer init`` makes them (``fedrelay.identity.init_site``, in
+    """Write a key and a certificate for site ``name`` (or the further operator
+    ``operator.NAME``, see :func:`operator_identity`), signed by the CA in ``ca``, to ``out``.
+    **For local trials** (the demo, tests), a site's enrolment runs both halves in one process:
+    the site's key and request as ``peer init`` makes them (``fedrelay.identity.init_site``, in
     ``out``), then the request signed as ``enroll --csr`` does (:func:`sign_csr`). The key is
-    thus made where the CA is; a real site runs ``peer init`` itself.
+    thus made where the CA is; a real site runs ``peer init`` itself. A further operator's key is
+    made here (the operators work at the CA's desk).
 
     Writes ``out/key.pem`` (0600), ``cert.pem``, ``ca.pem`` (and the request ``out/NAME.csr``).
     ``hosts``: host names and IPs other sites dial this site at (the SAN; the name itself is
     always added). ``days``: validity from ``not_before`` (default: now). Returns ``out``.
     Raises ``PKIError`` for a bad name or an unusable CA.
     """
-    if not allow_reserved:
+    further_operator = wire.is_operator(name) and name != wire.OPERATOR_IDENTITY
+    if further_operator:
+        check_name(name[len(wire.OPERATOR_PREFIX):])  # a further operator (operator_identity)
+    elif not allow_reserved:
         check_name(name)
     out = Path(out)
-    if allow_reserved and name in RESERVED:
+    if further_operator or (allow_reserved and name in RESERVED):
         cert, key, ca_pem = load_ca(ca)
         k, c = _issue(name, cert, key, hosts, days=days, not_before=not_before)
         _write_identity(out, k, c, ca_pem)

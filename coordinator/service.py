@@ -5,8 +5,10 @@ The coordinator assigns roles and records; it never sits on the chain's path.
 Authorization (mutual TLS; identity = the caller's certificate name, never a message field):
 peers' calls (Register, Report*) only from site identities, each only as itself (``name``,
 ``sender`` or ``site`` must equal the certificate name); operator calls (StartChain, WatchRun,
-GetRun, ListRuns, ListPeers, FetchModel, GetMetrics, StopRun, ForgetPeer) only from the ``operator`` or
-``coordinator`` identity.
+GetRun, ListRuns, ListPeers, FetchModel, GetMetrics, StopRun, ForgetPeer) only from an operator
+identity (``operator``, or ``operator.NAME`` from ``coordinator enroll --operator NAME``) or the
+``coordinator`` identity; the ledger records which operator started (``started_by``) or stopped
+(``cancelled_by``) each run.
 Refusals are PERMISSION_DENIED. Under TLS every report and evaluation must also be signed by the
 reporting site's key (``coordinator/signatures.py``; the ledger keeps the signed records for
 ``coordinator audit``). On an insecure (plaintext) coordinator there are no identities
@@ -43,7 +45,7 @@ from fedrelay.coordinator.relay import RelayService
 from fedrelay.coordinator.relay_bounds import Permit
 from fedrelay.coordinator.relay_permits import RelayPermits
 from fedrelay.coordinator.revocations import RevocationRefused, Revocations
-from fedrelay.coordinator import forgotten, replies
+from fedrelay.coordinator import forgotten, replies, site_policy
 from fedrelay.coordinator.signatures import Signatures
 from fedrelay.coordinator.tunnel import Tunnels
 from fedrelay.final_model import MODEL_SPEC_METADATA
@@ -123,16 +125,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         who = wire.caller_identity(context)
         if who is None:
             return
-        if who in (wire.COORDINATOR_IDENTITY, wire.OPERATOR_IDENTITY):
+        if who == wire.COORDINATOR_IDENTITY or wire.is_operator(who):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the {who} identity cannot act as a site")
         if who != claimed:
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"certificate identity {who!r} cannot register or report as {claimed!r}")
 
     def _as_operator(self, context) -> None:
-        """Abort with PERMISSION_DENIED unless the caller is the operator or coordinator (TLS only)."""
+        """Abort with PERMISSION_DENIED unless the caller is an operator (``operator`` or
+        ``operator.NAME``) or the coordinator (TLS only)."""
         who = wire.caller_identity(context)
-        if who is not None and who not in (wire.OPERATOR_IDENTITY, wire.COORDINATOR_IDENTITY):
+        if who is not None and who != wire.COORDINATOR_IDENTITY and not wire.is_operator(who):
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"{who!r} is a site identity; only the operator may call this")
 
@@ -1029,17 +1032,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "peers not reachable: " + "; ".join(unreachable))
         run_id = new_run_id()
+        operator = wire.caller_identity(context) or ""  # told to each site: its policy may check it
+        started_by = operator or INSECURE_OPERATOR
         chain = [{"name": p.name, "address": p.address} for p in chosen.order]
         self.ledger.create_run(run_id, strategy=params["strategy"], arch=chosen.model.model, seed=request.seed,
                                params=params, chain=chain, class_index=chosen.class_index,
                                model=chosen.model.to_dict(),
-                               warnings=chosen.warnings, insecure=self.insecure, rounds=rounds, plan=plan.to_json())
+                               warnings=chosen.warnings, insecure=self.insecure, rounds=rounds, plan=plan.to_json(),
+                               started_by=started_by)
         cycles = f", {rounds} rounds ({len(plan.hops)} hops)" if rounds > 1 else ""
         shape = (f"{len(chain)} sites in parallel, aggregated at {plan.aggregator}: {', '.join(chosen.names)}"
                  if plan.aggregator else f"{len(chain)} sites{cycles}: {' -> '.join(chosen.names)}")
         self.ledger.add_event(run_id, "started", f"run {run_id}: {params['strategy']} over {shape}; task "
                               f"{chosen.model.task} {chosen.model.task_version} (code SHA-256 "
-                              f"{chosen.model.task_sha256[:12]}…), model {chosen.model.model}",
+                              f"{chosen.model.task_sha256[:12]}…), model {chosen.model.model}; started by {started_by}",
+                              started_by=started_by,
                               order=chosen.names, rounds=rounds, aggregator=plan.aggregator, task=chosen.model.task,
                               task_version=chosen.model.task_version, task_sha256=chosen.model.task_sha256)
         self.monitor.run_started(run_id, params["strategy"], chosen.names, plan.aggregator, context)
@@ -1055,18 +1062,25 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         positions = list(reversed(range(n)))
         if plan.aggregator:
             positions.sort(key=lambda pos: chosen.names[pos] != plan.aggregator)
+        assignments = {pos: peer_pb2.Assignment(
+            run_id=run_id, position=pos, chain_length=n, seed=request.seed, params=request.params,
+            model=spec, class_index=chosen.class_index, site=chosen.names[pos], order=chosen.names, rounds=rounds,
+            aggregator=plan.aggregator, operator=operator, **plan.part_pb(chosen.names[pos], address))
+            for pos in positions}
+        # Every site's own policy first, before any site keeps or starts anything.
+        refusal = site_policy.first_refusal(((chosen.names[pos], self._peer(chosen.order[pos]), assignments[pos])
+                                             for pos in positions), timeout=wire.CONTROL_TIMEOUT)
+        if refusal is not None:
+            self.ledger.refuse_run(run_id, *refusal, policy=True)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.ledger.run(run_id)["error"])
         for pos in positions:
-            site = chosen.names[pos]
-            a = peer_pb2.Assignment(
-                run_id=run_id, position=pos, chain_length=n, seed=request.seed, params=request.params,
-                model=spec, class_index=chosen.class_index, site=site, order=chosen.names, rounds=rounds,
-                aggregator=plan.aggregator, **plan.part_pb(site, address))
+            site, a = chosen.names[pos], assignments[pos]
             try:
                 self._peer(chosen.order[pos]).Assign(a, timeout=wire.CONTROL_TIMEOUT)
             except grpc.RpcError as exc:
-                error = f"assignment refused by {site}: {wire.status_message(exc)}"
-                self._fail(run_id, error, site=site)
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
+                reason, by_policy = wire.assignment_refusal(exc)
+                self.ledger.refuse_run(run_id, site, reason, policy=by_policy)
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.ledger.run(run_id)["error"])
         self.ledger.add_event(run_id, "assigned", "every site has its assignment")
         return cpb.StartChainReply(run_id=run_id, order=chosen.names, warnings=chosen.warnings)
 
@@ -1340,6 +1354,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             cancelled_by=run["cancelled_by"] or "", cancel_reason=run["cancel_reason"] or "",
             task=run["task"] or "", task_version=run["task_version"] or "", task_sha256=run["task_sha256"] or "",
             model_spec_json=json.dumps(run["model"], sort_keys=True),
+            started_by=run["started_by"] or "", refused_by=run["refused_by"] or "", refusal=run["refusal"] or "",
+            refused_by_policy=bool(run["refused_by_policy"]),
         )
         s.live.extend(now.to_pb() for now in self.live.sites(run))
         plans = self.ledger.plans(run_id)

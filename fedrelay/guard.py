@@ -10,7 +10,7 @@ one on every server) that wraps every method:
   name) and per (identity, method). A site may hold ``per_caller`` calls at once, at most
   ``per_method`` of one method (``method_bounds`` overrides: ``Peer.Handoff`` may use the
   caller's whole share), and all sites together at most ``shared`` calls. The ``coordinator``
-  and ``operator`` identities (``privileged``) may hold ``privileged_per_caller`` calls each,
+  and operator identities (``privileged``, and every ``operator.NAME``) may hold ``privileged_per_caller`` calls each,
   ``privileged_total`` together, outside the sites' share. The numbers add up to fewer than the
   pool's workers: admitted calls never fill the pool, and a refusal never waits for a worker.
   A call over a bound is refused at once: RESOURCE_EXHAUSTED.
@@ -326,7 +326,7 @@ class Guard(grpc.ServerInterceptor):
                     self._refuse(context, label, method, grpc.StatusCode.PERMISSION_DENIED, refused)
                 serial = self.revocations.serial_for(pem[0])
         lim = self.limits
-        if who is not None and who in lim.privileged:
+        if who is not None and (who in lim.privileged or wire.is_operator(who)):
             bounds = [(("caller", who), lim.privileged_per_caller, "this identity"),
                       (("privileged",), lim.privileged_total, "the coordinator and operator together")]
         elif who is not None:

@@ -88,9 +88,22 @@ KEY_FILE, CERT_FILE, CA_FILE = "key.pem", "cert.pem", "ca.pem"
 # The Peer methods the coordinator may call over the control stream of a site that only connects
 # out (coordinator/tunnel.py, peer/control.py); site-to-site calls never go that way.
 TUNNELED_METHODS = ("Assign", "Reroute", "EndRun", "Evaluate", "GetStatus", "FetchModel", "RelayReady", "Prepare",
-                    "RelayQuota")
+                    "RelayQuota", "CheckPolicy")
 COORDINATOR_IDENTITY = "coordinator"
 OPERATOR_IDENTITY = "operator"
+# Further operators (``coordinator enroll --operator NAME``): certificate name "operator.NAME".
+# A site's name is one DNS label (no dot), so no site certificate can carry such a name.
+OPERATOR_PREFIX = OPERATOR_IDENTITY + "."
+# How a site's daemon words an assignment its own policy refused (peer/policy.py); the
+# coordinator records such a refusal as the site's policy's (RunSummary.refused_by_policy).
+POLICY_REFUSAL = "refused by this site's policy: "
+
+
+def is_operator(identity: str | None) -> bool:
+    """Whether a certificate name is an operator's: ``operator`` (made by ``init-ca``) or
+    ``operator.NAME`` (``enroll --operator NAME``)."""
+    return bool(identity) and (identity == OPERATOR_IDENTITY or (
+        identity.startswith(OPERATOR_PREFIX) and len(identity) > len(OPERATOR_PREFIX)))
 
 
 class TransportError(ValueError):
@@ -348,6 +361,20 @@ def status_message(exc: grpc.RpcError) -> str:
         return f"{exc.code().name}: {exc.details()}"
     except Exception:  # not a call error with a status
         return str(exc)
+
+
+def assignment_refusal(exc: grpc.RpcError) -> tuple[str, bool]:
+    """(reason, by its policy) of a site's refused ``Peer.Assign``: a refusal of the site's own
+    policy (PERMISSION_DENIED worded with ``POLICY_REFUSAL``) gives the policy's reason and True;
+    anything else ``status_message(exc)`` and False."""
+    message = status_message(exc)
+    try:
+        code, details = exc.code(), exc.details() or ""
+    except Exception:  # not a call error with a status
+        return message, False
+    if code == grpc.StatusCode.PERMISSION_DENIED and details.startswith(POLICY_REFUSAL):
+        return details[len(POLICY_REFUSAL):], True
+    return message, False
 
 
 def speaks_tls(address: str, timeout: float = 2.0) -> bool | None:

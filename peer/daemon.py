@@ -24,6 +24,7 @@ from fedrelay import __version__, names, revocation, tasks as task_registry, wir
 from fedrelay.guard import Guard
 from fedrelay.health import PEER_SERVICE, Health
 from fedrelay.peer.control import ControlLink
+from fedrelay.peer.policy import SitePolicy
 from fedrelay.peer.node import DEFAULT_RELAY_AFTER, DEFAULT_STALL_TIMEOUT, PeerNode
 from fedrelay.task import DataError
 from fedrelay.tasks.offers import Offer
@@ -185,7 +186,7 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
           deterministic: bool = True, weights_dir: Path | None = None, metrics_listen: str | None = None,
           worker_slots: int = DEFAULT_SLOTS, slots_dir: Path | None = None, outbound_only: bool = False,
           relay_after: float = DEFAULT_RELAY_AFTER, fork_workers: bool = False,
-          tasks: list[str] | None = None, crl: Path | None = None) -> None:
+          tasks: list[str] | None = None, crl: Path | None = None, policy: Path | None = None) -> None:
     """Run a peer daemon until ``stop`` is set (or forever), with mutual TLS on every channel
     unless ``transport`` is insecure. ``stall_timeout``: seconds a handoff may send nothing
     before it is dropped. ``deterministic``: on a CUDA device, use deterministic kernels
@@ -214,6 +215,10 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     ``tasks``: offer only these tasks (names, or ``module:attr`` for a task module on the
     daemon's path); None: every task installed here (``fedrelay.tasks``).
 
+    ``policy``: the site's policy file (``peer/policy.py``; docs/site-policy.md) [default:
+    ``state_dir/policy.toml`` when it exists]; it must parse at start-up, and it is read again
+    whenever it changes, at each new assignment.
+
     ``fork_workers``: fork each worker from a template process that imported torch once
     (``peer/forking.py``): a job starts in milliseconds instead of ~3 s of CPU, and the daemon's
     host holds ~680 MB more while idle (the template: torch imported).
@@ -232,6 +237,7 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
         raise ValueError("--stall-timeout must be > 0 seconds")
     check_outbound(outbound_only, advertise, transport, relay_after)
     check_state_dir(Path(state_dir))
+    site_policy = SitePolicy.at(policy, state_dir)  # PolicyError (a ValueError) names the file and key
     if device not in ("auto", "cpu") and not device.startswith("cuda"):
         raise ValueError(f"--device must be auto, cpu or cuda:N, not {device!r}")
     for t in tasks or ():
@@ -277,7 +283,7 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     link = CoordinatorLink(coordinator, transport)
     node = PeerNode(name, address, offers, Path(state_dir), device, link, transport=transport,
                     stall_timeout=stall_timeout, weights_dir=weights_dir, jobs=pool,
-                    extra_tasks=[t for t in tasks or () if ":" in t])
+                    extra_tasks=[t for t in tasks or () if ":" in t], policy=site_policy)
     node.revocations = revocations
     node.instance = secrets.token_hex(8)  # this process's id: a second daemon under the same name is refused
     node.relay_after = relay_after

@@ -26,6 +26,7 @@ from fedrelay.task import ModelSpec, SiteData, canonical_json
 from fedrelay.tasks.offers import Offer
 from fedrelay.peer.inbound import InboundStreams, Stream
 from fedrelay.peer.refusals import RefusedStreams
+from fedrelay.peer.policy import POLICY_FILE, SitePolicy
 from fedrelay.peer.monitoring import PeerMetrics
 from fedrelay.peer.reporting import RETRYABLE, CoordinatorLink, Reporter
 from fedrelay.wire import backoff_delays
@@ -63,7 +64,7 @@ class PeerNode:
                  coordinator: CoordinatorLink | None, *, send_deadline: float = 1800.0,
                  start_workers: bool = True, transport: wire.Transport = wire.INSECURE,
                  stall_timeout: float = DEFAULT_STALL_TIMEOUT, weights_dir: Path | None = None, jobs=None,
-                 extra_tasks: list[str] | tuple = ()):
+                 extra_tasks: list[str] | tuple = (), policy: SitePolicy | None = None):
         self.transport = transport
         # Initial-weights files this site holds (``--init file``), found by their SHA-256.
         self.weights_dir = Path(weights_dir) if weights_dir is not None else Path(state_dir) / "weights"
@@ -72,6 +73,8 @@ class PeerNode:
         self.extra_tasks = list(extra_tasks)
         self.offers: dict[str, Offer] = {o.name: o for o in _offers(data)}
         self.state_dir = Path(state_dir)
+        # The site's own policy (peer/policy.py): --policy FILE, else STATE_DIR/policy.toml if present.
+        self.policy = policy if policy is not None else SitePolicy(self.state_dir / POLICY_FILE)
         self.device = device
         self.coordinator = coordinator
         self.send_deadline = send_deadline
@@ -121,7 +124,8 @@ class PeerNode:
 
     # -- coordinator calls -----------------------------------------------------------------------
     def assign(self, a: peer_pb2.Assignment) -> str:
-        """Accept an assignment (idempotent). Raises ``ValueError`` when it cannot be run here."""
+        """Accept an assignment (idempotent). Raises ``ValueError`` when it cannot be run here,
+        ``PolicyRefusal`` (a ``ValueError``) when a new run is outside the site's policy."""
         if a.site != self.name:
             raise ValueError(f"assignment is for {a.site!r}, this peer is {self.name!r}")
         if not a.run_id or "/" in a.run_id or a.run_id.startswith("."):
@@ -138,6 +142,8 @@ class PeerNode:
         self.check_task(ModelSpec.from_pb(a.model), list(a.class_index))
         params = run_params.to_dict(a.params)
         run_params.check(params)
+        if a.run_id not in self.runs:  # a new run: within this site's policy (raises PolicyRefusal)
+            self.policy.check(a)
         opts = run_params.options(params)
         if opts["init"] == "file":
             self.initial_weights(opts["init_sha256"])  # refuse now, not at the first epoch

@@ -3,7 +3,7 @@
 Every refusal is a gRPC status with a one-line reason; an exception in one call never stops the
 daemon from serving the next.
 
-Authorization under mutual TLS (identity = the caller's certificate name): Assign, Evaluate,
+Authorization under mutual TLS (identity = the caller's certificate name): Assign, CheckPolicy, Evaluate,
 FetchModel, Reroute, EndRun and RelayReady only from the ``coordinator`` identity (also when they
 come over the control stream of a site that only connects out: ``peer/control.py``); GetStatus from the coordinator or the
 site's own identity (its administrator, with the site's own TLS folder); Handoff only from the run's
@@ -19,6 +19,7 @@ import grpc
 
 from fedrelay import names, wire
 from fedrelay.peer.node import PeerNode
+from fedrelay.peer.policy import PolicyRefusal
 from fedrelay.peer.transfer import TransferError, model_stream
 from fedrelay.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
@@ -41,9 +42,24 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self._from_coordinator(context)
         try:
             state = self.node.assign(request)
+        except PolicyRefusal as exc:  # the site's own policy (peer/policy.py): the coordinator records it as such
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{wire.POLICY_REFUSAL}{exc}")
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"assignment refused: {exc}")
         return peer_pb2.AssignReply(run_id=request.run_id, state=state)
+
+    def CheckPolicy(self, request: peer_pb2.Assignment, context) -> peer_pb2.PolicyVerdict:
+        """Whether this site's policy accepts ``request`` (nothing is kept: ``peer/policy.py``)."""
+        names.check_assignment(request)
+        self._from_coordinator(context)
+        if request.site != self.node.name:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"assignment is for {request.site!r}, this peer is {self.node.name!r}")
+        try:
+            held = self.node.policy.check(request)
+        except PolicyRefusal as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{wire.POLICY_REFUSAL}{exc}")
+        return peer_pb2.PolicyVerdict(run_id=request.run_id, has_policy=held)
 
     def Handoff(self, request_iterator, context) -> peer_pb2.HandoffReceipt:
         try:

@@ -390,7 +390,7 @@ class FinalResult(_message.Message):
     def __init__(self, sha256: _Optional[str] = ..., accuracy: _Optional[float] = ..., per_site: _Optional[_Mapping[str, SiteAccuracy]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RunSummary(_message.Message):
-    __slots__ = ("run_id", "strategy", "order", "model_bytes", "hops", "final", "status", "params", "seed", "arch", "class_index", "warnings", "error", "created", "ended", "final_transfers", "insecure", "skipped", "contributors", "rounds", "plan", "final_site", "planned_hops", "uploads", "planned_uploads", "aggregator", "upload_bytes", "live", "cancelled_by", "cancel_reason", "task", "task_version", "task_sha256", "model_spec_json", "revoked")
+    __slots__ = ("run_id", "strategy", "order", "model_bytes", "hops", "final", "status", "params", "seed", "arch", "class_index", "warnings", "error", "created", "ended", "final_transfers", "insecure", "skipped", "contributors", "rounds", "plan", "final_site", "planned_hops", "uploads", "planned_uploads", "aggregator", "upload_bytes", "live", "cancelled_by", "cancel_reason", "task", "task_version", "task_sha256", "model_spec_json", "revoked", "started_by", "refused_by", "refusal", "refused_by_policy")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
@@ -426,6 +426,10 @@ class RunSummary(_message.Message):
     TASK_SHA256_FIELD_NUMBER: _ClassVar[int]
     MODEL_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     REVOKED_FIELD_NUMBER: _ClassVar[int]
+    STARTED_BY_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_BY_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_BY_POLICY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     strategy: str
     order: _containers.RepeatedScalarFieldContainer[str]
@@ -461,7 +465,11 @@ class RunSummary(_message.Message):
     task_sha256: str
     model_spec_json: str
     revoked: _containers.RepeatedCompositeFieldContainer[CrlEntry]
-    def __init__(self, run_id: _Optional[str] = ..., strategy: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., model_bytes: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., final: _Optional[_Union[FinalResult, _Mapping]] = ..., status: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., seed: _Optional[int] = ..., arch: _Optional[str] = ..., class_index: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., created: _Optional[float] = ..., ended: _Optional[float] = ..., final_transfers: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., insecure: _Optional[bool] = ..., skipped: _Optional[_Iterable[str]] = ..., contributors: _Optional[_Iterable[str]] = ..., rounds: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[_common_pb2.PlannedTransfer, _Mapping]]] = ..., final_site: _Optional[str] = ..., planned_hops: _Optional[int] = ..., uploads: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., planned_uploads: _Optional[int] = ..., aggregator: _Optional[str] = ..., upload_bytes: _Optional[int] = ..., live: _Optional[_Iterable[_Union[SiteLive, _Mapping]]] = ..., cancelled_by: _Optional[str] = ..., cancel_reason: _Optional[str] = ..., task: _Optional[str] = ..., task_version: _Optional[str] = ..., task_sha256: _Optional[str] = ..., model_spec_json: _Optional[str] = ..., revoked: _Optional[_Iterable[_Union[CrlEntry, _Mapping]]] = ...) -> None: ...
+    started_by: str
+    refused_by: str
+    refusal: str
+    refused_by_policy: bool
+    def __init__(self, run_id: _Optional[str] = ..., strategy: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., model_bytes: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., final: _Optional[_Union[FinalResult, _Mapping]] = ..., status: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., seed: _Optional[int] = ..., arch: _Optional[str] = ..., class_index: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., created: _Optional[float] = ..., ended: _Optional[float] = ..., final_transfers: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., insecure: _Optional[bool] = ..., skipped: _Optional[_Iterable[str]] = ..., contributors: _Optional[_Iterable[str]] = ..., rounds: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[_common_pb2.PlannedTransfer, _Mapping]]] = ..., final_site: _Optional[str] = ..., planned_hops: _Optional[int] = ..., uploads: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., planned_uploads: _Optional[int] = ..., aggregator: _Optional[str] = ..., upload_bytes: _Optional[int] = ..., live: _Optional[_Iterable[_Union[SiteLive, _Mapping]]] = ..., cancelled_by: _Optional[str] = ..., cancel_reason: _Optional[str] = ..., task: _Optional[str] = ..., task_version: _Optional[str] = ..., task_sha256: _Optional[str] = ..., model_spec_json: _Optional[str] = ..., revoked: _Optional[_Iterable[_Union[CrlEntry, _Mapping]]] = ..., started_by: _Optional[str] = ..., refused_by: _Optional[str] = ..., refusal: _Optional[str] = ..., refused_by_policy: _Optional[bool] = ...) -> None: ...
 
 class SiteLive(_message.Message):
     __slots__ = ("site", "state", "detail", "activity", "stage", "model", "models", "epoch", "epochs", "updated", "line", "age_seconds")
