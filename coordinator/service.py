@@ -39,6 +39,7 @@ from fedrelay.coordinator.live import LiveState
 from fedrelay.coordinator.plan import (FINAL, HOP, UPLOAD, Plan, PlanError, Transfer, chain_plan, pick_aggregator,
                                        replan, star_plan)
 from fedrelay.coordinator.planner import PeerInfo, plan_chain
+from fedrelay.coordinator.progress_limit import ProgressLimit
 from fedrelay.coordinator.relay import RelayService
 from fedrelay.coordinator import forgotten, replies
 from fedrelay.coordinator.signatures import Signatures
@@ -110,6 +111,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._receipts = threading.Condition()  # notified by every receipt (evaluation waits for relayed copies)
         # Chain hops whose outbound-only receiver was told to prepare on its sender's behalf: (run, hop).
         self._prepared: set[tuple[str, int]] = set()
+        # Progress reports per run member, rate-limited (a token bucket each).
+        self.progress_limit = ProgressLimit()
 
     # -- authorization ---------------------------------------------------------------------------
     def _as_site(self, context, claimed: str) -> None:
@@ -538,6 +541,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._site_in_run(run, request.site, context)
         if run["status"] == "cancelled":
             return cpb.ReportReply(duplicate=True)  # the run was stopped: nothing more is recorded
+        if not self.progress_limit.admit(request.run_id, request.site):
+            return cpb.ReportReply(duplicate=True)  # over this member's rate (coordinator/progress_limit.py)
         if request.kind == "epoch":
             val = request.val_accuracy if request.val_accuracy >= 0 else None
             with self.ledger.batch():  # the metric and its event: one commit
