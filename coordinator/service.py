@@ -1301,12 +1301,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: threading.Event | None = None,
           stop: threading.Event | None = None, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
           web: str | None = None, metrics_listen: str | None = None, relay_dir: str | Path | None = None,
-          relay: str = "") -> None:
+          relay: str = "", web_hosts: list[str] | tuple[str, ...] = ()) -> None:
     """Run the coordinator until ``stop`` is set (or forever), with mutual TLS unless ``transport``
     is insecure (then every run it starts is recorded as insecure), the gRPC health service
     (``fedrelay.health``) and, with ``metrics_listen`` (``HOST:PORT``), Prometheus metrics over
     HTTP (``coordinator/monitoring.py``). ``web``: PORT or HOST:PORT of the live run page
-    (``coordinator.web``; off when None). Raises ``RuntimeError`` if it cannot bind,
+    (``coordinator.web``; off when None); ``web_hosts``: extra names its ``Host:`` may carry
+    (``coordinator/http_limits.py``). Raises ``RuntimeError`` if it cannot bind,
     ``ValueError`` if a TLS identity is not the coordinator's or ``web`` or ``metrics_listen``
     is malformed.
 
@@ -1335,7 +1336,7 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
     server.start()
     log.info("coordinator %s listening on %s (%s), ledger %s", __version__, wire.with_port(listen, port),
              "mutual TLS" if transport.secure else "INSECURE plaintext", db)
-    page = _start_web(web, service, server, ledger) if web else None
+    page = _start_web(web, service, server, ledger, web_hosts) if web else None
     picked = service.recover()
     if picked:
         log.info("picked up %d running run(s) from the ledger: %s", len(picked), ", ".join(picked))
@@ -1357,13 +1358,13 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
         ledger.close()
 
 
-def _start_web(web: str, service: CoordinatorService, server: grpc.Server, ledger: Ledger):
+def _start_web(web: str, service: CoordinatorService, server: grpc.Server, ledger: Ledger, hosts=()):
     """The live run page on ``web``; when it cannot start, the gRPC server and ledger are closed
     before the error propagates."""
     from fedrelay.coordinator.web import start_web
 
     try:
-        return start_web(web, service)
+        return start_web(web, service, hosts=hosts)
     except BaseException:
         server.stop(grace=0).wait()
         service.close()

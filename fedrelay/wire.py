@@ -51,7 +51,7 @@ _OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 HANDSHAKE_TIMEOUT_MS = 10_000  # a connection must finish TLS and HTTP/2 set-up within 10 s
-MAX_CONNECTION_IDLE_MS = 300_000  # a connection with no call for 5 minutes is closed (GOAWAY)
+MAX_CONNECTION_IDLE_MS = 60_000  # a connection with no call for 1 minute is closed (GOAWAY; a channel reconnects)
 MAX_STREAMS_PER_CONNECTION = 256  # calls at once on one connection (HTTP/2); above the guard's bounds, which do the limiting
 _SERVER_OPTIONS = _OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
@@ -207,7 +207,8 @@ def make_server(listen: str, transport: Transport = INSECURE, guard=None) -> tup
     worker pool has ``guard.limits.max_workers`` threads (started as needed). Connections must
     finish their handshake within ``HANDSHAKE_TIMEOUT_MS``, are closed after
     ``MAX_CONNECTION_IDLE_MS`` without a call, and carry at most ``MAX_STREAMS_PER_CONNECTION``
-    calls at once.
+    calls at once; the process's open-files limit is raised and the listener accepts at most
+    ``fedrelay.limits.max_connections`` connections at once (``fedrelay/limits.py``).
 
     Returns (server, bound port). Raises ``RuntimeError`` when the address cannot be bound.
     """
@@ -215,9 +216,14 @@ def make_server(listen: str, transport: Transport = INSECURE, guard=None) -> tup
 
     from fedrelay.guard import Guard
 
+    from fedrelay import limits
+
     guard = guard if guard is not None else Guard()
+    # Connections are bounded per listener and by the open-files limit (fedrelay/limits.py).
+    connections = limits.max_connections(limits.raise_open_files())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=guard.limits.max_workers),
-                         interceptors=[guard], options=_SERVER_OPTIONS)
+                         interceptors=[guard],
+                         options=_SERVER_OPTIONS + [("grpc.max_allowed_incoming_connections", connections)])
     try:
         if transport.secure:
             port = server.add_secure_port(listen, transport.server_credentials())

@@ -84,3 +84,203 @@ def test_a_flood_of_progress_reports_stops_growing_the_ledger(caplog):
         assert not reply.duplicate
     finally:
         service.close()
+
+
+# -- the run page ------------------------------------------------------------------------------------
+import json  # noqa: E402
+import math  # noqa: E402
+import socket  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def service():
+    ledger = Ledger(":memory:")
+    svc = CoordinatorService(ledger)
+    yield svc
+    svc.close()
+    ledger.close()
+
+
+def page_client(service, base_url="http://localhost", hosts=None):
+    from starlette.testclient import TestClient
+
+    from fedrelay.coordinator.web import create_app
+
+    return TestClient(create_app(service, hosts=hosts), base_url=base_url)
+
+
+@pytest.mark.parametrize("host,ok", [("localhost", True), ("localhost:8070", True), ("127.0.0.1:8070", True),
+                                     ("[::1]:8070", True), ("10.1.2.3", True), ("runs.example.org", True),
+                                     ("evil.example.com", False), ("evil.example.com:8070", False),
+                                     ("localhost.evil.example.com", False), ("", False), ("[::1", False),
+                                     ("localhost:x", False)])
+def test_the_page_checks_its_host_header(service, host, ok):
+    """DNS rebinding: a page reached under a name it does not know answers 400, API included."""
+    from fedrelay.coordinator.http_limits import allowed_hosts
+
+    new_run(service.ledger, "r1")
+    with page_client(service, hosts=allowed_hosts("127.0.0.1", ["runs.example.org"])) as client:
+        for path in ("/", "/api/runs", "/api/runs/r1"):
+            r = client.get(path, headers={"host": host})
+            assert (r.status_code != 400) == ok, (host, path, r.status_code)
+            if not ok:
+                assert r.text == "Invalid host header" and "r1" not in r.text
+
+
+def test_a_bad_web_host_name_is_a_clear_error():
+    from fedrelay.coordinator.http_limits import allowed_hosts
+
+    with pytest.raises(ValueError, match="--web-host 'a b'"):
+        allowed_hosts("127.0.0.1", ["a b"])
+
+
+def test_page_data_is_built_once_per_change_not_per_reader(service):
+    ledger = service.ledger
+    new_run(ledger, "r1")
+    ledger.add_event("r1", "started", "run r1")
+    with page_client(service) as client:
+        cache = client.app.state.page_cache
+        cache.max_age = math.inf  # only changes rebuild (no clock in this test)
+        barrier = threading.Barrier(30)
+        bodies = []
+
+        def reader():
+            barrier.wait()
+            bodies.append(client.get("/api/runs/r1").json())
+
+        threads = [threading.Thread(target=reader) for _ in range(30)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(bodies) == 30 and all(b["run_id"] == "r1" and b["now"] > 0 for b in bodies)
+        assert cache.builds == 1
+        ledger.add_event("r1", "state", "a: training", site="a", state="training", detail="")
+        view = client.get("/api/runs/r1").json()
+        assert cache.builds == 2 and view["sites"]["a"]["state"] == "training"
+        client.get("/api/runs/r1")
+        assert cache.builds == 2
+        for i in range(50):  # unknown runs are not cached (nor remembered)
+            assert client.get(f"/api/runs/nope-{i}").status_code == 404
+        assert len(cache._building) <= 1
+
+
+def test_an_infinite_value_in_a_run_never_answers_500(service):
+    """A ledger written before the value checks may hold inf/nan: the page data shows null."""
+    ledger = service.ledger
+    new_run(ledger, "inf")
+    ledger.record_metric("inf", "a", "pool", 1, 1, 1, math.inf, None, math.nan)
+    ledger.add_event("inf", "epoch", "a: epoch", site="a", stage="pool", model=1, epoch=1, epochs=1,
+                     train_loss=math.inf, val_accuracy=None, seconds=1.0)
+    with page_client(service) as client:
+        r = client.get("/api/runs/inf")
+        assert r.status_code == 200, r.text
+        assert [(m["train_loss"], m["seconds"]) for m in r.json()["metrics"]] == [(None, None)]
+
+
+def wait_until(predicate, what: str, limit: float = 30.0) -> None:
+    """Poll ``predicate`` until true (a bound for a broken build, not a timing margin)."""
+    deadline = time.monotonic() + limit
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Block until the server closes ``sock`` (True) or 30 s pass (False)."""
+    sock.settimeout(30)
+    try:
+        return sock.recv(65536) == b"" or sock.recv(65536) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+HALF = b"GET /api/runs HTTP/1.1\r\nHost: localhost\r\nX-Slow: "
+
+
+def test_the_page_closes_connections_over_its_limit(service):
+    from fedrelay.coordinator.http_limits import HttpLimits
+    from fedrelay.coordinator.web import start_web
+
+    page = start_web("127.0.0.1:0", service, limits_=HttpLimits(max_connections=3, head_timeout=600))
+    held = []
+    try:
+        connections = page._server.server_state.connections
+        for _ in range(3):
+            s = socket.create_connection(("127.0.0.1", page.port))
+            s.sendall(HALF)
+            held.append(s)
+        wait_until(lambda: len(connections) == 3, "3 connections")
+        extra = socket.create_connection(("127.0.0.1", page.port))
+        extra.sendall(HALF)
+        assert closed_by_server(extra)
+        assert page.protocol.counts.refused >= 1 and len(connections) == 3
+        for s in held:
+            s.close()
+        wait_until(lambda: not connections, "the held connections to close")
+        import urllib.request
+
+        with urllib.request.urlopen(f"{page.url}api/runs", timeout=30) as r:
+            assert r.status == 200 and json.loads(r.read()) == []
+    finally:
+        for s in held:
+            s.close()
+        page.stop()
+
+
+def test_the_page_closes_a_half_sent_request(service):
+    from fedrelay.coordinator.http_limits import HttpLimits
+    from fedrelay.coordinator.web import start_web
+
+    page = start_web("127.0.0.1:0", service, limits_=HttpLimits(max_connections=8, head_timeout=0.2,
+                                                                keep_alive=600))
+    try:
+        s = socket.create_connection(("127.0.0.1", page.port))
+        s.sendall(HALF)
+        assert closed_by_server(s)
+        # A whole request is answered; half of the next one on the same connection is closed too.
+        s = socket.create_connection(("127.0.0.1", page.port))
+        s.sendall(b"GET /api/runs HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        s.settimeout(30)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        s.sendall(HALF)
+        assert closed_by_server(s)
+        assert page.protocol.counts.head_timeouts == 2
+    finally:
+        page.stop()
+
+
+def test_a_flood_of_errors_logs_a_few_lines_without_tracebacks():
+    from fedrelay.limits import QuietFilter
+
+    clock = Clock()
+    logger = logging.getLogger("fedrelay.test.flood")
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(self.format(record))
+
+    handler = Keep()
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.addFilter(QuietFilter(lines=5, window=60, clock=clock))
+    try:
+        for i in range(1000):
+            try:
+                raise OSError(24, "Too many open files")
+            except OSError:
+                logger.exception("socket.accept() out of system resource %d", i)
+        assert len(records) == 5 and not any("Traceback" in r for r in records)
+        assert "Too many open files" in records[0]
+        clock.now += 61
+        logger.error("later")
+        assert len(records) == 6 and "995 similar lines suppressed" in records[-1]
+    finally:
+        logger.removeHandler(handler)
