@@ -284,3 +284,58 @@ def test_a_flood_of_errors_logs_a_few_lines_without_tracebacks():
         assert len(records) == 6 and "995 similar lines suppressed" in records[-1]
     finally:
         logger.removeHandler(handler)
+
+
+# -- the metrics endpoint ----------------------------------------------------------------------------
+def test_the_metrics_endpoint_serves_from_a_bounded_pool_and_closes_the_excess():
+    """Idle connections neither take a thread each nor are kept beyond the queue."""
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from fedrelay.metrics import MetricsServer
+
+    registry = CollectorRegistry()
+    Counter("fedrelay_test_total", "a test counter", registry=registry).inc()
+    server = MetricsServer("127.0.0.1:0", registry, workers=2, queued=1, timeout=600)
+    held = []
+    try:
+        threads_before = threading.active_count()
+        port = int(server.address.rpartition(":")[2])
+        for _ in range(3):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")
+            held.append(s)
+        wait_until(lambda: server._server.pending == 3, "3 connections taken")
+        extra = socket.create_connection(("127.0.0.1", port))
+        assert closed_by_server(extra)
+        assert server._server.refused >= 1
+        assert threading.active_count() <= threads_before + 2  # the pool's threads, no more
+        for s in held:
+            s.close()
+        wait_until(lambda: server._server.pending == 0, "the held connections to end")
+        with urllib.request.urlopen(f"http://{server.address}/metrics", timeout=30) as r:
+            assert b"fedrelay_test_total 1.0" in r.read()
+    finally:
+        for s in held:
+            s.close()
+        server.close()
+
+
+def test_the_metrics_endpoint_closes_a_half_sent_request(capfd):
+    from prometheus_client import CollectorRegistry
+
+    from fedrelay.metrics import MetricsServer
+
+    server = MetricsServer("127.0.0.1:0", CollectorRegistry(), timeout=0.2)
+    try:
+        port = int(server.address.rpartition(":")[2])
+        for _ in range(3):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            assert closed_by_server(s)
+        wait_until(lambda: server._server.pending == 0, "the connections to end")
+    finally:
+        server.close()
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err
