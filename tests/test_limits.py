@@ -339,3 +339,83 @@ def test_the_metrics_endpoint_closes_a_half_sent_request(capfd):
         server.close()
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err
+
+
+# -- gRPC connections ----------------------------------------------------------------------------------
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")  # + an empty SETTINGS frame
+
+SERVER = r"""
+import resource, sys, threading
+resource.setrlimit(resource.RLIMIT_NOFILE, (200, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from fedrelay import wire
+from fedrelay.coordinator.ledger import Ledger
+from fedrelay.coordinator.service import CoordinatorService
+from fedrelay.v1 import coordinator_pb2_grpc
+ledger = Ledger(":memory:")
+server, port = wire.make_server("127.0.0.1:0")
+coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorService(ledger), server)
+server.start()
+print(port, resource.getrlimit(resource.RLIMIT_NOFILE)[0], flush=True)
+sys.stdin.read()
+"""
+
+
+def test_idle_connections_of_one_client_do_not_starve_the_operator():
+    """300 idle HTTP/2 connections to a coordinator started with a soft limit of 200 open files:
+    the operator's ListPeers is still answered (the daemon raised its limit; each listener takes
+    at most ``limits.max_connections``)."""
+    import resource
+    import subprocess
+    import sys
+
+    import grpc
+
+    from fedrelay import wire
+    from fedrelay.v1 import coordinator_pb2_grpc
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1200:
+        pytest.skip("the hard open-files limit is too low to show the difference")
+    proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    held = []
+    try:
+        port, _ = map(int, proc.stdout.readline().split())
+        for _ in range(300):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(PREFACE)
+            held.append(s)
+        with wire.INSECURE.channel(f"127.0.0.1:{port}") as channel:
+            from fedrelay.v1 import coordinator_pb2 as cpb2
+
+            reply = coordinator_pb2_grpc.CoordinatorStub(channel).ListPeers(cpb2.ListPeersRequest(), timeout=20)
+            assert list(reply.peers) == []
+    except grpc.RpcError as exc:
+        pytest.fail(f"the operator's call failed beside 300 idle connections: {wire.status_message(exc)}")
+    finally:
+        for s in held:
+            s.close()
+        proc.stdin.close()
+        proc.wait(30)
+
+
+def test_a_listener_takes_a_bounded_number_of_connections():
+    from fedrelay import limits
+
+    assert limits.max_connections(1024) == 256
+    assert limits.max_connections(65536) == limits.MAX_CONNECTIONS
+    assert limits.max_connections(100) == limits.MIN_CONNECTIONS
+
+
+def test_connections_per_identity_are_bounded_within_the_idle_window():
+    from fedrelay.limits import IdentityConnections
+
+    clock = Clock()
+    seen = IdentityConnections(per_identity=2, window=60, exempt=frozenset({"operator"}), clock=clock)
+    assert seen.admit("site-a", "ipv4:1.2.3.4:1") and seen.admit("site-a", "ipv4:1.2.3.4:2")
+    assert seen.admit("site-a", "ipv4:1.2.3.4:1")  # a connection it already uses
+    assert not seen.admit("site-a", "ipv4:1.2.3.4:3")
+    assert seen.admit("site-b", "ipv4:1.2.3.5:3")  # another identity has its own
+    assert all(seen.admit("operator", f"ipv4:127.0.0.1:{i}") for i in range(10))
+    clock.now += 30
+    seen.admit("site-a", "ipv4:1.2.3.4:2")
+    clock.now += 31  # connection 1 unused for 61 s: the server closed it
+    assert seen.admit("site-a", "ipv4:1.2.3.4:3") and seen.count("site-a") == 2
