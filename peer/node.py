@@ -470,10 +470,11 @@ class PeerNode:
             raise LookupError(f"unknown run {run_id!r}")
         if caller is not None and caller not in (sender, wire.COORDINATOR_IDENTITY):
             raise PermissionError(f"certificate identity {caller!r} is not {sender!r}")
-        if not any(t.receiver == self.name and t.sender == sender for t in run.assignment.transfers):
+        planned = [t for t in run.assignment.transfers if t.receiver == self.name and t.sender == sender]
+        if not planned:
             raise PermissionError(f"{sender!r} sends nothing to this site in run {run_id}")
-        if run.ended.is_set() or not self.start_workers:
-            return False
+        if run.ended.is_set() or not self.start_workers or all(run.destination(t).exists() for t in planned):
+            return False  # nothing more to receive from that sender: no worker is held for it
         req, key = self._schema_request(run.assignment)
         prefetch, asked = [], None
         if key not in self._schemas and key not in self._schema_waits:
@@ -487,7 +488,7 @@ class PeerNode:
                     self._schema_waits.pop(key, None)
                     asked.set()
             prefetch = [(req, keep)]
-        started = self.jobs.warm(run_id, prefetch, spec=self._spec(run.assignment))
+        started = self.jobs.warm(run_id, prefetch, spec=self._spec(run.assignment), sender=sender)
         if not started and asked is not None:
             self._schema_waits.pop(key, None)
             asked.set()

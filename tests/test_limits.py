@@ -419,3 +419,105 @@ def test_connections_per_identity_are_bounded_within_the_idle_window():
     seen.admit("site-a", "ipv4:1.2.3.4:2")
     clock.now += 31  # connection 1 unused for 61 s: the server closed it
     assert seen.admit("site-a", "ipv4:1.2.3.4:3") and seen.count("site-a") == 2
+
+
+# -- Prepare: warm workers ---------------------------------------------------------------------------
+class FakeWorker:
+    """A worker process stand-in: answers every request at once, frees its host slot on close."""
+
+    def __init__(self, slot):
+        self.slot, self.prepared, self.closed = slot, None, False
+        self.pid = id(self)
+        self.proc = type("Proc", (), {"poll": staticmethod(lambda: None)})()
+
+    def request(self, req, **kw):
+        return {"op": req["op"]}
+
+    def close(self, grace=None):
+        if not self.closed:
+            self.closed = True
+            self.slot.release()
+
+
+@pytest.fixture
+def pool(tmp_path):
+    from fedrelay.peer.slots import HostSlots
+    from fedrelay.peer.workers import WorkerPool
+
+    clock = Clock()
+    p = WorkerPool(tmp_path / "data", "cpu", HostSlots(3, tmp_path / "slots"), warm_timeout=120, clock=clock)
+    p.workers = []
+
+    def new_worker(slot):
+        p.started += 1
+        p.workers.append(FakeWorker(slot))
+        return p.workers[-1]
+
+    p._new_worker = new_worker
+    p.test_clock = clock
+    yield p
+    p.close()
+
+
+def test_one_sender_cannot_pin_the_worker_slots(pool):
+    """Prepare for three runs from one sender holds one warm worker; warm workers of other
+    senders that fill every slot give way to a job at once; an unused one is closed in time."""
+    assert pool.warm("r1", sender="site-x")
+    assert not pool.warm("r2", sender="site-x") and not pool.warm("r3", sender="site-x")
+    assert not pool.warm("r1", sender="site-y")  # one per run
+    assert pool.warm("r4", sender="site-y") and pool.warm("r5", sender="site-z")
+    assert pool.slots.try_acquire() is None  # every slot is held by a warm worker
+    done = threading.Event()
+    answers = []
+
+    def job():
+        answers.append(pool.run({"op": "train"}, run_id="legit"))
+        done.set()
+
+    threading.Thread(target=job, daemon=True).start()
+    assert done.wait(30), "the job waited for a slot held by a worker started ahead"
+    assert answers == [{"op": "train"}] and pool.preempted == 1 and pool.workers[0].closed  # the oldest went
+    # The run's own warm worker is used by its job, not preempted.
+    assert pool.run({"op": "train"}, run_id="r4") == {"op": "train"} and pool.workers[1].closed
+    # Left unused: closed after warm_timeout; the run's end closes its own at once.
+    pool.test_clock.now += 121
+    pool._expire()
+    assert all(w.closed for w in pool.workers[:3])
+    assert pool.warm("r6", sender="site-x")
+    pool.drop("r6")
+    assert pool.workers[-1].closed and not pool._warm
+
+
+def test_prepare_holds_a_worker_only_while_the_sender_still_has_a_transfer_for_this_site(three_sites, tmp_path):
+    """A planned sender whose transfer into this site has arrived gets no warm worker."""
+    from tests.test_transfer import assignment
+
+    from fedrelay.peer.node import PeerNode
+    from fedrelay.tasks.image_folder.data import load_site
+
+    class Jobs:
+        def __init__(self):
+            self.warmed = []
+
+        def warm(self, run_id, prefetch=(), spec=None, sender=""):
+            self.warmed.append((run_id, sender))
+            return True
+
+        def drop(self, run_id):
+            pass
+
+        def close(self):
+            pass
+
+    jobs = Jobs()
+    node = PeerNode("site-b", "127.0.0.1:1", load_site(three_sites[0]), tmp_path, "cpu", None, jobs=jobs)
+    node.assign(assignment("r1"))
+    node.assign(assignment("r2"))
+    assert node.prepare("r1", "site-a", caller="site-a") is True
+    run = node.runs["r2"]
+    for t in run.assignment.transfers:
+        if t.receiver == "site-b":
+            run.destination(t).parent.mkdir(parents=True, exist_ok=True)
+            run.destination(t).write_bytes(b"arrived")
+    assert node.prepare("r2", "site-a", caller="site-a") is False
+    assert jobs.warmed == [("r1", "site-a")]
