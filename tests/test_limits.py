@@ -488,12 +488,24 @@ def test_one_sender_cannot_pin_the_worker_slots(pool):
     assert pool.workers[-1].closed and not pool._warm
 
 
-def test_prepare_holds_a_worker_only_while_the_sender_still_has_a_transfer_for_this_site(three_sites, tmp_path):
+def test_prepare_holds_a_worker_only_while_the_sender_still_has_a_transfer_for_this_site(tmp_path):
     """A planned sender whose transfer into this site has arrived gets no warm worker."""
-    from tests.test_transfer import assignment
+    from conftest import image_offers
 
     from fedrelay.peer.node import PeerNode
-    from fedrelay.tasks.image_folder.data import load_site
+    from fedrelay.tasks.image_folder import spec as image_spec
+    from fedrelay.tasks.offers import Offer
+    from fedrelay.v1 import common_pb2, peer_pb2
+
+    def assignment(run_id):
+        order = ["site-a", "site-b"]
+        part = chain_plan(order).part_pb("site-b", {n: f"127.0.0.1:{i + 1}" for i, n in enumerate(order)})
+        return peer_pb2.Assignment(
+            run_id=run_id, position=1, chain_length=2, seed=1, site="site-b", order=order, rounds=1, **part,
+            params=common_pb2.TrainingParams(strategy="fedelmy", models_per_site=1, local_epochs=1, warmup_epochs=1,
+                                             alpha=1, beta=1, lr=1e-3, batch_size=32, weight_decay=1e-4,
+                                             selection="best-val"),
+            model=image_spec("cnn", 1, (28, 28), 2).to_pb(), class_index=["x", "y"])
 
     class Jobs:
         def __init__(self):
@@ -510,7 +522,8 @@ def test_prepare_holds_a_worker_only_while_the_sender_still_has_a_transfer_for_t
             pass
 
     jobs = Jobs()
-    node = PeerNode("site-b", "127.0.0.1:1", load_site(three_sites[0]), tmp_path, "cpu", None, jobs=jobs)
+    offers = [Offer.from_dict(d) for d in image_offers({"x": (5, 1), "y": (5, 1)})]
+    node = PeerNode("site-b", "127.0.0.1:1", offers, tmp_path, "cpu", None, jobs=jobs)
     node.assign(assignment("r1"))
     node.assign(assignment("r2"))
     assert node.prepare("r1", "site-a", caller="site-a") is True
@@ -521,3 +534,62 @@ def test_prepare_holds_a_worker_only_while_the_sender_still_has_a_transfer_for_t
             run.destination(t).write_bytes(b"arrived")
     assert node.prepare("r2", "site-a", caller="site-a") is False
     assert jobs.warmed == [("r1", "site-a")]
+
+
+def test_a_site_identity_makes_calls_on_a_bounded_number_of_connections(tmp_path):
+    """Over mutual TLS: site-a's third connection is refused (RESOURCE_EXHAUSTED) while its
+    first two keep working; the operator is not bounded."""
+    import grpc
+
+    from fedrelay import signing
+    from fedrelay.coordinator import pki
+    from fedrelay.guard import Guard, Limits
+    from conftest import image_offer_pbs
+
+    from fedrelay import wire
+    from fedrelay.v1 import coordinator_pb2_grpc
+
+    def registration(name):
+        return cpb.RegisterRequest(name=name, address="127.0.0.1:9", tasks=image_offer_pbs({"Bag": (5, 1)}))
+
+    def start_coordinator(db, ids, guard):
+        ledger = Ledger(db)
+        server, port = wire.make_server("127.0.0.1:0", transport=ids["coordinator"], guard=guard)
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
+            CoordinatorService(ledger, transport=ids["coordinator"]), server)
+        server.start()
+        return server, f"127.0.0.1:{port}", ledger
+
+    pki.init_ca(tmp_path / "pki")
+    ids = {"coordinator": wire.Transport.from_dir(tmp_path / "pki" / "coordinator"),
+           "operator": wire.Transport.from_dir(tmp_path / "pki" / "operator"),
+           "site-a": wire.Transport.from_dir(pki.enroll("site-a", tmp_path / "pki", tmp_path / "a"))}
+    server, address, ledger = start_coordinator(tmp_path / "l.sqlite", ids, Guard(Limits(per_identity_connections=2)))
+
+    def connection(who):
+        t = ids[who]
+        creds = grpc.ssl_channel_credentials(root_certificates=t.ca, private_key=t.key, certificate_chain=t.cert)
+        channel = grpc.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", "coordinator"),
+                                                               ("grpc.use_local_subchannel_pool", 1)])
+        return channel, signing.SigningStub(coordinator_pb2_grpc.CoordinatorStub(channel), signing.signer_for(t))
+
+    channels = []
+    try:
+        sites = [connection("site-a") for _ in range(3)]
+        channels += [c for c, _ in sites]
+        for _, s in sites[:2]:
+            s.Register(registration("site-a"), timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            sites[2][1].Register(registration("site-a"), timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "too many connections" in err.value.details()
+        sites[0][1].Register(registration("site-a"), timeout=30)  # its first connections still work
+        ops = [connection("operator") for _ in range(4)]
+        channels += [c for c, _ in ops]
+        for _, s in ops:
+            s.ListPeers(cpb.ListPeersRequest(), timeout=30)
+    finally:
+        for c in channels:
+            c.close()
+        server.stop(0)
+        ledger.close()
+
