@@ -1301,13 +1301,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: threading.Event | None = None,
           stop: threading.Event | None = None, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
           web: str | None = None, metrics_listen: str | None = None, relay_dir: str | Path | None = None,
-          relay: str = "", web_hosts: list[str] | tuple[str, ...] = ()) -> None:
+          relay: str = "", web_hosts: list[str] | tuple[str, ...] = (), operator_listen: str | None = None) -> None:
     """Run the coordinator until ``stop`` is set (or forever), with mutual TLS unless ``transport``
     is insecure (then every run it starts is recorded as insecure), the gRPC health service
     (``fedrelay.health``) and, with ``metrics_listen`` (``HOST:PORT``), Prometheus metrics over
     HTTP (``coordinator/monitoring.py``). ``web``: PORT or HOST:PORT of the live run page
     (``coordinator.web``; off when None); ``web_hosts``: extra names its ``Host:`` may carry
-    (``coordinator/http_limits.py``). Raises ``RuntimeError`` if it cannot bind,
+    (``coordinator/http_limits.py``). ``operator_listen``: a second HOST:PORT for the operator's
+    commands, with a connection quota of its own (``docs/limits.md``; best on loopback). Raises ``RuntimeError`` if it cannot bind,
     ``ValueError`` if a TLS identity is not the coordinator's or ``web`` or ``metrics_listen``
     is malformed.
 
@@ -1321,12 +1322,18 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
                          f"not {wire.COORDINATOR_IDENTITY!r} (use PKI/coordinator from `coordinator init-ca`)")
     if relay:
         names.check_address(relay, "--relay")
+    if operator_listen:
+        try:
+            wire.split_hostport(operator_listen)
+        except ValueError as exc:
+            raise ValueError(f"--operator-listen: {exc}") from None
     ledger = Ledger(db)
     if transport.secure and not relay and relay_dir is None:
         relay_dir = Path(db).resolve().parent / "relay"
     service = CoordinatorService(ledger, transport=transport, peer_timeout=peer_timeout,
                                  relay_dir=relay_dir if transport.secure else None, relay=relay)
-    server, port = wire.make_server(listen, transport=transport, guard=service.monitor.guard())
+    server, port = wire.make_server(listen, transport=transport, guard=service.monitor.guard(),
+                                    also=[operator_listen] if operator_listen else [])
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     if service.relay is not None:
         relay_pb2_grpc.add_RelayServicer_to_server(service.relay, server)
@@ -1336,6 +1343,8 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
     server.start()
     log.info("coordinator %s listening on %s (%s), ledger %s", __version__, wire.with_port(listen, port),
              "mutual TLS" if transport.secure else "INSECURE plaintext", db)
+    if operator_listen:
+        log.info("operator listener on %s (connections of its own)", wire.with_port(operator_listen, server.also_ports[0]))
     page = _start_web(web, service, server, ledger, web_hosts) if web else None
     picked = service.recover()
     if picked:

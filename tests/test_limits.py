@@ -593,3 +593,44 @@ def test_a_site_identity_makes_calls_on_a_bounded_number_of_connections(tmp_path
         server.stop(0)
         ledger.close()
 
+
+
+def test_the_operator_listener_has_connections_of_its_own():
+    """Connections that fill the sites' listener leave the operator's listener free."""
+    import grpc
+
+    from fedrelay import wire
+    from fedrelay.v1 import coordinator_pb2_grpc
+
+    ledger = Ledger(":memory:")
+    service = CoordinatorService(ledger)
+    server, port = wire.make_server("127.0.0.1:0", also=["127.0.0.1:0"], max_connections=8)
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+    server.start()
+    held = []
+    try:
+        for _ in range(20):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(PREFACE)
+            held.append(s)
+        assert sum(closed_by_server(s) for s in held[8:9]) == 1  # over the quota: closed
+        with wire.INSECURE.channel(f"127.0.0.1:{server.also_ports[0]}") as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            assert list(stub.ListPeers(cpb.ListPeersRequest(), timeout=30).peers) == []
+        with wire.INSECURE.channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                coordinator_pb2_grpc.CoordinatorStub(channel).ListPeers(cpb.ListPeersRequest(), timeout=30)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        for s in held:
+            s.close()
+        server.stop(0)
+        service.close()
+
+
+def test_a_bad_operator_listen_address_names_the_flag(tmp_path):
+    from fedrelay import wire
+    from fedrelay.coordinator.service import serve
+
+    with pytest.raises(ValueError, match="--operator-listen"):
+        serve("127.0.0.1:0", tmp_path / "l.sqlite", transport=wire.INSECURE, operator_listen="nowhere")
