@@ -52,8 +52,10 @@ class HttpLimits:
 
     def uvicorn_options(self) -> dict:
         """The ``uvicorn.Config`` keywords of these limits (with :func:`bounded_protocol`)."""
-        return {"http": bounded_protocol(self), "limit_concurrency": self.max_connections,
-                "timeout_keep_alive": self.keep_alive, "h11_max_incomplete_event_size": self.max_head_bytes,
+        # uvicorn's own ``limit_concurrency`` is left off: it answers 503 to every request once
+        # ``max_connections`` are open (it counts the connection asking too), and it reads the
+        # request first; :func:`bounded_protocol` closes the connection over the bound instead.
+        return {"http": bounded_protocol(self), "timeout_keep_alive": self.keep_alive, "h11_max_incomplete_event_size": self.max_head_bytes,
                 "backlog": min(2048, 4 * self.max_connections)}
 
 
@@ -172,6 +174,9 @@ class HostCheck:
         if scope["type"] in ("http", "websocket"):
             host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
             if not host_allowed(host, self.names):
+                if scope["type"] == "websocket":  # the page has none; refuse before accepting
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
                 await send({"type": "http.response.start", "status": 400,
                             "headers": [(b"content-type", b"text/plain; charset=utf-8")]})
                 await send({"type": "http.response.body", "body": b"Invalid host header"})

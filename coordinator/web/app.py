@@ -34,7 +34,7 @@ from fedrelay import limits
 from fedrelay.coordinator.http_limits import HostCheck, HttpLimits, allowed_hosts
 from fedrelay.coordinator.ledger import TERMINAL
 from fedrelay.coordinator.web import views
-from fedrelay.coordinator.web.cache import PageCache, encode
+from fedrelay.coordinator.web.cache import PageCache
 
 log = logging.getLogger("fedrelay.coordinator.web")
 
@@ -88,6 +88,8 @@ def create_app(service, stopping: threading.Event | None = None, hosts: frozense
     hub = service.events
     cache = PageCache(lambda run_id: views.run_view(service, run_id),
                       lambda run_id: (hub.last_seq(run_id), hub.ended(run_id)))
+    # The run list (polled every 3 s by each reader of the index page): rebuilt on a new event.
+    run_list = PageCache(lambda _: views.run_list(ledger), lambda _: ledger.last_event_seq(), size=1, stamp=False)
 
     def page(name: str) -> Response:
         return FileResponse(STATIC / name, media_type="text/html", headers=HEADERS)
@@ -102,7 +104,7 @@ def create_app(service, stopping: threading.Event | None = None, hosts: frozense
         return page("run.html")
 
     def api_runs(request: Request) -> Response:
-        return Response(encode(views.run_list(ledger)), media_type="application/json", headers=HEADERS)
+        return Response(run_list.get(""), media_type="application/json", headers=HEADERS)
 
     def api_run(request: Request) -> Response:
         run_id = request.path_params["run_id"]

@@ -44,12 +44,14 @@ class PageCache:
     """Encoded run views by run id, at most ``size`` runs (least recently read dropped first).
 
     ``build(run_id)``: the run's view as a dict (``views.run_view``), None for an unknown run;
-    ``key(run_id)``: what changes when the run changes (hashable). ``builds`` counts the views
-    built (for tests)."""
+    ``key(run_id)``: what changes when the run changes (hashable). ``stamp``: add ``now`` to
+    each response (False for a view that is not a JSON object, e.g. the run list). ``builds``
+    counts the views built (for tests)."""
 
-    def __init__(self, build: Callable[[str], dict | None], key: Callable[[str], Any], *, size: int = 64,
-                 max_age: float = 5.0, clock=time.monotonic):
+    def __init__(self, build: Callable[[str], Any], key: Callable[[str], Any], *, size: int = 64,
+                 max_age: float = 5.0, clock=time.monotonic, stamp: bool = True):
         self.build, self.key, self.size, self.max_age, self.clock = build, key, size, max_age, clock
+        self.stamp = stamp  # add ``now`` to each response (views that are JSON objects)
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, tuple[Any, float, bytes]] = OrderedDict()
         self._building: dict[str, threading.Lock] = {}
@@ -79,7 +81,8 @@ class PageCache:
                             if run_id not in self._entries:
                                 self._building.pop(run_id, None)
                         return None
-                    view.pop("now", None)
+                    if self.stamp:
+                        view.pop("now", None)
                     body = encode(view)
                     with self._lock:
                         self.builds += 1
@@ -88,5 +91,7 @@ class PageCache:
                         while len(self._entries) > self.size:
                             old, _ = self._entries.popitem(last=False)
                             self._building.pop(old, None)
+        if not self.stamp:
+            return body
         # ``now`` is added per response: the cached body ends with the object's closing brace.
         return body[:-1] + (b"," if len(body) > 2 else b"") + b'"now":' + repr(time.time()).encode() + b"}"
