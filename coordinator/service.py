@@ -113,6 +113,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._prepared: set[tuple[str, int]] = set()
         # Progress reports per run member, rate-limited (a token bucket each).
         self.progress_limit = ProgressLimit()
+        ledger.on_run_ended.append(lambda run_id, status, error: self.progress_limit.forget(run_id))
 
     # -- authorization ---------------------------------------------------------------------------
     def _as_site(self, context, claimed: str) -> None:

@@ -81,7 +81,9 @@ def test_a_flood_of_progress_reports_stops_growing_the_ledger(caplog):
         assert len([r for r in caplog.records if r.name == "fedrelay.coordinator.progress"]) == 1
         reply = service.ReportProgress(cpb.ProgressReport(run_id="flood", site="b", kind="state", state="training"),
                                        FakeContext())
-        assert not reply.duplicate
+        assert not reply.duplicate and len(service.progress_limit) == 2
+        ledger.finish_run("flood", "failed", error="test", message="run failed")
+        assert len(service.progress_limit) == 0  # an ended run's buckets go
     finally:
         service.close()
 
