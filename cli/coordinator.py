@@ -18,7 +18,7 @@ from fedrelay.text import safe, safe_tree
 from fedrelay.cli.common import (CONTEXT_SETTINGS, ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECURE_HELP, TLS_HELP,
                                  console, err_console, fail, load_config_callback, setup_logging, stop_on_sigterm,
                                  transport_from, version_option)
-from fedrelay.coordinator.planner import ORDERS
+from fedrelay.coordinator.plan import ORDERS
 from fedrelay import scoring, tasks as task_registry
 from fedrelay.registry import STRATEGIES
 

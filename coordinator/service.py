@@ -36,9 +36,8 @@ from fedrelay.coordinator.events import EventHub
 from fedrelay.coordinator.monitoring import CoordinatorMonitor
 from fedrelay.health import COORDINATOR_SERVICE, Health
 from fedrelay.coordinator.live import LiveState
-from fedrelay.coordinator.plan import (FINAL, HOP, UPLOAD, Plan, PlanError, Transfer, chain_plan, pick_aggregator,
-                                       replan, star_plan)
-from fedrelay.coordinator.planner import PeerInfo, plan_chain
+from fedrelay.coordinator.plan import (FINAL, HOP, UPLOAD, PeerInfo, Plan, PlanError, Transfer, chain_plan, choose_sites,
+                                       pick_aggregator, replan, star_plan)
 from fedrelay.coordinator.progress_limit import ProgressLimit
 from fedrelay.coordinator.relay import RelayService
 from fedrelay.coordinator import forgotten, replies
@@ -979,7 +978,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             run_params.check(params)  # once, completely, before anything is written
             run_params.check_rounds(rounds)
-            chosen = plan_chain(peers, names=list(request.peers) or None, order=request.order or "random",
+            chosen = choose_sites(peers, names=list(request.peers) or None, order=request.order or "random",
                                 seed=request.seed, task=request.task, model=request.model,
                                 task_sha256=request.task_sha256)
             plan = self._new_plan(params["strategy"], chosen.names, rounds, request.aggregator, request.seed)

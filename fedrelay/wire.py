@@ -285,20 +285,17 @@ def schema_digest(path: str | Path) -> str:
     payload) and not only that its bytes match. Raises ``ValueError`` for a file whose header
     is not safetensors."""
     import json
-    import struct
 
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (length,) = struct.unpack("<Q", head)
-        if length > MAX_MESSAGE_BYTES:
-            raise ValueError(f"{path}: safetensors header of {length} bytes is too large")
-        try:
-            header = json.loads(f.read(length))
-            entries = sorted((k, v["dtype"], list(v["shape"])) for k, v in header.items() if k != "__metadata__")
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"{path}: not a safetensors header: {exc}") from None
+    from fedrelay.safetensors_header import HeaderError, read_header
+
+    try:
+        header = read_header(path, limit=MAX_MESSAGE_BYTES)
+    except HeaderError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    try:
+        entries = sorted((k, v["dtype"], list(v["shape"])) for k, v in header.items() if k != "__metadata__")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path}: not a safetensors header: {exc}") from None
     return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()
 
 
