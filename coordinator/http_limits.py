@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import time
 from dataclasses import dataclass
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -55,16 +56,26 @@ class HttpLimits:
         # uvicorn's own ``limit_concurrency`` is left off: it answers 503 to every request once
         # ``max_connections`` are open (it counts the connection asking too), and it reads the
         # request first; :func:`bounded_protocol` closes the connection over the bound instead.
-        return {"http": bounded_protocol(self), "timeout_keep_alive": self.keep_alive, "h11_max_incomplete_event_size": self.max_head_bytes,
-                "backlog": min(2048, 4 * self.max_connections)}
+        return {"http": bounded_protocol(self), "timeout_keep_alive": self.keep_alive,
+                "h11_max_incomplete_event_size": self.max_head_bytes, "backlog": min(2048, 4 * self.max_connections)}
 
 
 class _Counts:
-    """Connections refused and heads timed out, for tests and the log."""
+    """Connections refused and heads timed out (for tests), and the time of the last log line
+    about them: at most one a minute."""
 
     def __init__(self):
         self.refused = 0
         self.head_timeouts = 0
+        self._logged = None
+
+    def note(self, max_connections: int) -> None:
+        now = time.monotonic()
+        if self._logged is None or now - self._logged >= 60.0:
+            self._logged = now
+            log.warning("the live run page has %d connections open (its bound): closing new ones at once "
+                        "(%d so far, %d half-sent requests closed)", max_connections, self.refused,
+                        self.head_timeouts)
 
 
 def bounded_protocol(limits: HttpLimits) -> type[H11Protocol]:
@@ -80,6 +91,7 @@ def bounded_protocol(limits: HttpLimits) -> type[H11Protocol]:
         def connection_made(self, transport) -> None:  # type: ignore[override]
             if len(self.connections) >= limits.max_connections:
                 BoundedH11Protocol.counts.refused += 1
+                BoundedH11Protocol.counts.note(limits.max_connections)
                 self.transport = transport
                 transport.abort()  # nothing read, nothing logged; the socket is closed now
                 return
