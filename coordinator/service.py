@@ -1308,9 +1308,10 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
     HTTP (``coordinator/monitoring.py``). ``web``: PORT or HOST:PORT of the live run page
     (``coordinator.web``; off when None); ``web_hosts``: extra names its ``Host:`` may carry
     (``coordinator/http_limits.py``). ``operator_listen``: a second HOST:PORT for the operator's
-    commands, with a connection quota of its own (``docs/limits.md``; best on loopback). Raises ``RuntimeError`` if it cannot bind,
-    ``ValueError`` if a TLS identity is not the coordinator's or ``web`` or ``metrics_listen``
-    is malformed.
+    commands, with a connection quota of its own (``docs/limits.md``; best on loopback).
+    Raises ``RuntimeError`` if it cannot bind,
+    ``ValueError`` if a TLS identity is not the coordinator's or ``web``, ``metrics_listen``,
+    ``operator_listen`` or a ``web_hosts`` name is malformed.
 
     The relay (``coordinator/relay.py``) for sites that cannot be reached directly: under mutual
     TLS the coordinator serves it, keeping envelopes in ``relay_dir`` (default: the folder
@@ -1344,7 +1345,8 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
     log.info("coordinator %s listening on %s (%s), ledger %s", __version__, wire.with_port(listen, port),
              "mutual TLS" if transport.secure else "INSECURE plaintext", db)
     if operator_listen:
-        log.info("operator listener on %s (connections of its own)", wire.with_port(operator_listen, server.also_ports[0]))
+        log.info("operator listener on %s (connections of its own)",
+                 wire.with_port(operator_listen, server.also_ports[0]))
     page = _start_web(web, service, server, ledger, web_hosts) if web else None
     picked = service.recover()
     if picked:

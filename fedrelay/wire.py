@@ -51,7 +51,7 @@ _OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 HANDSHAKE_TIMEOUT_MS = 10_000  # a connection must finish TLS and HTTP/2 set-up within 10 s
-MAX_CONNECTION_IDLE_MS = 60_000  # a connection with no call for 1 minute is closed (GOAWAY; a channel reconnects)
+MAX_CONNECTION_IDLE_MS = 60_000  # a connection with no call for 1 minute is closed (GOAWAY)
 MAX_STREAMS_PER_CONNECTION = 256  # calls at once on one connection (HTTP/2); above the guard's bounds, which do the limiting
 _SERVER_OPTIONS = _OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
