@@ -79,6 +79,12 @@ def serve(
                                             "before the chain is routed around it."),
     web: str = typer.Option(None, "--web", help="PORT or HOST:PORT: serve the live run page there (read-only, no "
                             "authentication; a bare PORT listens on 127.0.0.1). Off by default."),
+    operator_listen: str = typer.Option(None, "--operator-listen", help="A second HOST:PORT for the operator's "
+                                        "commands (e.g. 127.0.0.1:50071), whose connections the sites' cannot "
+                                        "crowd out \\[default: off]."),
+    web_host: list[str] = typer.Option([], "--web-host", help="A host name the live run page may be reached by "
+                                       "(its Host: header), besides IP addresses, localhost and the --web host; "
+                                       "repeat for several. Any other name is refused (DNS rebinding)."),
     metrics_listen: str = typer.Option(None, "--metrics-listen", help="HOST:PORT to serve Prometheus metrics on "
                                        "(plain HTTP, /metrics; unauthenticated: bind it where only your "
                                        "monitoring reaches) \\[default: off]."),
@@ -96,7 +102,8 @@ def serve(
     from fedrelay.coordinator.service import serve as run_service
 
     try:
-        run_service(listen, db, transport=transport, peer_timeout=peer_timeout, web=web,
+        run_service(listen, db, transport=transport, peer_timeout=peer_timeout, web=web, web_hosts=web_host,
+                    operator_listen=operator_listen,
                     metrics_listen=metrics_listen, relay_dir=relay_dir, relay=relay)
     except (RuntimeError, ValueError) as exc:
         fail(str(exc))

@@ -9,14 +9,14 @@ hold, and for how long. ``coordinator/relay.py`` asks this module; it decides no
   runs with the coordinator's identity). A grant names the run, purpose, index, sender and
   receiver and expires after ``GRANT_SECONDS``; made-up run ids get none.
 - **Per envelope**: at most the run's payload cap plus the sealing overhead
-  (``Permit.max_bytes``, ``fedrelay.limits.sealed_cap``), and never more than
+  (``Permit.max_bytes``, ``fedrelay.transfer_bounds.sealed_cap``), and never more than
   ``RelayLimits.max_bytes``.
 - **Per run**: the bytes and envelopes its plan can need (``Permit.run_bytes``,
   ``Permit.run_envelopes``). **Per identity** (the sender's certificate name, over all runs):
   ``RelayLimits.identity_bytes`` and ``identity_envelopes``. What counts is what is reserved:
   the declared size of every envelope held or being uploaded (:class:`Reservations`).
 - **No stall**: a Put that sends nothing for ``RelayLimits.stall_timeout`` seconds is dropped
-  (the stall timeout of a peer's Handoff, ``fedrelay.limits.STALL_TIMEOUT``).
+  (the stall timeout of a peer's Handoff, ``fedrelay.transfer_bounds.STALL_TIMEOUT``).
 - **No compression amplification**: servers accept no compressed request
   (``fedrelay.wire``'s server options); the bytes counted are the bytes written.
 - **Expiry**: an envelope nobody fetched and discarded within ``RelayLimits.lifetime`` seconds
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import limits, signing, wire
+from fedrelay import signing, transfer_bounds, wire
 from fedrelay.peer.transfer import TransferError
 from fedrelay.v1 import common_pb2
 
@@ -65,7 +65,7 @@ class RelayLimits:
     """
 
     max_bytes: int = 2 << 30
-    stall_timeout: float = limits.STALL_TIMEOUT
+    stall_timeout: float = transfer_bounds.STALL_TIMEOUT
     lifetime: float = 24 * 3600.0
     identity_bytes: int = 8 << 30
     identity_envelopes: int = 256
@@ -80,7 +80,7 @@ class RelayLimits:
 @dataclass(frozen=True)
 class Permit:
     """What the coordinator allows one relayed transfer: ``max_bytes`` of envelope (the run's
-    payload cap + ``fedrelay.limits.SEAL_OVERHEAD``), and for the whole run at this relay
+    payload cap + ``fedrelay.transfer_bounds.SEAL_OVERHEAD``), and for the whole run at this relay
     ``run_bytes`` bytes in ``run_envelopes`` envelopes."""
 
     max_bytes: int
@@ -91,7 +91,7 @@ class Permit:
     def for_plan(cls, payload_cap: int, planned_transfers: int) -> "Permit":
         """The permit of one transfer of a run whose payloads are at most ``payload_cap``
         bytes and whose plan has ``planned_transfers`` transfers (every one could be relayed)."""
-        envelope = limits.sealed_cap(payload_cap)
+        envelope = transfer_bounds.sealed_cap(payload_cap)
         n = max(1, int(planned_transfers))
         return cls(max_bytes=envelope, run_bytes=n * envelope, run_envelopes=n)
 

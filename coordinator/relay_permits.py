@@ -4,7 +4,7 @@ coordinator's own relay (asked on every Put) and for the grants it signs for an 
 relay (``Coordinator.GrantRelay``).
 
 The envelope's cap is the run's payload cap plus the sealing overhead
-(``fedrelay.limits.payload_cap`` / ``sealed_cap``), from what the coordinator knows:
+(``fedrelay.transfer_bounds.payload_cap`` / ``sealed_cap``), from what the coordinator knows:
 
 - once the run's sizes are fixed (the first transfer both ends agreed on: ``model_bytes``,
   ``upload_bytes`` of the ledger), the cap of that size;
@@ -24,7 +24,7 @@ from typing import Callable
 
 import grpc
 
-from fedrelay import limits, names, wire
+from fedrelay import names, transfer_bounds, wire
 from fedrelay.coordinator.relay_bounds import CapUnknown, Permit
 from fedrelay.v1 import common_pb2, peer_pb2
 
@@ -71,7 +71,7 @@ class RelayPermits:
         Raises ``CapUnknown``."""
         size = run["upload_bytes"] if word == "upload" else run["model_bytes"]
         if size:
-            return limits.payload_cap(size)
+            return transfer_bounds.payload_cap(size)
         key = (run["run_id"], receiver)
         with self._lock:
             if key in self._caps:

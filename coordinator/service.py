@@ -41,6 +41,7 @@ from fedrelay.coordinator.live import LiveState
 from fedrelay.coordinator.plan import (FINAL, HOP, UPLOAD, PeerInfo, Plan, PlanError, Transfer, chain_plan, choose_sites,
                                        pick_aggregator, replan, star_plan)
 from fedrelay.coordinator import relay_bounds
+from fedrelay.coordinator.progress_limit import ProgressLimit
 from fedrelay.coordinator.relay import RelayService
 from fedrelay.coordinator.relay_bounds import Permit
 from fedrelay.coordinator.relay_permits import RelayPermits
@@ -118,6 +119,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._receipts = threading.Condition()  # notified by every receipt (evaluation waits for relayed copies)
         # Chain hops whose outbound-only receiver was told to prepare on its sender's behalf: (run, hop).
         self._prepared: set[tuple[str, int]] = set()
+        # Progress reports per run member, rate-limited (a token bucket each).
+        self.progress_limit = ProgressLimit()
+        ledger.on_run_ended.append(lambda run_id, status, error: self.progress_limit.forget(run_id))
 
     # -- authorization ---------------------------------------------------------------------------
     def _as_site(self, context, claimed: str) -> None:
@@ -567,6 +571,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._site_in_run(run, request.site, context)
         if run["status"] == "cancelled":
             return cpb.ReportReply(duplicate=True)  # the run was stopped: nothing more is recorded
+        if not self.progress_limit.admit(request.run_id, request.site):
+            return cpb.ReportReply(duplicate=True)  # over this member's rate (coordinator/progress_limit.py)
         if request.kind == "epoch":
             val = request.val_accuracy if request.val_accuracy >= 0 else None
             with self.ledger.batch():  # the metric and its event: one commit
@@ -1399,14 +1405,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: threading.Event | None = None,
           stop: threading.Event | None = None, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
           web: str | None = None, metrics_listen: str | None = None, relay_dir: str | Path | None = None,
-          relay: str = "") -> None:
+          relay: str = "", web_hosts: list[str] | tuple[str, ...] = (), operator_listen: str | None = None) -> None:
     """Run the coordinator until ``stop`` is set (or forever), with mutual TLS unless ``transport``
     is insecure (then every run it starts is recorded as insecure), the gRPC health service
     (``fedrelay.health``) and, with ``metrics_listen`` (``HOST:PORT``), Prometheus metrics over
     HTTP (``coordinator/monitoring.py``). ``web``: PORT or HOST:PORT of the live run page
-    (``coordinator.web``; off when None). Raises ``RuntimeError`` if it cannot bind,
-    ``ValueError`` if a TLS identity is not the coordinator's or ``web`` or ``metrics_listen``
-    is malformed.
+    (``coordinator.web``; off when None); ``web_hosts``: extra names its ``Host:`` may carry
+    (``coordinator/http_limits.py``). ``operator_listen``: a second HOST:PORT for the operator's
+    commands, with a connection quota of its own (``docs/limits.md``; best on loopback).
+    Raises ``RuntimeError`` if it cannot bind,
+    ``ValueError`` if a TLS identity is not the coordinator's or ``web``, ``metrics_listen``,
+    ``operator_listen`` or a ``web_hosts`` name is malformed.
 
     The relay (``coordinator/relay.py``) for sites that cannot be reached directly: under mutual
     TLS the coordinator serves it, keeping envelopes in ``relay_dir`` (default: the folder
@@ -1418,6 +1427,11 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
                          f"not {wire.COORDINATOR_IDENTITY!r} (use PKI/coordinator from `coordinator init-ca`)")
     if relay:
         names.check_address(relay, "--relay")
+    if operator_listen:
+        try:
+            wire.split_hostport(operator_listen)
+        except ValueError as exc:
+            raise ValueError(f"--operator-listen: {exc}") from None
     ledger = Ledger(db)
     if transport.secure and not relay and relay_dir is None:
         relay_dir = Path(db).resolve().parent / "relay"
@@ -1425,7 +1439,8 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
                                  relay_dir=relay_dir if transport.secure else None, relay=relay)
     guard = service.monitor.guard()
     guard.watch(service.revocations.list)  # revoked sites' calls refused, those in flight cancelled
-    server, port = wire.make_server(listen, transport=transport, guard=guard)
+    server, port = wire.make_server(listen, transport=transport, guard=guard,
+                                    also=[operator_listen] if operator_listen else [])
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     if service.relay is not None:
         relay_pb2_grpc.add_RelayServicer_to_server(service.relay, server)
@@ -1435,7 +1450,10 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
     server.start()
     log.info("coordinator %s listening on %s (%s), ledger %s", __version__, wire.with_port(listen, port),
              "mutual TLS" if transport.secure else "INSECURE plaintext", db)
-    page = _start_web(web, service, server, ledger) if web else None
+    if operator_listen:
+        log.info("operator listener on %s (connections of its own)",
+                 wire.with_port(operator_listen, server.also_ports[0]))
+    page = _start_web(web, service, server, ledger, web_hosts) if web else None
     picked = service.recover()
     if picked:
         log.info("picked up %d running run(s) from the ledger: %s", len(picked), ", ".join(picked))
@@ -1457,13 +1475,13 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
         ledger.close()
 
 
-def _start_web(web: str, service: CoordinatorService, server: grpc.Server, ledger: Ledger):
+def _start_web(web: str, service: CoordinatorService, server: grpc.Server, ledger: Ledger, hosts=()):
     """The live run page on ``web``; when it cannot start, the gRPC server and ledger are closed
     before the error propagates."""
     from fedrelay.coordinator.web import start_web
 
     try:
-        return start_web(web, service)
+        return start_web(web, service, hosts=hosts)
     except BaseException:
         server.stop(grace=0).wait()
         service.close()

@@ -14,6 +14,9 @@ one on every server) that wraps every method:
   ``privileged_total`` together, outside the sites' share. The numbers add up to fewer than the
   pool's workers: admitted calls never fill the pool, and a refusal never waits for a worker.
   A call over a bound is refused at once: RESOURCE_EXHAUSTED.
+- **Connections per identity**: a site identity may make calls on at most
+  ``per_identity_connections`` connections within the idle window
+  (``fedrelay.limits.IdentityConnections``); a call on one more is refused (RESOURCE_EXHAUSTED).
 - **A deadline for the first request message** (``first_message_timeout`` seconds): the request
   of a unary call, the first message of a stream (a handoff's header). A call that sends none in
   time is refused (DEADLINE_EXCEEDED) and its worker freed. (Unary methods are served as
@@ -49,6 +52,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from fedrelay import limits as limits_mod
 from fedrelay import names, wire
 
 log = logging.getLogger("fedrelay.guard")
@@ -81,6 +85,9 @@ class Limits:
     long_lived: frozenset[str] = frozenset()
     log_lines: int = 10
     log_window: float = 60.0
+    # Connections one site identity may make calls on within the idle window
+    # (``fedrelay.limits.IdentityConnections``; the privileged identities are not bounded).
+    per_identity_connections: int = 64
 
     def __post_init__(self) -> None:
         if self.shared + self.privileged_total > self.max_workers:
@@ -203,6 +210,9 @@ class Guard(grpc.ServerInterceptor):
         self._lock = threading.Lock()
         self._counts: dict[tuple, int] = {}
         self._cache: dict[str, tuple] = {}
+        self.connections = limits_mod.IdentityConnections(self.limits.per_identity_connections,
+                                                          window=wire.MAX_CONNECTION_IDLE_MS / 1000,
+                                                          exempt=self.limits.privileged)
         # Reads of first messages (each waits at most first_message_timeout, and only admitted
         # calls read, so it never runs out of threads).
         self._readers = futures.ThreadPoolExecutor(max_workers=self.limits.max_workers,
@@ -337,6 +347,10 @@ class Guard(grpc.ServerInterceptor):
                 bounds.append((("shared",), lim.shared, "all sites together"))
         else:  # plaintext: no identities
             bounds = [(("shared",), lim.shared, "all callers together")]
+        if who is not None and not self.connections.admit(who, context.peer()):
+            self._refuse(context, label, method, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"too many connections: this identity may make calls on {self.connections.per_identity} "
+                         "connections at once; reuse a channel")
         with self._lock:
             over = next(((limit, what) for key, limit, what in bounds if self._counts.get(key, 0) >= limit), None)
             if over is None:

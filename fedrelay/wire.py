@@ -51,7 +51,7 @@ _OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 HANDSHAKE_TIMEOUT_MS = 10_000  # a connection must finish TLS and HTTP/2 set-up within 10 s
-MAX_CONNECTION_IDLE_MS = 300_000  # a connection with no call for 5 minutes is closed (GOAWAY)
+MAX_CONNECTION_IDLE_MS = 60_000  # a connection with no call for 1 minute is closed (GOAWAY)
 MAX_STREAMS_PER_CONNECTION = 256  # calls at once on one connection (HTTP/2); above the guard's bounds, which do the limiting
 _SERVER_OPTIONS = _OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
@@ -215,7 +215,8 @@ def insecure_channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=_OPTIONS)
 
 
-def make_server(listen: str, transport: Transport = INSECURE, guard=None) -> tuple[grpc.Server, int]:
+def make_server(listen: str, transport: Transport = INSECURE, guard=None, *, also: list[str] | tuple[str, ...] = (),
+                max_connections: int | None = None) -> tuple[grpc.Server, int]:
     """A gRPC server bound to ``listen`` (``HOST:PORT``; port 0 picks a free one), with mutual TLS
     when ``transport`` is secure (daemons always pass theirs; the default is plaintext).
 
@@ -225,26 +226,44 @@ def make_server(listen: str, transport: Transport = INSECURE, guard=None) -> tup
     worker pool has ``guard.limits.max_workers`` threads (started as needed). Connections must
     finish their handshake within ``HANDSHAKE_TIMEOUT_MS``, are closed after
     ``MAX_CONNECTION_IDLE_MS`` without a call, and carry at most ``MAX_STREAMS_PER_CONNECTION``
-    calls at once.
+    calls at once; the process's open-files limit is raised and the listener accepts at most
+    ``fedrelay.limits.max_connections`` connections at once (``fedrelay/limits.py``;
+    ``max_connections`` overrides it).
 
-    Returns (server, bound port). Raises ``RuntimeError`` when the address cannot be bound.
+    ``also``: more addresses (``HOST:PORT``) the same server listens on, each with a quota of
+    connections of its own: the coordinator's operator listener (``--operator-listen``), which
+    connections held on ``listen`` cannot fill. ``server.also_ports`` holds their bound ports.
+
+    Returns (server, bound port of ``listen``). Raises ``RuntimeError`` when an address cannot
+    be bound.
     """
     from concurrent import futures
 
     from fedrelay.guard import Guard
 
+    from fedrelay import limits
+
     guard = guard if guard is not None else Guard()
+    # Connections are bounded per listener and by the open-files limit (fedrelay/limits.py).
+    open_files = limits.raise_open_files()
+    connections = max_connections if max_connections is not None else limits.max_connections(open_files)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=guard.limits.max_workers),
-                         interceptors=[guard], options=_SERVER_OPTIONS)
-    try:
-        if transport.secure:
-            port = server.add_secure_port(listen, transport.server_credentials())
-        else:
-            port = server.add_insecure_port(listen)
-    except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ...")
-        raise RuntimeError(f"cannot listen on {listen}: {exc}") from exc
-    if port == 0:
-        raise RuntimeError(f"cannot listen on {listen}: address in use or not available")
+                         interceptors=[guard],
+                         options=_SERVER_OPTIONS + [("grpc.max_allowed_incoming_connections", connections)])
+    ports = []
+    for address in (listen, *also):
+        try:
+            if transport.secure:
+                port = server.add_secure_port(address, transport.server_credentials())
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ...")
+            raise RuntimeError(f"cannot listen on {address}: {exc}") from exc
+        if port == 0:
+            raise RuntimeError(f"cannot listen on {address}: address in use or not available")
+        ports.append(port)
+    port = ports[0]
+    server.also_ports = ports[1:]
     return server, port
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, limits, params as run_params, payload, registry, signing, tasks as task_registry, wire
+from fedrelay import __version__, params as run_params, payload, registry, signing, tasks as task_registry, transfer_bounds, wire
 from fedrelay.task import ModelSpec, SiteData, canonical_json
 from fedrelay.tasks.offers import Offer
 from fedrelay.peer.inbound import InboundStreams, Stream
@@ -41,8 +41,8 @@ from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2, relay_pb2
 
 log = logging.getLogger("fedrelay.peer")
 
-DEFAULT_STALL_TIMEOUT = limits.STALL_TIMEOUT  # seconds
-SEAL_OVERHEAD = limits.SEAL_OVERHEAD  # bytes a sealed envelope may add to its payload (header, certificate, GCM tags)
+DEFAULT_STALL_TIMEOUT = transfer_bounds.STALL_TIMEOUT  # seconds
+SEAL_OVERHEAD = transfer_bounds.SEAL_OVERHEAD  # bytes a sealed envelope may add to its payload (header, certificate, GCM tags)
 DEFAULT_RELAY_AFTER = 60.0  # seconds a receiver with an address may stay unreachable before the relay is used
 REROUTE_GRACE = 120.0  # seconds a final-model copy retries a refusal after a reroute (see _deliver)
 PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final model", common_pb2.UPLOAD: "upload"}
@@ -479,10 +479,11 @@ class PeerNode:
             raise LookupError(f"unknown run {run_id!r}")
         if caller is not None and caller not in (sender, wire.COORDINATOR_IDENTITY):
             raise PermissionError(f"certificate identity {caller!r} is not {sender!r}")
-        if not any(t.receiver == self.name and t.sender == sender for t in run.assignment.transfers):
+        planned = [t for t in run.assignment.transfers if t.receiver == self.name and t.sender == sender]
+        if not planned:
             raise PermissionError(f"{sender!r} sends nothing to this site in run {run_id}")
-        if run.ended.is_set() or not self.start_workers:
-            return False
+        if run.ended.is_set() or not self.start_workers or all(run.destination(t).exists() for t in planned):
+            return False  # nothing more to receive from that sender: no worker is held for it
         req, key = self._schema_request(run.assignment)
         prefetch, asked = [], None
         if key not in self._schemas and key not in self._schema_waits:
@@ -496,7 +497,7 @@ class PeerNode:
                     self._schema_waits.pop(key, None)
                     asked.set()
             prefetch = [(req, keep)]
-        started = self.jobs.warm(run_id, prefetch, spec=self._spec(run.assignment))
+        started = self.jobs.warm(run_id, prefetch, spec=self._spec(run.assignment), sender=sender)
         if not started and asked is not None:
             self._schema_waits.pop(key, None)
             asked.set()
@@ -515,7 +516,7 @@ class PeerNode:
         """Largest payload accepted for a run: 4 x (the model's tensor bytes + the aggregator's
         extra tensors' bytes) + 1 MiB of header (``fedrelay.limits.payload_cap``)."""
         schemas = self._schemas_of(a)
-        return limits.payload_cap(payload.payload_bytes(schemas["model"]) + payload.payload_bytes(schemas["extras"]))
+        return transfer_bounds.payload_cap(payload.payload_bytes(schemas["model"]) + payload.payload_bytes(schemas["extras"]))
 
     def _check_model_bytes(self, a: peer_pb2.Assignment, data: bytes, purpose: int) -> None:
         """Parse a payload with safetensors' numpy API and check it against its schema before

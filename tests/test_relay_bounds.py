@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from fedrelay import limits, signing, wire
+from fedrelay import signing, transfer_bounds, wire
 from fedrelay.coordinator import pki
 from fedrelay.coordinator.relay import RelayService, serve_relay
 from fedrelay.coordinator.relay_bounds import GRANT_SECONDS, CapUnknown, Permit, RelayLimits, issue_grant
@@ -119,17 +119,17 @@ def test_the_operators_relay_refuses_made_up_runs_and_grants_not_the_coordinator
 def test_an_envelope_over_the_runs_payload_cap_is_refused_not_stored(federation, relay_with, tmp_path):
     address, folder = relay_with()
     t = _t()
-    cap = 4 * 850_000 + MiB  # a run whose payload cap is 4.4 MB (limits.payload_cap of a 0.85 MB model)
-    assert cap == limits.payload_cap(850_000)
+    cap = 4 * 850_000 + MiB  # a run whose payload cap is 4.4 MB (transfer_bounds.payload_cap of a 0.85 MB model)
+    assert cap == transfer_bounds.payload_cap(850_000)
     junk = _junk(tmp_path, 24 * MiB)
     err = _put_code(address, federation, "run-1", t, junk, grant=_grant(federation, "run-1", t, payload_cap=cap))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "cap" in err.details()
     assert _stored(folder) == []
     # At the cap plus the sealing overhead it fits.
-    fits = _junk(tmp_path, limits.sealed_cap(cap), "fits.sealed")
+    fits = _junk(tmp_path, transfer_bounds.sealed_cap(cap), "fits.sealed")
     sent = relaying.put(address, federation["site-a"], "run-1", t, fits, [0],
                         grant=_grant(federation, "run-1", t, payload_cap=cap))
-    assert sent.receipt.stored_bytes == limits.sealed_cap(cap)
+    assert sent.receipt.stored_bytes == transfer_bounds.sealed_cap(cap)
 
 
 def test_a_runs_quota_and_a_senders_quota_bound_what_the_relay_holds(federation, relay_with, tmp_path):
@@ -283,7 +283,7 @@ def test_the_coordinators_relay_takes_the_runs_cap_from_its_sizes_and_only_plann
             "run-9": {"run_id": "run-9", "status": "finished", "model_bytes": 850_000, "upload_bytes": None}}
     permits = _permits(runs)
     permit = permits.permit("run-1", common_pb2.CHAIN_HOP, 1, "site-a", "site-b")
-    assert permit.max_bytes == limits.sealed_cap(limits.payload_cap(850_000)) and permit.run_envelopes == 3
+    assert permit.max_bytes == transfer_bounds.sealed_cap(transfer_bounds.payload_cap(850_000)) and permit.run_envelopes == 3
     folder = tmp_path / "relay"
     server, address = _coordinator_relay(federation, folder, permits.permit)
     try:
@@ -319,7 +319,7 @@ def test_before_the_runs_sizes_are_known_the_receiver_states_its_cap(federation,
     with pytest.raises(CapUnknown, match="not known yet"):
         down.permit("run-2", common_pb2.CHAIN_HOP, 1, "site-a", "site-b")
     permits = _permits(runs, peer=lambda site: Receiver(2 * MiB))
-    assert permits.permit("run-2", common_pb2.CHAIN_HOP, 1, "site-a", "site-b").max_bytes == limits.sealed_cap(2 * MiB)
+    assert permits.permit("run-2", common_pb2.CHAIN_HOP, 1, "site-a", "site-b").max_bytes == transfer_bounds.sealed_cap(2 * MiB)
     permits.permit("run-2", common_pb2.CHAIN_HOP, 1, "site-a", "site-b")
     assert asked == ["run-2", "run-2"]  # once for the permits that could not ask, once for these (then kept)
     # Over loopback: an unreachable receiver makes the Put wait (UNAVAILABLE, the sender retries).
