@@ -13,11 +13,12 @@ from typing import Callable, Iterator
 
 import grpc
 
+from fedrelay import purpose as purposes
 from fedrelay import params as run_params, wire
 from fedrelay.coordinator.live import BUSY
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2
 
-PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}
+PURPOSE_NAMES = {purposes.to_wire(w): w for w in purposes.WORDS}  # plan words, by wire value
 
 
 def summary_dict(s: cpb.RunSummary) -> dict:

@@ -38,8 +38,7 @@ from fedrelay import tasks as task_registry
 from fedrelay.task import ModelSpec, canonical_json
 from fedrelay.tasks.offers import Offer
 
-HOP, FINAL, UPLOAD = "hop", "final", "upload"
-PURPOSES = (HOP, FINAL, UPLOAD)
+from fedrelay.purpose import FINAL, HOP, UPLOAD, from_wire as plan_purpose, to_wire as wire_purpose  # the one vocabulary
 
 
 class PlanError(ValueError):
@@ -79,26 +78,6 @@ class Transfer:
     @classmethod
     def from_pb(cls, t) -> "Transfer":
         return cls(plan_purpose(t.purpose), t.index, t.round, t.sender, t.receiver)
-
-
-def wire_purpose(purpose: str) -> int:
-    """The ``fedrelay.v1.Purpose`` of a plan purpose. Raises ``ValueError``."""
-    from fedrelay.v1 import common_pb2
-
-    table = {HOP: common_pb2.CHAIN_HOP, FINAL: common_pb2.FINAL_MODEL, UPLOAD: common_pb2.UPLOAD}
-    if purpose not in table:
-        raise ValueError(f"unknown transfer purpose {purpose!r}")
-    return table[purpose]
-
-
-def plan_purpose(value: int) -> str:
-    """The plan purpose of a ``fedrelay.v1.Purpose``. Raises ``ValueError``."""
-    from fedrelay.v1 import common_pb2
-
-    table = {common_pb2.CHAIN_HOP: HOP, common_pb2.FINAL_MODEL: FINAL, common_pb2.UPLOAD: UPLOAD}
-    if value not in table:
-        raise ValueError(f"planned transfer with unknown purpose {value}")
-    return table[value]
 
 
 def chain_visits(order: Sequence[str], rounds: int) -> list[Visit]:

@@ -34,6 +34,7 @@ from typing import Callable
 
 import grpc
 
+from fedrelay import purpose as purposes
 from fedrelay import names, signing, wire
 from fedrelay.coordinator.relay_bounds import CapUnknown, Permit, RelayLimits, Reservations, check_grant
 from fedrelay.peer.inbound import InboundStreams, Stream
@@ -43,7 +44,8 @@ from fedrelay.v1 import common_pb2, peer_pb2, relay_pb2, relay_pb2_grpc
 log = logging.getLogger("fedrelay.relay")
 
 DEFAULT_MAX_BYTES = RelayLimits.max_bytes  # 2 GiB per envelope, whatever a permit says
-PURPOSE_WORDS = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}
+# The purposes' words in envelope file names (fedrelay.purpose).
+PURPOSE_WORDS = {purposes.to_wire(w): w for w in purposes.WORDS}
 
 
 class _Held(Exception):

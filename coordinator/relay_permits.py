@@ -24,11 +24,11 @@ from typing import Callable
 
 import grpc
 
+from fedrelay import purpose as purposes
 from fedrelay import names, transfer_bounds, wire
 from fedrelay.coordinator.relay_bounds import CapUnknown, Permit
 from fedrelay.v1 import common_pb2, peer_pb2
 
-PURPOSES = {common_pb2.CHAIN_HOP: "chain", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}  # the ledger's words
 MAX_STATED_CAP = 1 << 40  # bytes: a receiver's stated cap above this is not believed
 
 
@@ -61,7 +61,7 @@ class RelayPermits:
         run = self.ledger.run(run_id)
         if run is None or run["status"] != "running":
             raise PermissionError(f"run {run_id!r} is not running")
-        word = PURPOSES.get(purpose)
+        word = purposes.ledger_of_wire(purpose)
         if word is None or self.planned(run_id, word, index, sender, receiver) is None:
             raise PermissionError(f"{sender} -> {receiver} is not transfer {index} of run {run_id}'s plan")
         return Permit.for_plan(self.payload_cap(run, word, receiver), len(self.plan(run_id)[1].transfers))

@@ -38,7 +38,7 @@ from fedrelay.coordinator.events import EventHub
 from fedrelay.coordinator.monitoring import CoordinatorMonitor
 from fedrelay.health import COORDINATOR_SERVICE, Health
 from fedrelay.coordinator.live import LiveState
-from fedrelay.coordinator.plan import (FINAL, HOP, UPLOAD, PeerInfo, Plan, PlanError, Transfer, chain_plan, choose_sites,
+from fedrelay.coordinator.plan import (PeerInfo, Plan, PlanError, Transfer, chain_plan, choose_sites,
                                        pick_aggregator, replan, star_plan)
 from fedrelay.coordinator import relay_bounds
 from fedrelay.coordinator.progress_limit import ProgressLimit
@@ -47,6 +47,7 @@ from fedrelay.coordinator.relay_bounds import Permit
 from fedrelay.coordinator.relay_permits import RelayPermits
 from fedrelay.coordinator.revocations import RevocationRefused, Revocations
 from fedrelay.coordinator import forgotten, replies, site_policy
+from fedrelay import purpose as purposes
 from fedrelay.coordinator.signatures import Signatures
 from fedrelay.coordinator.tunnel import Tunnels
 from fedrelay.final_model import MODEL_SPEC_METADATA
@@ -63,10 +64,6 @@ RELAY_NOTICE_RETRY = 30.0  # seconds before a relay notice is sent again while t
 DEFAULT_PEER_TIMEOUT = 120.0  # seconds a site may go without a heartbeat before it is routed around
 CLAIM_PROBE_TIMEOUT = 3.0  # seconds the coordinator waits for the registered daemon of a name claimed anew
 INSECURE_OPERATOR = "insecure operator"  # who cancelled a run, on a plaintext coordinator
-PURPOSES = {common_pb2.CHAIN_HOP: "chain", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}  # wire -> ledger
-PLAN_PURPOSE = {"chain": HOP, "final": FINAL, "upload": UPLOAD}  # ledger -> plan
-PLAN_PURPOSE_WIRE = {v: k for k, v in PURPOSES.items()}  # ledger -> wire
-PURPOSE_ERROR = "purpose must be CHAIN_HOP, UPLOAD or FINAL_MODEL"
 
 
 def new_run_id() -> str:
@@ -342,7 +339,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         notice = peer_pb2.RelayNotice(run_id=run_id, purpose=purpose, index=index, sender=sender,
                                       relay=self.relay_address, sealed_bytes=sealed_bytes, sealed_sha256=sealed_sha256)
         with self._relay_lock:
-            self._relay_notices[(run_id, PURPOSES[purpose], index, receiver)] = [notice, 0.0]
+            self._relay_notices[(run_id, purposes.ledger_of_wire(purpose), index, receiver)] = [notice, 0.0]
 
     def _send_relay_notices(self) -> None:
         """Tell the receivers of relayed transfers that their envelope waits (``Peer.RelayReady``),
@@ -424,7 +421,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         transfer made before a reroute dropped it is still a planned one (its report may come
         after the reroute). A dict lookup per version, whatever the number of sites."""
         for version in reversed(self.ledger.plans(run_id)):
-            t = self._parsed(run_id, version)[1].get((PLAN_PURPOSE[purpose], index, sender, receiver))
+            t = self._parsed(run_id, version)[1].get((purposes.from_ledger(purpose), index, sender, receiver))
             if t is not None:
                 return t
         return None
@@ -479,9 +476,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.ledger.add_event(request.run_id, "state", f"ignored a hop report from {request.sender} "
                                   "(routed around)", site=request.sender)
             return cpb.ReportReply(duplicate=True)
-        purpose = PURPOSES.get(request.purpose)
+        purpose = purposes.ledger_of_wire(request.purpose)
         if purpose is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, PURPOSE_ERROR)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, purposes.WIRE_ERROR)
         t = self._check_report(run, purpose, request.hop, request.sender, request.receiver,
                                request.payload_bytes, context)
         record = self.signatures.report(request, context, request.sender)
@@ -536,9 +533,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._site_in_run(run, request.receiver, context)
         if run["status"] == "cancelled":
             return cpb.ReportReply(duplicate=True)  # the run was stopped: nothing more is recorded
-        purpose = PURPOSES.get(request.purpose)
+        purpose = purposes.ledger_of_wire(request.purpose)
         if purpose is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, PURPOSE_ERROR)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, purposes.WIRE_ERROR)
         self._check_report(run, purpose, request.hop, request.sender, request.receiver, request.payload_bytes, context)
         record = self.signatures.report(request, context, request.receiver)
         try:
@@ -919,7 +916,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 for purpose in ("chain", "upload", "final"):
                     for h in self.ledger.hops(run_id, purpose):
                         if h["route"] == "relayed" and h["receipt"] is None:
-                            self._owe_relay_notice(run_id, PLAN_PURPOSE_WIRE[purpose], h["hop"], h["sender"],
+                            self._owe_relay_notice(run_id, purposes.wire_of_ledger(purpose), h["hop"], h["sender"],
                                                    h["receiver"], h["relay"], h["sealed_bytes"], h["sealed_sha256"])
                 if run["final_sha256"]:
                     self._submit_evaluation(run_id)

@@ -25,13 +25,14 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 import grpc
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from fedrelay import purpose as purposes
 from fedrelay import wire
 from fedrelay.v1 import common_pb2
 
 log = logging.getLogger("fedrelay.metrics")
 
 # The ``purpose`` label of transfer metrics: the ledger's names, on both daemons.
-PURPOSES = {common_pb2.CHAIN_HOP: "chain", common_pb2.UPLOAD: "upload", common_pb2.FINAL_MODEL: "final"}
+PURPOSES = {purposes.wire_of_ledger(w): w for w in purposes.LEDGER_WORDS}
 
 
 def code_label(code: grpc.StatusCode) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 
+from fedrelay import purpose as purposes
 from fedrelay import __version__, params as run_params, payload, registry, signing, tasks as task_registry, transfer_bounds, wire
 from fedrelay.task import ModelSpec, SiteData, canonical_json
 from fedrelay.tasks.offers import Offer
@@ -45,7 +46,8 @@ DEFAULT_STALL_TIMEOUT = transfer_bounds.STALL_TIMEOUT  # seconds
 SEAL_OVERHEAD = transfer_bounds.SEAL_OVERHEAD  # bytes a sealed envelope may add to its payload (header, certificate, GCM tags)
 DEFAULT_RELAY_AFTER = 60.0  # seconds a receiver with an address may stay unreachable before the relay is used
 REROUTE_GRACE = 120.0  # seconds a final-model copy retries a refusal after a reroute (see _deliver)
-PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final model", common_pb2.UPLOAD: "upload"}
+# How messages name a transfer's purpose (fedrelay.purpose.said), by its wire value.
+PURPOSE_NAMES = {purposes.to_wire(w): purposes.said(w) for w in purposes.WORDS}
 
 
 class PeerNode:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import grpc
 
+from fedrelay import purpose as purposes
 from fedrelay import sealing, wire
 from fedrelay.peer.transfer import Received, Sent, TransferError, held_bytes, receive_model, send_model
 from fedrelay.v1 import common_pb2, relay_pb2
@@ -33,7 +34,8 @@ from fedrelay.v1 import common_pb2, relay_pb2
 RELAY_METHODS = ("/fedrelay.v1.Relay/Offset", "/fedrelay.v1.Relay/Put", relay_pb2.RelayReceipt.FromString)
 GET_METHOD = "/fedrelay.v1.Relay/Get"
 DISCARD_METHOD = "/fedrelay.v1.Relay/Discard"
-PURPOSE_WORDS = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}
+# The purposes' words in envelope file names (fedrelay.purpose).
+PURPOSE_WORDS = {purposes.to_wire(w): w for w in purposes.WORDS}
 
 
 class RelayUnavailable(RuntimeError):
