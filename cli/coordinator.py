@@ -176,7 +176,7 @@ def start_chain(
         None, "--init", help="The initial model: shared (one seeded init for every site) | per-site (independent seeded "
         "inits, as supplementary Alg. 2 reads) | file (--init-weights) \\[default: shared]."),
     init_weights: str = typer.Option("", "--init-weights", help="--init file: the SHA-256 of a safetensors weights file "
-                                     "every site holds in its --weights-dir (README: 'A pretrained initial model')."),
+                                     "every site holds in its --weights-dir (docs/how-to/start-a-run.md: 'A pretrained initial model')."),
     weighting: _choice(run_params.choices("weighting")) = typer.Option(
         "samples", "--weighting", help="fedavg: samples (weights n_k / n) | uniform."),
     maecho_tau: int = typer.Option(100, "--maecho-tau", help="maecho: echo iterations (tau)."),
@@ -399,7 +399,7 @@ METRIC_HEADS = scoring.LABELS  # the built-in metrics' column heads, as on the r
 
 def _final_metrics_table(f: dict) -> Table:
     """The final model's metrics per site (each site's exact figures on its own test split) and
-    global (from the sites' pooled statistics; README "Metrics")."""
+    global (from the sites' pooled statistics; docs/how-to/data-folders.md, "Metrics")."""
     names = [k for k in METRIC_HEADS if k in f.get("metrics", {}) or any(k in v.get("metrics", {})
                                                                        for v in f["per_site"].values())]
     own = sorted({k for v in f["per_site"].values() for k in v.get("metrics", {})} - set(METRIC_HEADS))
