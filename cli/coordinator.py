@@ -614,26 +614,40 @@ def metrics(run_id: str = typer.Argument(..., help="The run's id (from start-cha
             site: str = typer.Option("", "--site", help="Only this site's epochs."),
             as_json: bool = typer.Option(False, "--json", help="Print the rows as a JSON list."),
             as_csv: bool = typer.Option(False, "--csv", help="Print the rows as CSV with a header row."),
+            mlflow: str = typer.Option(None, "--mlflow", flag_value="", metavar="[URI]",
+                                       help="Also export the run's curves and final metrics to MLflow: a "
+                                       "tracking server (http://HOST:PORT), a .db file or database URI, or a "
+                                       "folder (file store) \\[default without URI: ./mlflow.db, what `mlflow ui` "
+                                       "reads there]. Exporting a run again replaces its earlier export."),
+            mlflow_experiment: str = typer.Option("fedrelay", "--mlflow-experiment",
+                                                  help="--mlflow: the MLflow experiment the run goes into."),
+            tensorboard: Path = typer.Option(None, "--tensorboard", metavar="DIR", file_okay=False,
+                                             help="Also write the run's curves and final metrics as TensorBoard "
+                                             "event files in DIR/<run id>/ (`tensorboard --logdir DIR`)."),
             tls: Path = TLS, insecure: bool = INSECURE) -> None:
     """Per-epoch training metrics of a run, per site and pool model: training loss, validation
     accuracy, seconds (works while it runs); once the run has finished, the final model's
     metrics per site and global too (--json/--csv: the epoch rows only; `show --json` has the
-    final metrics)."""
+    final metrics). --mlflow / --tensorboard export them too (coordinator/export.py)."""
     from fedrelay.coordinator.client import METRIC_FIELDS
 
     if as_json and as_csv:
         fail("pass either --json or --csv, not both")
+    exporting = mlflow is not None or tensorboard is not None
     with _client(coordinator, tls, insecure) as client:
         try:
             rows = client.metrics(run_id)
-            final = None if (as_json or as_csv) else client.run(run_id)["final"]
+            summary = client.run(run_id) if exporting or not (as_json or as_csv) else None
         except grpc.RpcError as exc:
             _rpc_fail(exc, coordinator)
+    final = None if (as_json or as_csv) else summary["final"]
     if site:
         seen = {r["site"] for r in rows}
         rows = [r for r in rows if r["site"] == site]
         if not rows and seen:
             fail(f"run {run_id} has no metrics of site {site!r}; sites with metrics: {', '.join(sorted(seen))}")
+    if exporting:
+        _export_metrics(summary, rows, mlflow, mlflow_experiment, tensorboard)
     if as_json:
         print(json.dumps(rows, indent=1))
     elif as_csv:
@@ -647,6 +661,27 @@ def metrics(run_id: str = typer.Argument(..., help="The run's id (from start-cha
         _print_wide(_metrics_table(safe(run_id), safe_tree(rows)))
         if final:
             _print_wide(_final_metrics_table(safe_tree(final)))  # metric names are the task's words
+
+
+def _export_metrics(summary: dict, rows: list[dict], mlflow: str | None, experiment: str,
+                    tensorboard: Path | None) -> None:
+    """`metrics --mlflow/--tensorboard`: the export (coordinator/export.py), one line on stderr each."""
+    from fedrelay.coordinator import export
+
+    try:
+        if mlflow is not None:
+            uri, mlflow_id = export.export_mlflow(summary, rows, mlflow or None, experiment)
+            err_console.print(f"exported run {safe(summary['run_id'])} to MLflow at {safe(uri)}: experiment "
+                              f"{safe(experiment)!r}, MLflow run {mlflow_id}", highlight=False)
+        if tensorboard is not None:
+            out = export.export_tensorboard(summary, rows, tensorboard)
+            err_console.print(f"wrote TensorBoard events of run {safe(summary['run_id'])} to {safe(str(out))} "
+                              f"(tensorboard --logdir {safe(str(tensorboard))})", highlight=False)
+    except export.ExportError as exc:
+        fail(str(exc))
+    if summary.get("status") == "running":
+        err_console.print("[bold yellow]warning:[/] the run is still running: the export holds its epochs so far "
+                          "and no final metrics; export it again when it has ended", highlight=False)
 
 
 STAGES = {"warmup": "warm-up", "pool": "pool", "fedseq": "fedseq", "aggregate": "aggregation"}
