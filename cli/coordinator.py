@@ -609,16 +609,19 @@ def watch(run_id: str = typer.Argument(..., help="The run's id (from start-chain
 
 
 @app.command()
-def metrics(run_id: str = typer.Argument(..., help="The run's id (from start-chain or `coordinator runs`)."),
+def metrics(ctx: typer.Context,
+            run_id: str = typer.Argument(..., help="The run's id (from start-chain or `coordinator runs`)."),
             coordinator: str = COORD,
             site: str = typer.Option("", "--site", help="Only this site's epochs."),
             as_json: bool = typer.Option(False, "--json", help="Print the rows as a JSON list."),
             as_csv: bool = typer.Option(False, "--csv", help="Print the rows as CSV with a header row."),
-            mlflow: str = typer.Option(None, "--mlflow", flag_value="", metavar="[URI]",
-                                       help="Also export the run's curves and final metrics to MLflow: a "
-                                       "tracking server (http://HOST:PORT), a .db file or database URI, or a "
-                                       "folder (file store) \\[default without URI: ./mlflow.db, what `mlflow ui` "
-                                       "reads there]. Exporting a run again replaces its earlier export."),
+            mlflow: bool = typer.Option(False, "--mlflow", help="Also export the run's curves and final metrics "
+                                        "to MLflow, into --mlflow-uri \\[default: ./mlflow.db, what `mlflow ui` "
+                                        "reads there]. Exporting a run again replaces its earlier export."),
+            mlflow_uri: str = typer.Option(None, "--mlflow-uri", metavar="URI", envvar="MLFLOW_TRACKING_URI",
+                                           help="Where --mlflow exports to (implies --mlflow when typed): a "
+                                           "tracking server (http://HOST:PORT), a .db file or database URI, or a "
+                                           "folder (MLflow's file store)."),
             mlflow_experiment: str = typer.Option("fedrelay", "--mlflow-experiment",
                                                   help="--mlflow: the MLflow experiment the run goes into."),
             tensorboard: Path = typer.Option(None, "--tensorboard", metavar="DIR", file_okay=False,
@@ -633,7 +636,9 @@ def metrics(run_id: str = typer.Argument(..., help="The run's id (from start-cha
 
     if as_json and as_csv:
         fail("pass either --json or --csv, not both")
-    exporting = mlflow is not None or tensorboard is not None
+    source = ctx.get_parameter_source("mlflow_uri")  # typed: implies --mlflow (MLFLOW_TRACKING_URI alone does not)
+    mlflow = mlflow or getattr(source, "name", "") == "COMMANDLINE"
+    exporting = mlflow or tensorboard is not None
     with _client(coordinator, tls, insecure) as client:
         try:
             rows = client.metrics(run_id)
@@ -647,7 +652,7 @@ def metrics(run_id: str = typer.Argument(..., help="The run's id (from start-cha
         if not rows and seen:
             fail(f"run {run_id} has no metrics of site {site!r}; sites with metrics: {', '.join(sorted(seen))}")
     if exporting:
-        _export_metrics(summary, rows, mlflow, mlflow_experiment, tensorboard)
+        _export_metrics(summary, rows, mlflow_uri if mlflow else None, mlflow, mlflow_experiment, tensorboard)
     if as_json:
         print(json.dumps(rows, indent=1))
     elif as_csv:
@@ -663,20 +668,20 @@ def metrics(run_id: str = typer.Argument(..., help="The run's id (from start-cha
             _print_wide(_final_metrics_table(safe_tree(final)))  # metric names are the task's words
 
 
-def _export_metrics(summary: dict, rows: list[dict], mlflow: str | None, experiment: str,
+def _export_metrics(summary: dict, rows: list[dict], mlflow_uri: str | None, mlflow: bool, experiment: str,
                     tensorboard: Path | None) -> None:
     """`metrics --mlflow/--tensorboard`: the export (coordinator/export.py), one line on stderr each."""
     from fedrelay.coordinator import export
 
     try:
-        if mlflow is not None:
-            uri, mlflow_id = export.export_mlflow(summary, rows, mlflow or None, experiment)
+        if mlflow:
+            uri, mlflow_id = export.export_mlflow(summary, rows, mlflow_uri or None, experiment)
             err_console.print(f"exported run {safe(summary['run_id'])} to MLflow at {safe(uri)}: experiment "
-                              f"{safe(experiment)!r}, MLflow run {mlflow_id}", highlight=False)
+                              f"{safe(experiment)!r}, MLflow run {mlflow_id}", highlight=False, soft_wrap=True)
         if tensorboard is not None:
             out = export.export_tensorboard(summary, rows, tensorboard)
             err_console.print(f"wrote TensorBoard events of run {safe(summary['run_id'])} to {safe(str(out))} "
-                              f"(tensorboard --logdir {safe(str(tensorboard))})", highlight=False)
+                              f"(tensorboard --logdir {safe(str(tensorboard))})", highlight=False, soft_wrap=True)
     except export.ExportError as exc:
         fail(str(exc))
     if summary.get("status") == "running":

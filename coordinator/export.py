@@ -30,6 +30,7 @@ finished: no final metrics) is left out, never written as a number.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -134,6 +135,8 @@ def export_mlflow(summary: dict, rows: list[dict], tracking_uri: str | None = No
         raise ExportError(f"--mlflow needs the mlflow package ({exc}); install it with pip install 'fedrelay[export]'"
                           ) from None
     uri = _tracking_uri(tracking_uri)
+    for name in ("mlflow", "alembic"):  # their INFO lines (a new database's tables...) are not the operator's
+        logging.getLogger(name).setLevel(logging.WARNING)
     try:
         client = MlflowClient(tracking_uri=uri)
         found = client.get_experiment_by_name(experiment)

@@ -85,11 +85,17 @@ def test_two_finished_runs_side_by_side_in_mlflow_and_tensorboard(two_runs, tmp_
 
     with OperatorClient(trial.coordinator, trial.transport()) as operator:
         rows = {s["run_id"]: operator.metrics(s["run_id"]) for s in summaries}
-    for s in summaries:
+    # The first with --mlflow-uri typed; the second with --mlflow and MLflow's own variable.
+    ways = [(["--mlflow-uri", str(store)], {}), (["--mlflow"], {"MLFLOW_TRACKING_URI": f"sqlite:///{store}"})]
+    for s, (how, env) in zip(summaries, ways):
         assert s["status"] == "finished"
-        res = _cli(trial, "metrics", s["run_id"], "--mlflow", str(store), "--tensorboard", str(logdir))
+        saved, trial.env = trial.env, {**trial.env, **env}
+        try:
+            res = _cli(trial, "metrics", s["run_id"], *how, "--tensorboard", str(logdir))
+        finally:
+            trial.env = saved
         assert res.returncode == 0, res.stderr[-3000:]
-        assert "exported run" in res.stderr and "TensorBoard" in res.stderr
+        assert f"to MLflow at sqlite:///{store}" in res.stderr and "TensorBoard" in res.stderr
         assert f"run {s['run_id']}: training per epoch" in res.stdout  # the table as without an export
     # Exporting a run again replaces its export: still one MLflow run per fedrelay run.
     first = summaries[0]
