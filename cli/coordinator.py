@@ -18,7 +18,7 @@ from fedrelay.text import safe, safe_tree
 from fedrelay.cli.common import (CONTEXT_SETTINGS, ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECURE_HELP, TLS_HELP,
                                  console, err_console, fail, load_config_callback, setup_logging, stop_on_sigterm,
                                  transport_from, version_option)
-from fedrelay.coordinator.planner import ORDERS
+from fedrelay.coordinator.plan import ORDERS
 from fedrelay import scoring, tasks as task_registry
 from fedrelay.registry import STRATEGIES
 
@@ -111,10 +111,18 @@ def relay_command(
                                 help="Where the sealed payloads are kept until their receiver fetches them."),
     tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " Here: PKI/coordinator (sites dial "
                              "the relay expecting the coordinator's certificate name).", file_okay=False),
+    keep_hours: float = typer.Option(24.0, "--keep-hours", min=0.001,
+                                     help="Hours an envelope waits for its receiver before it is removed unfetched."),
+    sender_gib: float = typer.Option(8.0, "--sender-quota-gib", min=0.001,
+                                     help="GiB one sending site may have held here, over all runs."),
+    sender_envelopes: int = typer.Option(256, "--sender-envelopes", min=1,
+                                         help="Envelopes one sending site may have held here, over all runs."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
 ) -> None:
     """Run a relay on its own: where senders leave payloads, sealed to the receiver's key, for sites
-    they cannot reach directly (point the coordinator at it with `serve --relay HOST:PORT`)."""
+    they cannot reach directly (point the coordinator at it with `serve --relay HOST:PORT`). It
+    carries only transfers the coordinator granted, each within its run's payload cap (see
+    docs/relay-bounds.md)."""
     if tls is None:
         fail("coordinator relay needs --tls PKI/coordinator (or FEDRELAY_TLS): it serves sealed payloads over "
              "mutual TLS only")
@@ -122,9 +130,12 @@ def relay_command(
     setup_logging(verbose, prefix="[relay] ")
     stop_on_sigterm()
     from fedrelay.coordinator.relay import serve_relay
+    from fedrelay.coordinator.relay_bounds import RelayLimits
 
     try:
-        serve_relay(listen, folder, transport=transport)
+        bounds = RelayLimits(lifetime=keep_hours * 3600.0, identity_bytes=int(sender_gib * (1 << 30)),
+                             identity_envelopes=sender_envelopes)
+        serve_relay(listen, folder, transport=transport, limits=bounds)
     except (RuntimeError, ValueError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:

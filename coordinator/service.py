@@ -29,17 +29,19 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, checks, names, params as run_params, registry, text, wire
+from fedrelay import __version__, checks, names, params as run_params, registry, signing, text, wire
 from fedrelay.coordinator.ledger import TERMINAL, Ledger, LedgerConflict
 from fedrelay.coordinator import evaluation
 from fedrelay.coordinator.events import EventHub
 from fedrelay.coordinator.monitoring import CoordinatorMonitor
 from fedrelay.health import COORDINATOR_SERVICE, Health
 from fedrelay.coordinator.live import LiveState
-from fedrelay.coordinator.plan import (FINAL, HOP, UPLOAD, Plan, PlanError, Transfer, chain_plan, pick_aggregator,
-                                       replan, star_plan)
-from fedrelay.coordinator.planner import PeerInfo, plan_chain
+from fedrelay.coordinator.plan import (FINAL, HOP, UPLOAD, PeerInfo, Plan, PlanError, Transfer, chain_plan, choose_sites,
+                                       pick_aggregator, replan, star_plan)
+from fedrelay.coordinator import relay_bounds
 from fedrelay.coordinator.relay import RelayService
+from fedrelay.coordinator.relay_bounds import Permit
+from fedrelay.coordinator.relay_permits import RelayPermits
 from fedrelay.coordinator import forgotten, replies
 from fedrelay.coordinator.signatures import Signatures
 from fedrelay.coordinator.tunnel import Tunnels
@@ -103,6 +105,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # The relay: this coordinator's own (``relay_dir``; None: none), or the operator's at
         # ``relay`` (HOST:PORT), which RegisterReply names to the sites.
         self.relay_address = relay
+        self.relay_permits = RelayPermits(ledger, self._planned, self._plan, self._peer)  # coordinator/relay_permits.py
         self.relay = RelayService(relay_dir, authorize=self._relay_authorize) if relay_dir is not None and not relay else None
         # Relayed transfers whose receiver has not attested yet: key -> (notice, monotonic time of the next try).
         self._relay_notices: dict[tuple[str, str, int, str], list] = {}
@@ -297,15 +300,30 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._end_retry.pop(key, None)
 
     # -- the relay --------------------------------------------------------------------------------
-    def _relay_authorize(self, run_id: str, purpose: int, index: int, sender: str, receiver: str) -> None:
-        """The coordinator's relay carries only transfers of a running run's plan (any version).
-        Raises ``PermissionError``."""
-        run = self.ledger.run(run_id)
-        if run is None or run["status"] != "running":
-            raise PermissionError(f"run {run_id!r} is not running")
-        word = PURPOSES.get(purpose)
-        if word is None or self._planned(run_id, word, index, sender, receiver) is None:
-            raise PermissionError(f"{sender} -> {receiver} is not transfer {index} of run {run_id}'s plan")
+    def _relay_authorize(self, run_id: str, purpose: int, index: int, sender: str, receiver: str) -> Permit:
+        """The coordinator's relay carries only transfers of a running run's plan (any version),
+        within their permit (``coordinator/relay_permits.py``). Raises ``PermissionError`` or
+        ``relay_bounds.CapUnknown``."""
+        return self.relay_permits.permit(run_id, purpose, index, sender, receiver)
+
+    def GrantRelay(self, request: cpb.RelayGrantRequest, context) -> common_pb2.RelayGrant:
+        """A planned sender's leave to send a transfer through the operator's relay: the
+        coordinator's signed grant (``coordinator/relay_bounds.py``). Mutual TLS only."""
+        names.check_run_id(request.run_id)
+        names.check_site_name(request.receiver, "receiver")
+        names.check_hop(request.index, "index")
+        who = wire.caller_identity(context)
+        if who is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "relay grants need mutual TLS")
+        self._as_site(context, who)
+        try:
+            permit = self.relay_permits.permit(request.run_id, request.purpose, request.index, who, request.receiver)
+        except PermissionError as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except relay_bounds.CapUnknown as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return relay_bounds.issue_grant(signing.signer_for(self.transport), request.run_id, request.purpose,
+                                        request.index, who, request.receiver, permit)
 
     def _owe_relay_notice(self, run_id: str, purpose: int, index: int, sender: str, receiver: str,
                           relay: str, sealed_bytes: int, sealed_sha256: str) -> None:
@@ -343,8 +361,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         with self._relay_lock:
             ended = {k for k in self._prepared if (r := self.ledger.run(k[0])) is None or r["status"] in TERMINAL}
             self._prepared -= ended
+        for run_id in self.relay_permits.runs():
+            if (r := self.ledger.run(run_id)) is None or r["status"] in TERMINAL:
+                self.relay_permits.forget(run_id)
         if self.relay is None:
             return
+        self.relay.sweep()  # what was never fetched expires
         for run_id in self.relay.runs():
             run = self.ledger.run(run_id)
             if run is None or run["status"] in TERMINAL:
@@ -973,7 +995,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             run_params.check(params)  # once, completely, before anything is written
             run_params.check_rounds(rounds)
-            chosen = plan_chain(peers, names=list(request.peers) or None, order=request.order or "random",
+            chosen = choose_sites(peers, names=list(request.peers) or None, order=request.order or "random",
                                 seed=request.seed, task=request.task, model=request.model,
                                 task_sha256=request.task_sha256)
             plan = self._new_plan(params["strategy"], chosen.names, rounds, request.aggregator, request.seed)

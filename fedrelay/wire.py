@@ -59,6 +59,9 @@ _SERVER_OPTIONS = _OPTIONS + [
     ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
     ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
     ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+    # Identity only: no compressed request is accepted (UNIMPLEMENTED), so a few KiB on the wire
+    # cannot unpack into a large model stream or report (issue 28).
+    ("grpc.compression_enabled_algorithms_bitset", 1),
 ]
 
 
@@ -84,7 +87,8 @@ def transfer_timeout(total_bytes: int) -> float:
 KEY_FILE, CERT_FILE, CA_FILE = "key.pem", "cert.pem", "ca.pem"
 # The Peer methods the coordinator may call over the control stream of a site that only connects
 # out (coordinator/tunnel.py, peer/control.py); site-to-site calls never go that way.
-TUNNELED_METHODS = ("Assign", "Reroute", "EndRun", "Evaluate", "GetStatus", "FetchModel", "RelayReady", "Prepare")
+TUNNELED_METHODS = ("Assign", "Reroute", "EndRun", "Evaluate", "GetStatus", "FetchModel", "RelayReady", "Prepare",
+                    "RelayQuota")
 COORDINATOR_IDENTITY = "coordinator"
 OPERATOR_IDENTITY = "operator"
 
@@ -266,20 +270,17 @@ def schema_digest(path: str | Path) -> str:
     payload) and not only that its bytes match. Raises ``ValueError`` for a file whose header
     is not safetensors."""
     import json
-    import struct
 
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (length,) = struct.unpack("<Q", head)
-        if length > MAX_MESSAGE_BYTES:
-            raise ValueError(f"{path}: safetensors header of {length} bytes is too large")
-        try:
-            header = json.loads(f.read(length))
-            entries = sorted((k, v["dtype"], list(v["shape"])) for k, v in header.items() if k != "__metadata__")
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"{path}: not a safetensors header: {exc}") from None
+    from fedrelay.safetensors_header import HeaderError, read_header
+
+    try:
+        header = read_header(path, limit=MAX_MESSAGE_BYTES)
+    except HeaderError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    try:
+        entries = sorted((k, v["dtype"], list(v["shape"])) for k, v in header.items() if k != "__metadata__")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path}: not a safetensors header: {exc}") from None
     return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, params as run_params, payload, registry, signing, tasks as task_registry, wire
+from fedrelay import __version__, limits, params as run_params, payload, registry, signing, tasks as task_registry, wire
 from fedrelay.task import ModelSpec, SiteData, canonical_json
 from fedrelay.tasks.offers import Offer
 from fedrelay.peer.inbound import InboundStreams, Stream
@@ -40,8 +40,8 @@ from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2, relay_pb2
 
 log = logging.getLogger("fedrelay.peer")
 
-DEFAULT_STALL_TIMEOUT = 60.0  # seconds
-SEAL_OVERHEAD = 64 << 10  # bytes a sealed envelope may add to its payload (header, certificate, GCM tags)
+DEFAULT_STALL_TIMEOUT = limits.STALL_TIMEOUT  # seconds
+SEAL_OVERHEAD = limits.SEAL_OVERHEAD  # bytes a sealed envelope may add to its payload (header, certificate, GCM tags)
 DEFAULT_RELAY_AFTER = 60.0  # seconds a receiver with an address may stay unreachable before the relay is used
 REROUTE_GRACE = 120.0  # seconds a final-model copy retries a refusal after a reroute (see _deliver)
 PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final model", common_pb2.UPLOAD: "upload"}
@@ -493,11 +493,20 @@ class PeerNode:
             asked.set()
         return started
 
+    def relay_quota(self, run_id: str) -> int:
+        """``Peer.RelayQuota``: the largest payload (bytes) this site accepts in run ``run_id``
+        (the relay stores no larger envelope for it). Raises ``LookupError`` (unknown run) or
+        ``ValueError`` (no worker can tell the run's payload schemas)."""
+        run = self.runs.get(run_id)
+        if run is None:
+            raise LookupError(f"unknown run {run_id!r}")
+        return self._payload_cap(run.assignment)
+
     def _payload_cap(self, a: peer_pb2.Assignment) -> int:
         """Largest payload accepted for a run: 4 x (the model's tensor bytes + the aggregator's
-        extra tensors' bytes) + 1 MiB of header."""
+        extra tensors' bytes) + 1 MiB of header (``fedrelay.limits.payload_cap``)."""
         schemas = self._schemas_of(a)
-        return 4 * (payload.payload_bytes(schemas["model"]) + payload.payload_bytes(schemas["extras"])) + (1 << 20)
+        return limits.payload_cap(payload.payload_bytes(schemas["model"]) + payload.payload_bytes(schemas["extras"]))
 
     def _check_model_bytes(self, a: peer_pb2.Assignment, data: bytes, purpose: int) -> None:
         """Parse a payload with safetensors' numpy API and check it against its schema before
@@ -882,7 +891,12 @@ class PeerNode:
         sealed, sealed_bytes, sealed_sha = relaying.seal(self.transport, run.run_id, t, path, ref.certificate,
                                                          run.path("sealed"))
         relay = self.relay_address
-        sent = relaying.put(relay, self.transport, run.run_id, t, sealed, counter, cancelled=run.ended.is_set)
+        grant = None
+        if self.coordinator.relay:  # the operator's relay carries only what the coordinator granted
+            grant = self.coordinator.stub.GrantRelay(cpb.RelayGrantRequest(
+                run_id=run.run_id, purpose=t.purpose, index=t.index, receiver=t.receiver), timeout=wire.CONTROL_TIMEOUT)
+        sent = relaying.put(relay, self.transport, run.run_id, t, sealed, counter, cancelled=run.ended.is_set,
+                            grant=grant)
         sent.route, sent.relay, sent.sealed_bytes, sent.sealed_sha256 = "relayed", relay, sealed_bytes, sealed_sha
         return sent
 

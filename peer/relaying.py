@@ -73,13 +73,17 @@ def seal(transport: wire.Transport, run_id: str, t: common_pb2.PlannedTransfer, 
 
 
 def put(relay: str, transport: wire.Transport, run_id: str, t: common_pb2.PlannedTransfer, sealed: Path,
-        counter: list[int], cancelled=None) -> Sent:
+        counter: list[int], cancelled=None, grant: common_pb2.RelayGrant | None = None) -> Sent:
     """Stream the envelope ``sealed`` to the relay at ``relay`` (whose certificate must name
-    ``coordinator``), from the bytes it already holds. ``counter[0]`` accumulates the wire
-    bytes. Raises ``grpc.RpcError`` (and ``transfer.SendCancelled``) as ``send_model``."""
+    ``coordinator``), from the bytes it already holds. ``grant``: the coordinator's grant of
+    this transfer (``Coordinator.GrantRelay``), which an operator's relay requires.
+    ``counter[0]`` accumulates the wire bytes. Raises ``grpc.RpcError`` (and
+    ``transfer.SendCancelled``) as ``send_model``."""
     header = common_pb2.TransferHeader(run_id=run_id, hop=t.index, purpose=t.purpose, sender=t.sender,
                                        receiver=t.receiver, total_bytes=sealed.stat().st_size,
                                        sha256=wire.sha256_file(sealed))
+    if grant is not None:
+        header.relay_grant.CopyFrom(grant)
     return send_model(relay, header, sealed, transport=transport, expect=wire.COORDINATOR_IDENTITY,
                       counter=counter, cancelled=cancelled, methods=RELAY_METHODS)
 

@@ -110,6 +110,17 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         return peer_pb2.EndRunReply(run_id=request.run_id, state=state, removed_bytes=removed)
 
+    def RelayQuota(self, request: peer_pb2.RelayQuotaRequest, context) -> peer_pb2.RelayQuotaReply:
+        """The largest payload this site accepts in a run (the coordinator bounds the relay with it)."""
+        names.check_run_id(request.run_id)
+        self._from_coordinator(context)
+        try:
+            return peer_pb2.RelayQuotaReply(payload_cap_bytes=self.node.relay_quota(request.run_id))
+        except LookupError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
     def RelayReady(self, request: peer_pb2.RelayNotice, context) -> peer_pb2.RelayReadyReply:
         names.check_run_id(request.run_id)
         names.check_site_name(request.sender, "sender")

@@ -610,3 +610,15 @@ class RunSeal(_message.Message):
     plans: _containers.RepeatedScalarFieldContainer[str]
     sealed: float
     def __init__(self, run_id: _Optional[str] = ..., events: _Optional[int] = ..., last_seq: _Optional[int] = ..., head: _Optional[str] = ..., run_json: _Optional[str] = ..., plans: _Optional[_Iterable[str]] = ..., sealed: _Optional[float] = ...) -> None: ...
+
+class RelayGrantRequest(_message.Message):
+    __slots__ = ("run_id", "purpose", "index", "receiver")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PURPOSE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    purpose: _common_pb2.Purpose
+    index: int
+    receiver: str
+    def __init__(self, run_id: _Optional[str] = ..., purpose: _Optional[_Union[_common_pb2.Purpose, str]] = ..., index: _Optional[int] = ..., receiver: _Optional[str] = ...) -> None: ...

@@ -71,6 +71,11 @@ class CoordinatorStub:
                 request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ResolveSiteRequest.SerializeToString,
                 response_deserializer=fedrelay_dot_v1_dot_common__pb2.SiteRef.FromString,
                 _registered_method=True)
+        self.GrantRelay = channel.unary_unary(
+                '/fedrelay.v1.Coordinator/GrantRelay',
+                request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.RelayGrantRequest.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_common__pb2.RelayGrant.FromString,
+                _registered_method=True)
         self.Connect = channel.stream_stream(
                 '/fedrelay.v1.Coordinator/Connect',
                 request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ControlReply.SerializeToString,
@@ -173,6 +178,14 @@ class CoordinatorServicer:
     def ResolveSite(self, request, context):
         """Where a site is now (its latest registration): a sender whose receiver stopped answering
         asks, in case the receiver came back on another address. Sites and the operator may ask.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GrantRelay(self, request, context):
+        """A planned sender asks leave to send a transfer through the operator's own relay: a
+        RelayGrant it presents in the envelope's TransferHeader (only for a running run's plan).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -289,6 +302,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ResolveSite,
                     request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.ResolveSiteRequest.FromString,
                     response_serializer=fedrelay_dot_v1_dot_common__pb2.SiteRef.SerializeToString,
+            ),
+            'GrantRelay': grpc.unary_unary_rpc_method_handler(
+                    servicer.GrantRelay,
+                    request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.RelayGrantRequest.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_common__pb2.RelayGrant.SerializeToString,
             ),
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
@@ -530,6 +548,33 @@ class Coordinator:
             '/fedrelay.v1.Coordinator/ResolveSite',
             fedrelay_dot_v1_dot_coordinator__pb2.ResolveSiteRequest.SerializeToString,
             fedrelay_dot_v1_dot_common__pb2.SiteRef.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GrantRelay(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Coordinator/GrantRelay',
+            fedrelay_dot_v1_dot_coordinator__pb2.RelayGrantRequest.SerializeToString,
+            fedrelay_dot_v1_dot_common__pb2.RelayGrant.FromString,
             options,
             channel_credentials,
             insecure,

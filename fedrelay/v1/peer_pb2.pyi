@@ -7,6 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RelayQuotaRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class RelayQuotaReply(_message.Message):
+    __slots__ = ("payload_cap_bytes",)
+    PAYLOAD_CAP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    payload_cap_bytes: int
+    def __init__(self, payload_cap_bytes: _Optional[int] = ...) -> None: ...
+
 class RelayNotice(_message.Message):
     __slots__ = ("run_id", "purpose", "index", "sender", "relay", "sealed_bytes", "sealed_sha256")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

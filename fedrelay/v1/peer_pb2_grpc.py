@@ -85,6 +85,11 @@ class PeerStub:
                 request_serializer=fedrelay_dot_v1_dot_peer__pb2.RelayNotice.SerializeToString,
                 response_deserializer=fedrelay_dot_v1_dot_peer__pb2.RelayReadyReply.FromString,
                 _registered_method=True)
+        self.RelayQuota = channel.unary_unary(
+                '/fedrelay.v1.Peer/RelayQuota',
+                request_serializer=fedrelay_dot_v1_dot_peer__pb2.RelayQuotaRequest.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_peer__pb2.RelayQuotaReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -175,6 +180,15 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RelayQuota(self, request, context):
+        """The coordinator asks the largest payload this site accepts in a run (the relay stores no
+        larger envelope for it). Only from the coordinator; may take seconds the first time (the
+        site asks a worker for the run's payload schemas).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -227,6 +241,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.RelayReady,
                     request_deserializer=fedrelay_dot_v1_dot_peer__pb2.RelayNotice.FromString,
                     response_serializer=fedrelay_dot_v1_dot_peer__pb2.RelayReadyReply.SerializeToString,
+            ),
+            'RelayQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.RelayQuota,
+                    request_deserializer=fedrelay_dot_v1_dot_peer__pb2.RelayQuotaRequest.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_peer__pb2.RelayQuotaReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -499,6 +518,33 @@ class Peer:
             '/fedrelay.v1.Peer/RelayReady',
             fedrelay_dot_v1_dot_peer__pb2.RelayNotice.SerializeToString,
             fedrelay_dot_v1_dot_peer__pb2.RelayReadyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RelayQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Peer/RelayQuota',
+            fedrelay_dot_v1_dot_peer__pb2.RelayQuotaRequest.SerializeToString,
+            fedrelay_dot_v1_dot_peer__pb2.RelayQuotaReply.FromString,
             options,
             channel_credentials,
             insecure,
