@@ -37,7 +37,7 @@ test: setup
 # The documentation site (docs/, mkdocs.yml) in site/; warnings are errors. The reference pages
 # are generated from the code and the figures from bench/results.json (docs/_hooks/generate.py).
 docs: setup
-	$(PY) -m mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 bench: setup
 	$(PY) -m bench.transfer

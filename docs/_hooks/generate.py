@@ -15,7 +15,7 @@ and, on every page, ``{{bench PATH [FORMAT]}}`` is replaced with the value at PA
 keys, list indices as numbers) of ``bench/results.json``, formatted with the Python format spec
 FORMAT (e.g. ``{{bench chain.communication.model_bytes ,}}`` -> ``829,992``), optionally
 scaled first (``{{bench accuracy.dir0_1.fedelmy_minus_fedseq *100 +.1f}}`` -> ``+5.4``). An unknown path
-fails the build, so a figure cannot go stale silently.
+fails the build, so a figure cannot go stale silently; ``\\{{bench`` shows the syntax itself.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results.json"
-BENCH_TOKEN = re.compile(r"\{\{bench ([A-Za-z0-9_.\-]+)(?: ([^}]*))?\}\}")
+BENCH_TOKEN = re.compile(r"(?<!\\)\{\{bench ([A-Za-z0-9_.\-]+)(?: ([^}]*))?\}\}")
 
 GENERATED = "<!-- generated at build time by docs/_hooks/generate.py; do not edit -->\n\n"
 
@@ -65,7 +65,7 @@ def substitute_bench(markdown: str, data: dict | None = None) -> str:
             value = value * float(factor)
         return format(value, spec) if spec else str(value)
 
-    return BENCH_TOKEN.sub(one, markdown)
+    return BENCH_TOKEN.sub(one, markdown).replace("\\{{bench", "{{bench")  # \{{bench: shown as written
 
 
 # -- the CLI reference ---------------------------------------------------------------------------
