@@ -382,3 +382,12 @@ def on_files(files: Files, config) -> Files:
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     return substitute_bench(markdown)
+
+
+_SPHINX_ROLE = re.compile(r":(?:meth|class|func|attr|mod|data|exc|obj|ref):\s*(?=<code)")
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    # Docstrings name code with Sphinx roles (:class:`Task`); mkdocstrings renders the name as
+    # code and leaves the role's text: drop it.
+    return _SPHINX_ROLE.sub("", html)
