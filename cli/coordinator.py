@@ -197,7 +197,7 @@ def start_chain(
         None, "--init", help="The initial model: shared (one seeded init for every site) | per-site (independent seeded "
         "inits, as supplementary Alg. 2 reads) | file (--init-weights) \\[default: shared]."),
     init_weights: str = typer.Option("", "--init-weights", help="--init file: the SHA-256 of a safetensors weights file "
-                                     "every site holds in its --weights-dir (README: 'A pretrained initial model')."),
+                                     "every site holds in its --weights-dir (docs/how-to/start-a-run.md: 'A pretrained initial model')."),
     weighting: _choice(run_params.choices("weighting")) = typer.Option(
         "samples", "--weighting", help="fedavg: samples (weights n_k / n) | uniform."),
     maecho_tau: int = typer.Option(100, "--maecho-tau", help="maecho: echo iterations (tau)."),
@@ -432,7 +432,7 @@ METRIC_HEADS = scoring.LABELS  # the built-in metrics' column heads, as on the r
 
 def _final_metrics_table(f: dict) -> Table:
     """The final model's metrics per site (each site's exact figures on its own test split) and
-    global (from the sites' pooled statistics; README "Metrics")."""
+    global (from the sites' pooled statistics; docs/how-to/data-folders.md, "Metrics")."""
     names = [k for k in METRIC_HEADS if k in f.get("metrics", {}) or any(k in v.get("metrics", {})
                                                                        for v in f["per_site"].values())]
     own = sorted({k for v in f["per_site"].values() for k in v.get("metrics", {})} - set(METRIC_HEADS))
@@ -650,31 +650,50 @@ def watch(run_id: str = typer.Argument(..., help="The run's id (from start-chain
 
 
 @app.command()
-def metrics(run_id: str = typer.Argument(..., help="The run's id (from start-chain or `coordinator runs`)."),
+def metrics(ctx: typer.Context,
+            run_id: str = typer.Argument(..., help="The run's id (from start-chain or `coordinator runs`)."),
             coordinator: str = COORD,
             site: str = typer.Option("", "--site", help="Only this site's epochs."),
             as_json: bool = typer.Option(False, "--json", help="Print the rows as a JSON list."),
             as_csv: bool = typer.Option(False, "--csv", help="Print the rows as CSV with a header row."),
+            mlflow: bool = typer.Option(False, "--mlflow", help="Also export the run's curves and final metrics "
+                                        "to MLflow, into --mlflow-uri \\[default: ./mlflow.db, what `mlflow ui` "
+                                        "reads there]. Exporting a run again replaces its earlier export."),
+            mlflow_uri: str = typer.Option(None, "--mlflow-uri", metavar="URI", envvar="MLFLOW_TRACKING_URI",
+                                           help="Where --mlflow exports to (implies --mlflow when typed): a "
+                                           "tracking server (http://HOST:PORT), a .db file or database URI, or a "
+                                           "folder (MLflow's file store)."),
+            mlflow_experiment: str = typer.Option("fedrelay", "--mlflow-experiment",
+                                                  help="--mlflow: the MLflow experiment the run goes into."),
+            tensorboard: Path = typer.Option(None, "--tensorboard", metavar="DIR", file_okay=False,
+                                             help="Also write the run's curves and final metrics as TensorBoard "
+                                             "event files in DIR/<run id>/ (`tensorboard --logdir DIR`)."),
             tls: Path = TLS, insecure: bool = INSECURE) -> None:
     """Per-epoch training metrics of a run, per site and pool model: training loss, validation
     accuracy, seconds (works while it runs); once the run has finished, the final model's
     metrics per site and global too (--json/--csv: the epoch rows only; `show --json` has the
-    final metrics)."""
+    final metrics). --mlflow / --tensorboard export them too (coordinator/export.py)."""
     from fedrelay.coordinator.client import METRIC_FIELDS
 
     if as_json and as_csv:
         fail("pass either --json or --csv, not both")
+    source = ctx.get_parameter_source("mlflow_uri")  # typed: implies --mlflow (MLFLOW_TRACKING_URI alone does not)
+    mlflow = mlflow or getattr(source, "name", "") == "COMMANDLINE"
+    exporting = mlflow or tensorboard is not None
     with _client(coordinator, tls, insecure) as client:
         try:
             rows = client.metrics(run_id)
-            final = None if (as_json or as_csv) else client.run(run_id)["final"]
+            summary = client.run(run_id) if exporting or not (as_json or as_csv) else None
         except grpc.RpcError as exc:
             _rpc_fail(exc, coordinator)
+    final = None if (as_json or as_csv) else summary["final"]
     if site:
         seen = {r["site"] for r in rows}
         rows = [r for r in rows if r["site"] == site]
         if not rows and seen:
             fail(f"run {run_id} has no metrics of site {site!r}; sites with metrics: {', '.join(sorted(seen))}")
+    if exporting:
+        _export_metrics(summary, rows, mlflow_uri if mlflow else None, mlflow, mlflow_experiment, tensorboard)
     if as_json:
         print(json.dumps(rows, indent=1))
     elif as_csv:
@@ -688,6 +707,27 @@ def metrics(run_id: str = typer.Argument(..., help="The run's id (from start-cha
         _print_wide(_metrics_table(safe(run_id), safe_tree(rows)))
         if final:
             _print_wide(_final_metrics_table(safe_tree(final)))  # metric names are the task's words
+
+
+def _export_metrics(summary: dict, rows: list[dict], mlflow_uri: str | None, mlflow: bool, experiment: str,
+                    tensorboard: Path | None) -> None:
+    """`metrics --mlflow/--tensorboard`: the export (coordinator/export.py), one line on stderr each."""
+    from fedrelay.coordinator import export
+
+    try:
+        if mlflow:
+            uri, mlflow_id = export.export_mlflow(summary, rows, mlflow_uri or None, experiment)
+            err_console.print(f"exported run {safe(summary['run_id'])} to MLflow at {safe(uri)}: experiment "
+                              f"{safe(experiment)!r}, MLflow run {mlflow_id}", highlight=False, soft_wrap=True)
+        if tensorboard is not None:
+            out = export.export_tensorboard(summary, rows, tensorboard)
+            err_console.print(f"wrote TensorBoard events of run {safe(summary['run_id'])} to {safe(str(out))} "
+                              f"(tensorboard --logdir {safe(str(tensorboard))})", highlight=False, soft_wrap=True)
+    except export.ExportError as exc:
+        fail(str(exc))
+    if summary.get("status") == "running":
+        err_console.print("[bold yellow]warning:[/] the run is still running: the export holds its epochs so far "
+                          "and no final metrics; export it again when it has ended", highlight=False)
 
 
 STAGES = {"warmup": "warm-up", "pool": "pool", "fedseq": "fedseq", "aggregate": "aggregation"}

@@ -1,7 +1,7 @@
 """A run is a transfer plan: every model transfer of a run, decided before it starts.
 
 Pure functions (no network, no ledger): the same order, rounds and skips always give the same
-plan. Words (README "How a run flows"):
+plan. Words (docs/explanation/run-flow.md):
 
 - a **visit** is one site's turn in the chain: visit ``v`` (0-based) is round ``v // N + 1`` at
   ``order[v % N]``; a run of T rounds over N sites has T·N visits (supplementary Alg. 1: the last
