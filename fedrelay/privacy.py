@@ -41,7 +41,7 @@ import math
 from collections.abc import Mapping
 
 __all__ = ["STRATEGIES", "FLAGS", "DEFAULTS", "Options", "options", "check", "enabled", "planned_epochs",
-           "spent_from_stats", "describe"]
+           "planned_epochs_of", "spent_from_stats", "describe", "to_pb", "from_pb"]
 
 # The strategies DP-SGD applies to (see the module docstring).
 STRATEGIES = ("fedelmy", "fedseq", "fedavg", "fedelmy-pfl")
@@ -155,3 +155,26 @@ def describe(p: Mapping | None) -> str:
     eps_text = "inf" if not math.isfinite(eps) else f"{eps:.3g}"
     return (f"ε {eps_text}, δ {p['delta']:g} (σ {p['noise_multiplier']:.3g}, C {p['max_grad_norm']:g}, "
             f"{p['steps']} steps, q {p['sample_rate']:.3g})")
+
+
+_PB_FIELDS = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "steps", "sample_rate", "accountant")
+
+
+def to_pb(p: Mapping):
+    """A spent record (:func:`spent_from_stats`) as ``fedrelay.v1.PrivacySpent``."""
+    from fedrelay.v1 import coordinator_pb2
+
+    return coordinator_pb2.PrivacySpent(**{k: p[k] for k in _PB_FIELDS if k in p})
+
+
+def from_pb(m) -> dict | None:
+    """``fedrelay.v1.PrivacySpent`` as a dict (the ``show --json`` shape), None when unset."""
+    if not m.accountant:
+        return None
+    return {k: getattr(m, k) for k in _PB_FIELDS}
+
+
+def planned_epochs_of(params: Mapping, visits: int, warms_up: bool) -> int:
+    """:func:`planned_epochs` from a run's parameters (a ``fedrelay.params`` dict)."""
+    return planned_epochs(int(params["models_per_site"]), int(params["local_epochs"]), int(params["warmup_epochs"]),
+                          visits, warms_up)
