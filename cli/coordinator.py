@@ -372,6 +372,11 @@ def render_summary(s: dict) -> None:
                   f"[bold]{s['status']}[/]", highlight=False)
     if s.get("task_sha256"):
         console.print(f"task code SHA-256 {s['task_sha256']} (the same at every site)", highlight=False)
+    dp = privacy.options(s.get("params") or {})
+    if dp is not None:
+        asked = f"target ε {dp['epsilon']:g}" if dp["epsilon"] else f"noise multiplier σ {dp['noise_multiplier']:g}"
+        console.print(f"differential privacy (DP-SGD at every site): {asked}, clipping C {dp['max_grad_norm']:g}, "
+                      f"δ {dp['delta']:g}", highlight=False)
     _render_live(s)
     if s.get("aggregator"):
         _render_star(s)
@@ -444,6 +449,9 @@ def _render_outcome(s: dict) -> None:
     if f:
         console.print(f"final model sha256 {f['sha256']}", highlight=False)
         _print_wide(_final_metrics_table(f))
+        for site, v in f["per_site"].items():
+            if v.get("privacy"):
+                console.print(f"privacy spent at {site}: {privacy.describe(v['privacy'])}", highlight=False)
     if s.get("skipped"):
         console.print(f"[yellow]routed around (down past --peer-timeout):[/] {', '.join(s['skipped'])}; "
                       f"the final model holds the training of {', '.join(s['contributors'])}", highlight=False)

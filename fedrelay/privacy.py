@@ -48,6 +48,7 @@ STRATEGIES = ("fedelmy", "fedseq", "fedavg", "fedelmy-pfl")
 FLAGS = {"dp_noise_multiplier": "--dp-noise-multiplier", "dp_epsilon": "--dp-epsilon",
          "dp_max_grad_norm": "--dp-max-grad-norm", "dp_delta": "--dp-delta"}
 DEFAULTS = {"dp_noise_multiplier": 0.0, "dp_epsilon": 0.0, "dp_max_grad_norm": 1.0, "dp_delta": 1e-5}
+BOOK = "privacy.json"   # a visit's DP steps, in its folder at the site (fedrelay.peer.privacy.Book)
 MAX_NOISE = 1000.0   # sigma; more is a typo (the model would learn nothing)
 MAX_EPSILON = 1e4
 

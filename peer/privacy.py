@@ -50,15 +50,16 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-__all__ = ["DPTraining", "Book", "engaged", "current", "check_model", "noise_multiplier", "spent"]
+from fedrelay.privacy import BOOK
+
+__all__ = ["BOOK", "DPTraining", "Book", "engaged", "current", "check_model", "noise_multiplier", "spent"]
 
 ACCOUNTANT = "rdp"
 # RDP orders: Opacus' defaults (up to 63) and higher ones, which give tighter bounds for few
 # steps (Opacus warns "optimal order is the largest alpha" otherwise).
 ALPHAS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)) + list(range(64, 1025, 16))
-# Opacus' hooks on a first layer whose input needs no gradient: harmless, said once per step.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect "
-                        "to module outputs")
+# Opacus' hooks on a first layer whose input needs no gradient: harmless, said at every step.
+_HOOK_WARNING = "Full backward hook is firing when gradients are computed with respect to module outputs"
 _CURRENT: contextvars.ContextVar["Session | None"] = contextvars.ContextVar("fedrelay_dp", default=None)
 
 
@@ -231,7 +232,9 @@ class DPTraining:
                     got = tuple(ce.shape) if isinstance(ce, Tensor) else type(ce).__name__
                     raise ValueError(f"the loss of task {tasks.name_of(task)!r} returned {got}, not a scalar "
                                      "(a 0-d tensor)")
-                ce.backward()
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=_HOOK_WARNING)
+                    ce.backward()
                 ce_sum += ce.detach().to(torch.float64) * int(y.shape[0])
             else:  # an empty Poisson batch: a noise-only step
                 for p in self.params:

@@ -12,6 +12,7 @@ import json
 import time
 from typing import Any
 
+from fedrelay import privacy
 from fedrelay.coordinator.client import summary_dict
 
 #: A site's reported state (peer/node.py) -> its state on the page.
@@ -128,7 +129,9 @@ def final_table(run: dict) -> dict[str, Any]:
     site's values are its exact figures on its own test split; the global ones come from the
     sites' pooled statistics (a task's own metric: the test-sample-weighted mean). Once the run
     has finished they are the final result's (``run["final"]``); before, each site's evaluation
-    as it arrives (``run["sites"]``, :func:`site_states`), and no global row."""
+    as it arrives (``run["sites"]``, :func:`site_states`), and no global row. A run with
+    differential privacy: ``"privacy": True`` and each finished row's ``"privacy"``, the (epsilon,
+    delta) its site spent in words (``fedrelay.privacy.describe``); else False and None."""
     from fedrelay.scoring import BUILTIN, LABELS
 
     final = run.get("final")
@@ -137,7 +140,7 @@ def final_table(run: dict) -> dict[str, Any]:
         if final and name in final["per_site"]:
             v = final["per_site"][name]
             rows.append({"site": name, "values": {**v["metrics"], "accuracy": v["accuracy"]},
-                         "test_samples": v["test_samples"]})
+                         "test_samples": v["test_samples"], "privacy": privacy.describe(v.get("privacy")) or None})
         else:
             s = (run.get("sites") or {}).get(name) or {}
             values = dict(s.get("metrics") or {})
@@ -150,7 +153,8 @@ def final_table(run: dict) -> dict[str, Any]:
                  "test_samples": sum(v["test_samples"] for v in final["per_site"].values())}
     seen = {k for r in [*rows, *([total] if total else [])] for k in r["values"]}
     keys = ["accuracy", *(k for k in BUILTIN if k in seen and k != "accuracy"), *sorted(seen - set(BUILTIN))]
-    return {"columns": [[k, LABELS.get(k, k)] for k in keys], "rows": rows, "global": total}
+    return {"columns": [[k, LABELS.get(k, k)] for k in keys], "rows": rows, "global": total,
+            "privacy": any(r.get("privacy") for r in rows)}
 
 
 def timeline(run: dict, events: list[dict], rows: list[dict]) -> list[dict[str, Any]]:
