@@ -80,6 +80,19 @@ def test_the_cli_says_what_is_wrong_with_dp_options_without_a_traceback(args, me
     assert "Traceback" not in out
 
 
+def test_a_run_configuration_file_takes_the_dp_options(tmp_path):
+    from fedrelay.cli.coordinator import app
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('seed = 1\ndp-epsilon = 3.0\nselection = "best-val"\ninsecure = true\n'
+                   'coordinator = "127.0.0.1:1"\n')
+    res = CliRunner().invoke(app, ["start-chain", "--config", str(cfg)])
+    assert res.exit_code != 0 and "--selection best-val" in " ".join(res.output.split())
+    cfg.write_text('seed = 1\ndp-epsilon = "high"\n')
+    res = CliRunner().invoke(app, ["start-chain", "--config", str(cfg)])
+    assert res.exit_code != 0 and "dp-epsilon" in " ".join(res.output.split()) and "Traceback" not in res.output
+
+
 # ------------------------------------------------------------------ training
 
 
