@@ -150,6 +150,34 @@ def test_a_retrained_model_replaces_its_entry_in_the_book(tmp_path):
     assert dp.spent([book.path], 1e-5)["steps"] == 20
 
 
+def test_a_star_sites_jobs_train_under_dp_and_its_evaluation_reports_what_it_spent(tmp_path):
+    """The worker's jobs as a FedAvg site runs them: train (warm-up and S·E epochs under DP-SGD,
+    booked in the visit's folder), then evaluate (the spent (ε, δ) in the statistics it signs)."""
+    from fedrelay.peer import jobs
+    from fedrelay.task import SiteData
+
+    data = SiteData(class_names=["a", "b", "c"], inputs={"train": TRAIN[0], "test": TEST[0]},
+                    labels={"train": TRAIN[1], "test": TEST[1]}, input=GN.input)
+    run_params = {**BASE, "strategy": "fedavg", "weighting": "uniform", "dp_epsilon": 4.0, "dp_delta": 1e-4}
+    params.check(run_params)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    req = {"op": "train", "spec": GN.to_dict(), "params": params.to_dict(params.to_pb(run_params)), "seed": 3,
+           "class_index": ["a", "b", "c"], "site": "site-a", "position": 0, "round": 1, "folder": str(folder),
+           "received": None, "outgoing": str(folder / "outgoing.safetensors"), "initial": {"kind": "shared"},
+           "aggregator": "mean", "options": params.options(run_params),
+           "privacy_epochs": privacy.planned_epochs_of(run_params, visits=1, warms_up=True)}
+    assert jobs.run(req, data, "cpu")["event"] == "trained"
+    entries = json.loads((folder / privacy.BOOK).read_text())["entries"]
+    assert sorted(entries) == ["fedseq/0", "warmup/0"]  # FedAvg's local training: FedSeq's one model
+    answer = jobs.run({"op": "evaluate", "model": str(folder / "outgoing.safetensors"), "spec": GN.to_dict(),
+                       "class_index": ["a", "b", "c"], "params": req["params"],
+                       "privacy_books": [str(folder / privacy.BOOK)]}, data, "cpu")
+    spent = privacy.spent_from_stats(answer["stats"])
+    assert spent["delta"] == 1e-4 and 3.5 < spent["epsilon"] <= 4.01
+    assert spent["steps"] == sum(e[2] for e in entries.values())
+
+
 def test_the_coordinator_refuses_an_evaluation_whose_privacy_record_does_not_check():
     from fedrelay.coordinator.evaluation import site_stats
     from fedrelay.v1 import peer_pb2
