@@ -191,6 +191,10 @@ class DPTraining:
         from opacus.optimizers import DPOptimizer
 
         opts = session.options
+        check_model(model, "the model")  # run_site has named it already; a direct caller gets the same check
+        if opts["noise_multiplier"] <= 0 and session.planned_epochs < 1:
+            raise ValueError("a target epsilon (--dp-epsilon) needs the site's planned DP epochs of the run "
+                             "(privacy.engaged(planned_epochs=...)), got 0")
         self.session, self.key, self.n = session, key, int(n)
         self.steps_per_epoch = max(1, math.ceil(self.n / batch_size))
         self.sample_rate = 1.0 / self.steps_per_epoch
