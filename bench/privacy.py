@@ -106,9 +106,13 @@ def run_cell(trial, s: dict, method: str, eps: str) -> dict:
             "how": "daemon chain (coordinator start-chain --wait --json, mutual TLS on loopback)"}
 
 
+def split_dir(work: Path, s: dict) -> Path:
+    return work / "splits" / (f"n{s['sites']}-dir{s['dirichlet']:g}-seed{s['seed']}-max{s['max_train_per_site']}-"
+                              f"{'synthetic' if 'synthetic' in s['data'] else 'fmnist'}")
+
+
 def split(work: Path, s: dict, source: Path) -> list[Path]:
-    out = work / "splits" / f"n{s['sites']}-dir{s['dirichlet']:g}-seed{s['seed']}-max{s['max_train_per_site']}-" \
-                            f"{'synthetic' if 'synthetic' in s['data'] else 'fmnist'}"
+    out = split_dir(work, s)
     if not (out / "split.json").exists():
         cmd = [tool("coordinator"), "split-dataset", "fashion-mnist", "--sites", str(s["sites"]), "--dirichlet",
                f"{s['dirichlet']:g}", "--seed", str(s["seed"]), "--out", str(out), "--source", str(source),
@@ -148,6 +152,10 @@ def publish(work: Path, s: dict, methods: list[str], epsilons: list[str], args, 
              f"Ew = {s['Ew']}, batch {s['batch_size']}, Adam lr {s['lr']:g}, last-epoch selection; DP: clipping "
              f"C = {s['max_grad_norm']:g}, δ = {s['delta']:g}")
     notes = [f"Scale: {scale}.",
+             *([] if not (split_dir(work, s) / "split.json").exists() else [
+                 "Images per site (train / test): " + ", ".join(
+                     f"{p['site']} {p['n_train']} / {p['n_test']}"
+                     for p in json.loads((split_dir(work, s) / "split.json").read_text())["per_site"]) + "."]),
              "ε target: --dp-epsilon given to start-chain; each site picks the noise multiplier σ that spends it over "
              "all its DP epochs of the run (RDP accountant). ε spent and σ: the largest over the sites, as they "
              "signed them in their evaluations; steps: the most DP-SGD steps any site took.",
