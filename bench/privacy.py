@@ -159,6 +159,9 @@ def publish(work: Path, s: dict, methods: list[str], epsilons: list[str], args, 
              "ε target: --dp-epsilon given to start-chain; each site picks the noise multiplier σ that spends it over "
              "all its DP epochs of the run (RDP accountant). ε spent and σ: the largest over the sites, as they "
              "signed them in their evaluations; steps: the most DP-SGD steps any site took.",
+             f"One chain per cell (seed {s['seed']}), no repeats; the DP cells' noise and batches come from each "
+             "site's operating-system randomness (docs/differential-privacy.md), so a rerun of a DP cell gives "
+             "another figure.",
              f"{len(cells)} of {len(methods) * len(epsilons)} cells measured; "
              f"{sum(c['seconds'] for c in cells.values()):.0f} s of chains in all."]
     for m in methods:
