@@ -207,8 +207,9 @@ def trial(three_sites, tmp_path_factory):
 
 
 def test_a_dp_run_through_the_daemons_reports_each_sites_epsilon_and_delta(trial):
-    res = trial.cli("start-chain", "--seed", "5", "--dp-epsilon", "6", "--dp-delta", "1e-4", *CHAIN,
-                    capture_output=True, text=True, timeout=600)
+    """Two rounds: each site's ε composes both its visits (and the first site's warm-up)."""
+    res = trial.cli("start-chain", "--seed", "5", "--rounds", "2", "--dp-epsilon", "6", "--dp-delta", "1e-4", *CHAIN,
+                    capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     run = json.loads(res.stdout)
     assert run["status"] == "finished", run["error"]
@@ -220,6 +221,13 @@ def test_a_dp_run_through_the_daemons_reports_each_sites_epsilon_and_delta(trial
         assert p["accountant"] == "rdp" and p["delta"] == 1e-4 and p["max_grad_norm"] == 1.0
         assert 0 < p["epsilon"] <= 6.0 + 0.01, (site, p)
         assert p["steps"] > 0 and 0 < p["sample_rate"] <= 1
+        # The steps the site booked, visit by visit (round 1 in the run's folder, round 2 in round-2/).
+        folder = trial.workdir / "state" / site / "runs" / run["run_id"]
+        books = [json.loads(f.read_text())["entries"] for f in (folder / privacy.BOOK, folder / "round-2" / privacy.BOOK)]
+        assert p["steps"] == sum(e[2] for book in books for e in book.values())
+        stages = sorted(k for book in books for k in book)
+        assert stages == (["pool/1", "pool/1", "pool/2", "pool/2", "warmup/0"] if site == run["order"][0]
+                          else ["pool/1", "pool/1", "pool/2", "pool/2"])
     shown = trial.cli("show", run["run_id"], capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr
     text = " ".join(shown.stdout.split())
