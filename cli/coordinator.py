@@ -372,11 +372,9 @@ def render_summary(s: dict) -> None:
                   f"[bold]{s['status']}[/]", highlight=False)
     if s.get("task_sha256"):
         console.print(f"task code SHA-256 {s['task_sha256']} (the same at every site)", highlight=False)
-    dp = privacy.options(s.get("params") or {})
-    if dp is not None:
-        asked = f"target ε {dp['epsilon']:g}" if dp["epsilon"] else f"noise multiplier σ {dp['noise_multiplier']:g}"
-        console.print(f"differential privacy (DP-SGD at every site): {asked}, clipping C {dp['max_grad_norm']:g}, "
-                      f"δ {dp['delta']:g}", highlight=False)
+    dp = privacy.describe_options(s.get("params") or {})
+    if dp:
+        console.print(f"differential privacy (DP-SGD at every site): {dp}", highlight=False)
     _render_live(s)
     if s.get("aggregator"):
         _render_star(s)

@@ -41,7 +41,7 @@ import math
 from collections.abc import Mapping
 
 __all__ = ["STRATEGIES", "FLAGS", "DEFAULTS", "Options", "options", "check", "enabled", "planned_epochs",
-           "planned_epochs_of", "spent_from_stats", "describe", "to_pb", "from_pb"]
+           "planned_epochs_of", "spent_from_stats", "describe", "describe_options", "to_pb", "from_pb"]
 
 # The strategies DP-SGD applies to (see the module docstring).
 STRATEGIES = ("fedelmy", "fedseq", "fedavg", "fedelmy-pfl")
@@ -145,6 +145,16 @@ def spent_from_stats(stats: Mapping | None) -> dict | None:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"privacy.steps must be a non-negative integer, got {steps!r}")
     return dict(p)
+
+
+def describe_options(params: Mapping) -> str:
+    """The run's DP options in words, for ``show`` and the run page (``params``: a
+    ``fedrelay.params`` dict): ``target ε 8, clipping C 1, δ 1e-05``; "" when DP is off."""
+    dp = options(params)
+    if dp is None:
+        return ""
+    asked = f"target ε {dp['epsilon']:g}" if dp["epsilon"] else f"noise multiplier σ {dp['noise_multiplier']:g}"
+    return f"{asked}, clipping C {dp['max_grad_norm']:g}, δ {dp['delta']:g}"
 
 
 def describe(p: Mapping | None) -> str:

@@ -243,6 +243,7 @@ def test_a_dp_run_through_the_daemons_reports_each_sites_epsilon_and_delta(trial
     table = final_table(as_json)
     assert table["privacy"] is True
     assert all(r["privacy"] == privacy.describe(per_site[r["site"]]["privacy"]) for r in table["rows"])
+    assert privacy.describe_options(as_json["params"]) == "target ε 6, clipping C 1, δ 0.0001"
     # The figures are the ones the sites signed: the audit checks the ledger's rows against them.
     from fedrelay.cli.coordinator import app
 

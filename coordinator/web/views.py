@@ -193,7 +193,8 @@ def run_view(service, run_id: str) -> dict[str, Any] | None:
     """The run page's data: the run summary (``coordinator show --json``'s object) plus
     ``sites`` (:func:`site_states`), ``final_table`` (:func:`final_table`), ``transfers``
     (:func:`transfers`), ``timeline``
-    (:func:`timeline`), ``metrics`` (every per-epoch record: site, stage, model, epoch, epochs,
+    (:func:`timeline`), ``privacy`` (the run's differential-privacy options in words, None
+    without DP; ``fedrelay.privacy.describe_options``), ``metrics`` (every per-epoch record: site, stage, model, epoch, epochs,
     train_loss, val_accuracy (None when the site holds no validation split), seconds, time),
     ``events`` (the last few: seq, time, kind, site, message), ``last_seq`` (the ledger's seq of
     the run's newest event; the page's event stream resumes after it) and ``now`` (unix seconds).
@@ -206,6 +207,7 @@ def run_view(service, run_id: str) -> dict[str, Any] | None:
     events = service.events.events_after(run_id, 0)  # the hub's memory when it holds the whole run
     run["sites"] = site_states(run, events)
     run["final_table"] = final_table(run)
+    run["privacy"] = privacy.describe_options(run["params"]) or None
     run["transfers"] = transfers(run)
     run["timeline"] = timeline(run, events, run["transfers"])
     run["metrics"] = [{k: m[k] for k in ("site", "stage", "model", "epoch", "epochs", "train_loss", "val_accuracy",

@@ -45,6 +45,7 @@ function drawSummary(d) {
     ["ended", d.ended ? when(d.ended) : "–"],
     ["global accuracy", d.final && d.final.accuracy != null ? d.final.accuracy.toFixed(4) : "–"],
   ];
+  if (d.privacy) items.push(["differential privacy", d.privacy]);
   if (d.insecure) items.push(["transport", "insecure (plaintext)"]);
   const dl = document.getElementById("summary");
   dl.replaceChildren(...items.map(([k, v]) => {
