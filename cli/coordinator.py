@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich import box
 from rich.table import Table
 
-from fedrelay import params as run_params
+from fedrelay import params as run_params, privacy
 from fedrelay.text import safe, safe_tree
 from fedrelay.cli.common import (CONTEXT_SETTINGS, ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECURE_HELP, TLS_HELP,
                                  console, err_console, fail, load_config_callback, setup_logging, stop_on_sigterm,
@@ -181,15 +181,15 @@ def start_chain(
     lr: float = typer.Option(1e-3, "--lr", help="Adam learning rate."),
     batch_size: int = typer.Option(128, "--batch-size", help="Images per training step."),
     weight_decay: float = typer.Option(1e-4, "--weight-decay", help="Adam weight decay (coupled L2)."),
-    selection: _choice(run_params.SELECTIONS) = typer.Option("best-val", "--selection",
+    selection: _choice(run_params.SELECTIONS) = typer.Option(None, "--selection",
                                   help="Which epoch's model a site keeps: best-val (best validation accuracy, the "
-                                       "paper's protocol) | last-epoch."),
+                                       "paper's protocol) | last-epoch \\[default: best-val; last-epoch with DP]."),
     task: str = typer.Option("image-folder", "--task", help="The task every site runs: how it reads its folder, the "
                              "model, loss and metrics (an installed task package's name, or module:attr; "
                              "`coordinator peers` lists what each site offers)."),
     task_sha256: str = typer.Option("", "--task-sha256", help="Pin the task's code: the SHA-256 every site's copy "
                                     "must have \\[default: the one every site reports]."),
-    model: str = typer.Option("", "--model", help="One of the task's models (image-folder: cnn, resnet18; "
+    model: str = typer.Option("", "--model", help="One of the task's models (image-folder: cnn, resnet18, cnn-gn (for DP); "
                               "tabular-csv: mlp, logistic) \\[default: the task's first]."),
     aggregator: str = typer.Option("", "--aggregator", help="Parallel methods: the site that combines the uploads "
                                    "\\[default: chosen by --seed]."),
@@ -211,6 +211,14 @@ def start_chain(
     ofasd_lr: float = typer.Option(0.01, "--ofasd-lr", help="ofasd: Adam learning rate of the coefficients."),
     upload_timeout: float = typer.Option(3600.0, "--upload-timeout", help="Parallel methods: seconds the aggregator "
                                          "waits for the uploads after its own training, then combines what arrived."),
+    dp_noise_multiplier: float = typer.Option(0.0, "--dp-noise-multiplier", help="Differential privacy (DP-SGD at "
+                                              "every site, docs/differential-privacy.md): the noise multiplier sigma "
+                                              "(0: DP off)."),
+    dp_epsilon: float = typer.Option(0.0, "--dp-epsilon", help="DP: a target epsilon each site spends over the run, "
+                                     "instead of --dp-noise-multiplier (0: none)."),
+    dp_max_grad_norm: float = typer.Option(1.0, "--dp-max-grad-norm", help="DP: the L2 norm each sample's gradient "
+                                           "is clipped to (C)."),
+    dp_delta: float = typer.Option(1e-5, "--dp-delta", help="DP: the delta of each site's (epsilon, delta)."),
     wait: bool = typer.Option(False, "--wait", help="Follow the run until it ends and print its summary."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (with --wait: the run summary)."),
     tls: Path = TLS,
@@ -218,11 +226,16 @@ def start_chain(
 ) -> None:
     """Start a run over the registered peers: a chain (one-shot, or T rounds with --rounds), or,
     for the parallel methods (fedavg, fedelmy-pfl, maecho, ofasd), a star around --aggregator."""
+    dp = dict(dp_noise_multiplier=dp_noise_multiplier, dp_epsilon=dp_epsilon, dp_max_grad_norm=dp_max_grad_norm,
+              dp_delta=dp_delta)
+    if selection is None:  # DP-SGD's accounting does not cover best-validation selection
+        selection = "last-epoch" if privacy.enabled(dp) else "best-val"
     chosen = dict(strategy=strategy, models_per_site=models_per_site, local_epochs=local_epochs,
                   warmup_epochs=warmup_epochs, alpha=alpha, beta=beta, lr=lr, batch_size=batch_size,
                   weight_decay=weight_decay, selection=selection, init=init or "", init_sha256=init_weights.lower(),
                   weighting=weighting, maecho_tau=maecho_tau, maecho_eta=maecho_eta, maecho_alpha=maecho_alpha,
-                  ofasd_mode=ofasd_mode, ofasd_epochs=ofasd_epochs, ofasd_lr=ofasd_lr, upload_timeout=upload_timeout)
+                  ofasd_mode=ofasd_mode, ofasd_epochs=ofasd_epochs, ofasd_lr=ofasd_lr, upload_timeout=upload_timeout,
+                  **dp)
     try:
         run_params.check(chosen, strict=True)
         run_params.check_rounds(rounds)
@@ -383,6 +396,9 @@ def render_summary(s: dict) -> None:
         console.print(f"task code SHA-256 {s['task_sha256']} (the same at every site)", highlight=False)
     if s.get("started_by"):
         console.print(f"started by {s['started_by']}", highlight=False)
+    dp = privacy.describe_options(s.get("params") or {})
+    if dp:
+        console.print(f"differential privacy (DP-SGD at every site): {dp}", highlight=False)
     _render_live(s)
     if s.get("aggregator"):
         _render_star(s)
@@ -464,6 +480,9 @@ def _render_outcome(s: dict) -> None:
     if f:
         console.print(f"final model sha256 {f['sha256']}", highlight=False)
         _print_wide(_final_metrics_table(f))
+        for site, v in f["per_site"].items():
+            if v.get("privacy"):
+                console.print(f"privacy spent at {site}: {privacy.describe(v['privacy'])}", highlight=False)
     if s.get("skipped"):
         console.print(f"[yellow]routed around (down past --peer-timeout):[/] {', '.join(s['skipped'])}; "
                       f"the final model holds the training of {', '.join(s['contributors'])}", highlight=False)

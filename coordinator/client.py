@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import grpc
 
 from fedrelay import purpose as purposes
-from fedrelay import params as run_params, wire
+from fedrelay import params as run_params, privacy, wire
 from fedrelay.coordinator.live import BUSY
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2
 
@@ -39,7 +39,9 @@ def summary_dict(s: cpb.RunSummary) -> dict:
     sender, receiver), final_site, final (null until the run has finished: sha256, accuracy,
     metrics (the global metrics from the sites' pooled statistics: accuracy, balanced_accuracy,
     macro_f1, auroc, for two classes sensitivity and specificity, and the task's own),
-    per_site: site -> {accuracy, test_samples, metrics (the site's exact metrics)}),
+    per_site: site -> {accuracy, test_samples, metrics (the site's exact metrics), privacy (a run
+    with differential privacy: the site's spent epsilon, delta, noise_multiplier, max_grad_norm,
+    steps, sample_rate, accountant, as it signed them; ``fedrelay.privacy``; null otherwise)}),
     final_transfers, params, seed, arch (the task's model), task, task_version, task_sha256
     (the digest of the task's code every site ran), model_spec (fedrelay.ModelSpec.to_dict()),
     class_index, warnings, error, insecure, created, ended (unix seconds), skipped (sites routed
@@ -118,7 +120,7 @@ def summary_dict(s: cpb.RunSummary) -> dict:
             "sha256": s.final.sha256, "accuracy": s.final.accuracy,
             "metrics": dict(sorted(s.final.metrics.items())),
             "per_site": {k: {"accuracy": v.accuracy, "test_samples": v.test_samples,
-                             "metrics": dict(sorted(v.metrics.items()))}
+                             "metrics": dict(sorted(v.metrics.items())), "privacy": privacy.from_pb(v.privacy)}
                          for k, v in sorted(s.final.per_site.items())},
         }
     return out

@@ -9,7 +9,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 
-from fedrelay import scoring
+from fedrelay import privacy, scoring
 
 __all__ = ["site_stats", "pooled", "metrics_line"]
 
@@ -37,6 +37,13 @@ def site_stats(reply, num_classes: int) -> scoring.Stats:
         raw = json.loads(reply.stats_json or "{}")
     except ValueError as exc:
         raise ValueError(f"statistics are not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("statistics must be a JSON object")
+    try:
+        privacy.spent_from_stats(raw)  # a DP run's spent (epsilon, delta), when the site reports one
+    except ValueError as exc:
+        raise ValueError(f"its differential-privacy record does not check: {exc}") from None
+    raw = {k: v for k, v in raw.items() if k != "privacy"}
     if not raw:  # a site that reports no statistics (no test split, or an older daemon)
         return scoring.Stats(confusion=[[0] * num_classes for _ in range(num_classes)],
                              positive=1 if num_classes == 2 else -1)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, checks, names, params as run_params, registry, signing, text, wire
+from fedrelay import __version__, checks, names, params as run_params, privacy, registry, signing, text, wire
 from fedrelay.coordinator.ledger import TERMINAL, Ledger, LedgerConflict
 from fedrelay.coordinator import evaluation
 from fedrelay.coordinator.events import EventHub
@@ -1396,6 +1396,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 s.final.per_site[e["site"]].accuracy = e["accuracy"]
                 s.final.per_site[e["site"]].test_samples = e["test_samples"]
                 s.final.per_site[e["site"]].metrics.update(e["metrics"])
+                spent = privacy.spent_from_stats(e["stats"])  # a DP run: as the site signed it
+                if spent is not None:
+                    s.final.per_site[e["site"]].privacy.CopyFrom(privacy.to_pb(spent))
         return s
 
 

@@ -12,7 +12,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from fedrelay import registry
+from fedrelay import privacy, registry
 
 SELECTIONS = ("best-val", "last-epoch")
 INITS = ("shared", "per-site", "file")
@@ -56,6 +56,14 @@ OPTIONS = (
     Field("ofasd_lr", "--ofasd-lr", float, 0.0, positive=True, used_by=("ofasd",), default=0.01),
     Field("upload_timeout", "--upload-timeout", float, 0.0, positive=True,
           used_by=("fedavg", "fedelmy-pfl", "maecho", "ofasd"), default=3600.0),
+    # Differential privacy at the site (fedrelay/privacy.py): off unless a noise multiplier or a
+    # target epsilon is given; checked as a whole by privacy.check.
+    Field("dp_noise_multiplier", "--dp-noise-multiplier", float, 0.0, used_by=privacy.STRATEGIES, default=0.0),
+    Field("dp_epsilon", "--dp-epsilon", float, 0.0, used_by=privacy.STRATEGIES, default=0.0),
+    Field("dp_max_grad_norm", "--dp-max-grad-norm", float, 0.0, positive=True, used_by=privacy.STRATEGIES,
+          default=privacy.DEFAULTS["dp_max_grad_norm"]),
+    Field("dp_delta", "--dp-delta", float, 0.0, positive=True, used_by=privacy.STRATEGIES,
+          default=privacy.DEFAULTS["dp_delta"]),
 )
 TRAIN_NAMES = tuple(f.name for f in FIELDS)   # what TrainConfig holds
 OPTION_NAMES = tuple(f.name for f in OPTIONS)
@@ -173,6 +181,8 @@ def check(d: dict, strict: bool = False) -> None:
     file`` needs ``--init-weights`` as 64 hex digits). Method options are checked for the
     strategies that read them; unset ones (zero, empty) take their defaults, unless ``strict``
     (the CLI: what the operator typed is checked as typed, so ``--maecho-tau 0`` is refused).
+    The differential-privacy options are checked by :func:`fedrelay.privacy.check` (DP on for a
+    strategy it does not cover, or with ``--selection best-val``, is refused).
     Every field present, used or not, must also fit its wire type (:func:`check_wire`)."""
     try:
         strategy = registry.strategy(d["strategy"])
@@ -195,6 +205,7 @@ def check(d: dict, strict: bool = False) -> None:
             raise ValueError(f"--init-weights must be the weights file's SHA-256 (64 lowercase hex digits), got {sha!r}")
     elif sha:
         raise ValueError("--init-weights names a weights file: use it with --init file")
+    privacy.check({**opts, "strategy": strategy.name, "selection": d["selection"]})
     if strategy.name == "ofasd" and opts["init"] == "per-site":
         raise ValueError("--init per-site: ofasd composes task vectors against one initial model; "
                          "use --init shared or --init file")

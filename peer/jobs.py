@@ -19,7 +19,9 @@ Jobs (``req["op"]``), their requests and answers (JSON-able dicts):
 * ``aggregate``: a star plan's aggregation at the aggregating site, see :func:`aggregate`.
 * ``evaluate``: ``{model, spec, class_index}`` -> ``{"correct", "total", "metrics", "stats",
   "seconds"}``: a safetensors model on the site's test split, its top-1 count, its metrics and
-  aggregate statistics (``fedrelay.scoring``, plus the task's own metrics).
+  aggregate statistics (``fedrelay.scoring``, plus the task's own metrics); in a DP run
+  (``privacy_books``: the run's ``privacy.json`` files here, ``params``), ``stats["privacy"]``:
+  the (epsilon, delta) the site spent (``fedrelay.privacy``).
 
 ``SPEC`` is :meth:`fedrelay.ModelSpec.to_dict`; the task named there is loaded (its digest
 checked against the pinned one) by ``fedrelay.tasks.resolve``. Progress goes through
@@ -152,12 +154,16 @@ def train(req: dict, data, device: str, emit: Emit | None = None) -> dict:
     there as they are made and read back on a resumed visit), ``received`` (the hop's payload
     path, or None at the chain's first visit), ``outgoing`` (where the model to send is written),
     ``initial`` (:func:`initial_state`), and for a star plan ``aggregator`` and ``options`` (the
-    upload then carries the aggregator's extra tensors, ``site_extras``).
+    upload then carries the aggregator's extra tensors, ``site_extras``). A run with DP options
+    (``fedrelay.privacy``) trains with DP-SGD (``fedrelay.peer.privacy``): ``privacy_epochs`` is
+    the site's DP epochs over the run (a target epsilon is spread over them), and the visit's
+    steps are booked in the folder's ``privacy.json``.
 
     Returns ``{"event": "trained", "seconds": S, "pool": K}`` (K pool models trained). Raises
     what the training raises.
     """
-    from fedrelay import registry, wire
+    from fedrelay import privacy, registry, wire
+    from fedrelay.peer import privacy as dp
     from fedrelay.peer.training import derive_seed, run_site
 
     spec, cfg = spec_from(req["spec"]), _config(req)
@@ -183,11 +189,12 @@ def train(req: dict, data, device: str, emit: Emit | None = None) -> dict:
     seed = derive_seed(req["seed"], "site", position) if r == 1 else derive_seed(req["seed"], "site", position,
                                                                                   "round", r)
     started = time.time()
-    send, pool = run_site(m0, spec, train_set, val, cfg, seed, device, finished=finished,
-                          on_epoch=_on_epoch(emit, len(train_set[1])), on_model=on_model,
-                          on_warmup=lambda state: wire.atomic_write(folder / "warmup.safetensors",
-                                                                    wire.encode_state(state)),
-                          initial=initial_state(req, spec) if m0 is None else None)
+    with dp.engaged(privacy.options(req["params"]), req.get("privacy_epochs", 0), dp.Book(folder / dp.BOOK)):
+        send, pool = run_site(m0, spec, train_set, val, cfg, seed, device, finished=finished,
+                              on_epoch=_on_epoch(emit, len(train_set[1])), on_model=on_model,
+                              on_warmup=lambda state: wire.atomic_write(folder / "warmup.safetensors",
+                                                                        wire.encode_state(state)),
+                              initial=initial_state(req, spec) if m0 is None else None)
     if req.get("aggregator"):  # the upload: the model and what the aggregator needs besides
         from fedrelay.peer.aggregators import join_payload
 
@@ -272,8 +279,16 @@ def evaluate(req: dict, data, device: str, emit: Emit | None = None) -> dict:
                 raise ValueError(f"task {spec.task!r}: metric {name!r} is {value}, not a finite number")
             metrics[name] = value
     correct = int((pred_t == labels).sum()) if len(labels) else 0
+    stats = stats.to_dict()
+    if req.get("privacy_books"):  # a DP run: what this site spent over all its training of the run
+        from fedrelay import privacy
+        from fedrelay.peer import privacy as dp
+
+        spent = dp.spent(req["privacy_books"], privacy.options(req["params"])["delta"])
+        if spent is not None:
+            stats["privacy"] = spent
     return {"event": "evaluated", "correct": correct, "total": int(len(labels)), "metrics": metrics,
-            "stats": stats.to_dict(), "seconds": time.time() - started}
+            "stats": stats, "seconds": time.time() - started}
 
 
 JOBS = {"schema": schema, "train": train, "aggregate": aggregate, "evaluate": evaluate}

@@ -22,7 +22,8 @@ from pathlib import Path
 import grpc
 
 from fedrelay import purpose as purposes
-from fedrelay import __version__, params as run_params, payload, registry, signing, tasks as task_registry, transfer_bounds, wire
+from fedrelay import (__version__, params as run_params, payload, privacy, registry, signing, tasks as task_registry,
+                      transfer_bounds, wire)
 from fedrelay.task import ModelSpec, SiteData, canonical_json
 from fedrelay.tasks.offers import Offer
 from fedrelay.peer.inbound import InboundStreams, Stream
@@ -769,6 +770,9 @@ class PeerNode:
             req["initial"] = self._initial(run)
         if not run.is_star:
             req["aggregator"] = ""  # a chain's hop carries the model only
+        if privacy.enabled(a.params):  # DP-SGD: a target epsilon is spread over the site's epochs of the run
+            req["privacy_epochs"] = privacy.planned_epochs_of(req["params"], len(run.visits),
+                                                              run.inbound(min(run.visits)) is None)
         with self._train_lock:
             self._tell_receiver(run, r)
             answer = self._run_job(run, req, f"round {r}" if (a.rounds or 1) > 1 else "")
@@ -1159,8 +1163,11 @@ class PeerNode:
         sha256 = sha256 or wire.sha256_file(path)
         a = self.runs[run_id].assignment
         started = time.time()
-        answer = self.jobs.run({"op": "evaluate", "model": str(path), "spec": self._spec(a),
-                                "class_index": list(a.class_index)}, cancelled=self.stop.is_set)
+        req = {"op": "evaluate", "model": str(path), "spec": self._spec(a), "class_index": list(a.class_index)}
+        if privacy.enabled(a.params):  # the site's spent (epsilon, delta), from every visit's book
+            req.update(params=run_params.to_dict(a.params), privacy_books=[
+                str(p) for p in sorted(self.runs[run_id].folder.glob(f"**/{privacy.BOOK}"))])
+        answer = self.jobs.run(req, cancelled=self.stop.is_set)
         correct, total = answer["correct"], answer["total"]
         reply = peer_pb2.EvaluateReply(site=self.name, correct=correct, test_samples=total, run_id=run_id,
                                        sha256=sha256, accuracy=correct / total if total else 0.0,

@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from fedrelay import params, registry, tasks
 from fedrelay.task import Task
 
+from . import privacy as dp
 from .models import ModelSpec, build_seeded, expected_signature
 from .states import State, build_loaded, check_signature, clone_state
 
@@ -384,6 +385,17 @@ def train_one_epoch(
     return ce_sum
 
 
+def _num_logits(model: nn.Module, task: Task, inputs: Tensor) -> int:
+    """K, the model's logits per row (one row through the model in eval mode, no gradient)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return int(model(task.batch(inputs[:1], train=False)).shape[1])
+    finally:
+        model.train(was_training)
+
+
 def fit(
     model: nn.Module,
     train,
@@ -417,6 +429,12 @@ def fit(
     a validation split).  The module itself is left on ``device`` with its last-epoch
     weights.
 
+    Under differential privacy (the call runs inside :func:`fedrelay.peer.privacy.engaged`, as
+    the ``train`` job arranges for a run with DP options) the epochs are DP-SGD instead
+    (:class:`fedrelay.peer.privacy.DPTraining`: Poisson-sampled batches, per-sample clipping,
+    Gaussian noise, from a secret generator, so not reproducible; ``generator`` is not used for
+    the batches), the last epoch is kept, and the steps are booked under ``"<stage>/<index>"``.
+
     Args:
         model: moved to ``device`` in place.
         train: ``(inputs N x ..., int64 N)``, non-empty.
@@ -446,40 +464,52 @@ def fit(
     augment = seeded_generator(derive_seed(generator.initial_seed(), "augment"))
     use_best = cfg.selection == "best-val" and val_y.shape[0] > 0
     n = int(train_y.shape[0])
-    best_state: State | None = None
-    best_accuracy = -1.0
-    for epoch in range(1, epochs + 1):
-        started = time.perf_counter()
-        # The batch order is drawn on the CPU (same order on every device) and moved once per
-        # epoch: a host-to-device copy per batch made a GPU wait for its queue every step.
-        order = torch.randperm(n, generator=generator).to(train_x.device)
-        ce_sum = float(train_one_epoch(model, optimizer, train_x, train_y, order, cfg.batch_size, regulariser,
-                                       task=task, generator=augment))
-        if not math.isfinite(ce_sum):
-            raise ValueError(f"the loss of task {tasks.name_of(task)!r} is not finite ({ce_sum}) in epoch {epoch} "
-                             f"of {stage}: check the task's loss and inputs (or lower --lr)")
-        # Best-validation selection needs every epoch validated; last-epoch selection only the
-        # last (the accuracy of the model kept is still reported), so it costs what a plain loop does.
-        if val_y.shape[0] > 0 and (use_best or epoch == epochs):
-            correct, total = evaluate(model, val_x, val_y, device=device, task=task)
-            accuracy = correct / total
-        else:
-            accuracy = None
-        if use_best and accuracy > best_accuracy:  # strictly better; epoch 1 always kept
-            best_accuracy = accuracy
-            best_state = clone_state(model.state_dict())
-        if on_epoch is not None:
-            on_epoch(
-                {
-                    "stage": stage,
-                    "model": index,
-                    "epoch": epoch,
-                    "epochs": epochs,
-                    "train_loss": ce_sum / n,
-                    "val_accuracy": accuracy,
-                    "seconds": time.perf_counter() - started,
-                }
-            )
+    session = dp.current()
+    if session is not None:  # DP-SGD (fedrelay.peer.privacy); never under best-val (fedrelay.privacy.check)
+        use_best = False
+        private = dp.DPTraining(session, model, optimizer, n, cfg.batch_size, key=f"{stage}/{index}",
+                                num_classes=_num_logits(model, task, train_x))
+    try:
+        best_state: State | None = None
+        best_accuracy = -1.0
+        for epoch in range(1, epochs + 1):
+            started = time.perf_counter()
+            if session is not None:
+                ce_sum = float(private.epoch(train_x, train_y, task, regulariser, generator=augment))
+            else:
+                # The batch order is drawn on the CPU (same order on every device) and moved once per
+                # epoch: a host-to-device copy per batch made a GPU wait for its queue every step.
+                order = torch.randperm(n, generator=generator).to(train_x.device)
+                ce_sum = float(train_one_epoch(model, optimizer, train_x, train_y, order, cfg.batch_size,
+                                               regulariser, task=task, generator=augment))
+            if not math.isfinite(ce_sum):
+                raise ValueError(f"the loss of task {tasks.name_of(task)!r} is not finite ({ce_sum}) in epoch "
+                                 f"{epoch} of {stage}: check the task's loss and inputs (or lower --lr)")
+            # Best-validation selection needs every epoch validated; last-epoch selection only the
+            # last (the accuracy of the model kept is still reported), so it costs what a plain loop does.
+            if val_y.shape[0] > 0 and (use_best or epoch == epochs):
+                correct, total = evaluate(model, val_x, val_y, device=device, task=task)
+                accuracy = correct / total
+            else:
+                accuracy = None
+            if use_best and accuracy > best_accuracy:  # strictly better; epoch 1 always kept
+                best_accuracy = accuracy
+                best_state = clone_state(model.state_dict())
+            if on_epoch is not None:
+                on_epoch(
+                    {
+                        "stage": stage,
+                        "model": index,
+                        "epoch": epoch,
+                        "epochs": epochs,
+                        "train_loss": ce_sum / n,
+                        "val_accuracy": accuracy,
+                        "seconds": time.perf_counter() - started,
+                    }
+                )
+    finally:
+        if session is not None:
+            private.close()  # Opacus' hooks off the model; the steps taken booked
     if best_state is None:  # last-epoch selection, empty val, or zero epochs
         best_state = clone_state(model.state_dict())
     return best_state
@@ -578,12 +608,17 @@ def run_site(
         else:
             model = build_seeded(spec, derive_seed(seed, "init"))
         check_outputs(model, task, spec, train[0])
+        if dp.current() is not None:
+            dp.check_model(model, f"the model {spec.model!r} of task {spec.task!r}")
         m0 = warm_up(model, train, val, cfg, seed, device, on_epoch=on_epoch, task=task)
         del model
         if on_warmup is not None:
             on_warmup(m0)
     else:
         check_signature(m0, expected_signature(spec), "the received model")
-        check_outputs(build_loaded(spec, m0), task, spec, train[0])
+        received = build_loaded(spec, m0)
+        check_outputs(received, task, spec, train[0])
+        if dp.current() is not None:
+            dp.check_model(received, f"the model {spec.model!r} of task {spec.task!r}")
     return registry.load(cfg.strategy).train(m0, spec, train, val, cfg, seed, device,
                                              finished=finished, on_epoch=on_epoch, on_model=on_model)

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from fedrelay import purpose as purposes
+from fedrelay import privacy
 from fedrelay.coordinator.client import summary_dict
 
 #: A site's reported state (peer/node.py) -> its state on the page.
@@ -127,7 +128,9 @@ def final_table(run: dict) -> dict[str, Any]:
     site's values are its exact figures on its own test split; the global ones come from the
     sites' pooled statistics (a task's own metric: the test-sample-weighted mean). Once the run
     has finished they are the final result's (``run["final"]``); before, each site's evaluation
-    as it arrives (``run["sites"]``, :func:`site_states`), and no global row."""
+    as it arrives (``run["sites"]``, :func:`site_states`), and no global row. A run with
+    differential privacy: ``"privacy": True`` and each finished row's ``"privacy"``, the (epsilon,
+    delta) its site spent in words (``fedrelay.privacy.describe``); else False and None."""
     from fedrelay.scoring import BUILTIN, LABELS
 
     final = run.get("final")
@@ -136,7 +139,7 @@ def final_table(run: dict) -> dict[str, Any]:
         if final and name in final["per_site"]:
             v = final["per_site"][name]
             rows.append({"site": name, "values": {**v["metrics"], "accuracy": v["accuracy"]},
-                         "test_samples": v["test_samples"]})
+                         "test_samples": v["test_samples"], "privacy": privacy.describe(v.get("privacy")) or None})
         else:
             s = (run.get("sites") or {}).get(name) or {}
             values = dict(s.get("metrics") or {})
@@ -149,7 +152,8 @@ def final_table(run: dict) -> dict[str, Any]:
                  "test_samples": sum(v["test_samples"] for v in final["per_site"].values())}
     seen = {k for r in [*rows, *([total] if total else [])] for k in r["values"]}
     keys = ["accuracy", *(k for k in BUILTIN if k in seen and k != "accuracy"), *sorted(seen - set(BUILTIN))]
-    return {"columns": [[k, LABELS.get(k, k)] for k in keys], "rows": rows, "global": total}
+    return {"columns": [[k, LABELS.get(k, k)] for k in keys], "rows": rows, "global": total,
+            "privacy": any(r.get("privacy") for r in rows)}
 
 
 def timeline(run: dict, events: list[dict], rows: list[dict]) -> list[dict[str, Any]]:
@@ -188,7 +192,8 @@ def run_view(service, run_id: str) -> dict[str, Any] | None:
     """The run page's data: the run summary (``coordinator show --json``'s object) plus
     ``sites`` (:func:`site_states`), ``final_table`` (:func:`final_table`), ``transfers``
     (:func:`transfers`), ``timeline``
-    (:func:`timeline`), ``metrics`` (every per-epoch record: site, stage, model, epoch, epochs,
+    (:func:`timeline`), ``privacy`` (the run's differential-privacy options in words, None
+    without DP; ``fedrelay.privacy.describe_options``), ``metrics`` (every per-epoch record: site, stage, model, epoch, epochs,
     train_loss, val_accuracy (None when the site holds no validation split), seconds, time),
     ``events`` (the last few: seq, time, kind, site, message), ``last_seq`` (the ledger's seq of
     the run's newest event; the page's event stream resumes after it) and ``now`` (unix seconds).
@@ -201,6 +206,7 @@ def run_view(service, run_id: str) -> dict[str, Any] | None:
     events = service.events.events_after(run_id, 0)  # the hub's memory when it holds the whole run
     run["sites"] = site_states(run, events)
     run["final_table"] = final_table(run)
+    run["privacy"] = privacy.describe_options(run["params"]) or None
     run["transfers"] = transfers(run)
     run["timeline"] = timeline(run, events, run["transfers"])
     run["metrics"] = [{k: m[k] for k in ("site", "stage", "model", "epoch", "epochs", "train_loss", "val_accuracy",

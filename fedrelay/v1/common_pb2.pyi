@@ -34,7 +34,7 @@ class ModelSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., num_classes: _Optional[int] = ..., task: _Optional[str] = ..., task_version: _Optional[str] = ..., task_sha256: _Optional[str] = ..., input_json: _Optional[str] = ...) -> None: ...
 
 class TrainingParams(_message.Message):
-    __slots__ = ("strategy", "models_per_site", "local_epochs", "warmup_epochs", "alpha", "beta", "lr", "batch_size", "weight_decay", "selection", "init", "init_sha256", "weighting", "maecho_tau", "maecho_eta", "maecho_alpha", "ofasd_mode", "ofasd_epochs", "ofasd_lr", "upload_timeout")
+    __slots__ = ("strategy", "models_per_site", "local_epochs", "warmup_epochs", "alpha", "beta", "lr", "batch_size", "weight_decay", "selection", "init", "init_sha256", "weighting", "maecho_tau", "maecho_eta", "maecho_alpha", "ofasd_mode", "ofasd_epochs", "ofasd_lr", "upload_timeout", "dp_noise_multiplier", "dp_epsilon", "dp_max_grad_norm", "dp_delta")
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     MODELS_PER_SITE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_EPOCHS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,10 @@ class TrainingParams(_message.Message):
     OFASD_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     OFASD_LR_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    DP_NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    DP_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    DP_MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    DP_DELTA_FIELD_NUMBER: _ClassVar[int]
     strategy: str
     models_per_site: int
     local_epochs: int
@@ -75,7 +79,11 @@ class TrainingParams(_message.Message):
     ofasd_epochs: int
     ofasd_lr: float
     upload_timeout: float
-    def __init__(self, strategy: _Optional[str] = ..., models_per_site: _Optional[int] = ..., local_epochs: _Optional[int] = ..., warmup_epochs: _Optional[int] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., lr: _Optional[float] = ..., batch_size: _Optional[int] = ..., weight_decay: _Optional[float] = ..., selection: _Optional[str] = ..., init: _Optional[str] = ..., init_sha256: _Optional[str] = ..., weighting: _Optional[str] = ..., maecho_tau: _Optional[int] = ..., maecho_eta: _Optional[float] = ..., maecho_alpha: _Optional[str] = ..., ofasd_mode: _Optional[str] = ..., ofasd_epochs: _Optional[int] = ..., ofasd_lr: _Optional[float] = ..., upload_timeout: _Optional[float] = ...) -> None: ...
+    dp_noise_multiplier: float
+    dp_epsilon: float
+    dp_max_grad_norm: float
+    dp_delta: float
+    def __init__(self, strategy: _Optional[str] = ..., models_per_site: _Optional[int] = ..., local_epochs: _Optional[int] = ..., warmup_epochs: _Optional[int] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., lr: _Optional[float] = ..., batch_size: _Optional[int] = ..., weight_decay: _Optional[float] = ..., selection: _Optional[str] = ..., init: _Optional[str] = ..., init_sha256: _Optional[str] = ..., weighting: _Optional[str] = ..., maecho_tau: _Optional[int] = ..., maecho_eta: _Optional[float] = ..., maecho_alpha: _Optional[str] = ..., ofasd_mode: _Optional[str] = ..., ofasd_epochs: _Optional[int] = ..., ofasd_lr: _Optional[float] = ..., upload_timeout: _Optional[float] = ..., dp_noise_multiplier: _Optional[float] = ..., dp_epsilon: _Optional[float] = ..., dp_max_grad_norm: _Optional[float] = ..., dp_delta: _Optional[float] = ...) -> None: ...
 
 class SiteRef(_message.Message):
     __slots__ = ("name", "address", "certificate")

@@ -347,7 +347,7 @@ class HopRecord(_message.Message):
     def __init__(self, hop: _Optional[int] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., started: _Optional[float] = ..., ended: _Optional[float] = ..., attempts: _Optional[int] = ..., resumed_from: _Optional[int] = ..., round: _Optional[int] = ..., status: _Optional[str] = ..., receiver_sha256: _Optional[str] = ..., receiver_bytes: _Optional[int] = ..., route: _Optional[str] = ..., sealed_bytes: _Optional[int] = ..., relay_wire_bytes: _Optional[int] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class SiteAccuracy(_message.Message):
-    __slots__ = ("accuracy", "test_samples", "metrics")
+    __slots__ = ("accuracy", "test_samples", "metrics", "privacy")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -358,10 +358,30 @@ class SiteAccuracy(_message.Message):
     ACCURACY_FIELD_NUMBER: _ClassVar[int]
     TEST_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_FIELD_NUMBER: _ClassVar[int]
     accuracy: float
     test_samples: int
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, accuracy: _Optional[float] = ..., test_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    privacy: PrivacySpent
+    def __init__(self, accuracy: _Optional[float] = ..., test_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., privacy: _Optional[_Union[PrivacySpent, _Mapping]] = ...) -> None: ...
+
+class PrivacySpent(_message.Message):
+    __slots__ = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "steps", "sample_rate", "accountant")
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
+    epsilon: float
+    delta: float
+    noise_multiplier: float
+    max_grad_norm: float
+    steps: int
+    sample_rate: float
+    accountant: str
+    def __init__(self, epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., steps: _Optional[int] = ..., sample_rate: _Optional[float] = ..., accountant: _Optional[str] = ...) -> None: ...
 
 class FinalResult(_message.Message):
     __slots__ = ("sha256", "accuracy", "per_site", "metrics")

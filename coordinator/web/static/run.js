@@ -45,6 +45,7 @@ function drawSummary(d) {
     ["ended", d.ended ? when(d.ended) : "–"],
     ["global accuracy", d.final && d.final.accuracy != null ? d.final.accuracy.toFixed(4) : "–"],
   ];
+  if (d.privacy) items.push(["differential privacy", d.privacy]);
   if (d.insecure) items.push(["transport", "insecure (plaintext)"]);
   const dl = document.getElementById("summary");
   dl.replaceChildren(...items.map(([k, v]) => {
@@ -226,9 +227,11 @@ function drawFinal(d) {
   const head = node("tr");
   head.append(node("th", {}, "site"), ...t.columns.map(([key, label]) => node("th", {class: "num", "data-metric": key}, label)),
               node("th", {class: "num"}, "test samples"));
+  if (t.privacy) head.append(node("th", {"data-metric": "privacy"}, "privacy spent (DP-SGD)"));
   document.querySelector("#final thead").replaceChildren(head);
   const cells = (tag, r) => [...t.columns.map(([key]) => node(tag, {class: "num", "data-metric": key}, num(r.values[key]))),
-                             node(tag, {class: "num"}, r.test_samples == null ? "" : String(r.test_samples))];
+                             node(tag, {class: "num"}, r.test_samples == null ? "" : String(r.test_samples)),
+                             ...(t.privacy ? [node(tag, {"data-metric": "privacy"}, r.privacy || "")] : [])];
   const rows = t.rows.map(r => {
     const tr = node("tr", {"data-site": r.site});
     tr.append(node("td", {}, r.site), ...cells("td", r));

@@ -27,7 +27,7 @@ from fedrelay.task import DataSummary, ModelSpec, Task, canonical_json
 
 __all__ = ["ImageFolderTask", "MODELS", "spec"]
 
-MODELS = ("cnn", "resnet18")  # :mod:`.models` builds them; the first is the default
+MODELS = ("cnn", "resnet18", "cnn-gn")  # :mod:`.models` builds them; the first is the default
 
 
 class ImageFolderTask(Task):

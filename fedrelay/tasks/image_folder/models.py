@@ -18,6 +18,13 @@ Architectures (:data:`MODELS`):
 
     About 0.2 M parameters for 28x28 grey images.  Needs ``H, W >= 4``.
 
+``"cnn-gn"``
+    The ``"cnn"`` with each BatchNorm2d(c) replaced by GroupNorm(min(32, c), c), as Opacus'
+    ``ModuleValidator.fix`` converts it: the model for differential privacy (DP-SGD needs
+    per-sample gradients, which BatchNorm does not have; ``fedrelay.peer.privacy``). Same
+    parameter count and initial draw of the convolutions and linear layers as ``"cnn"``; its
+    state has no running statistics.
+
 ``"resnet18"``
     ``torchvision.models.resnet18(num_classes=K)`` with the CIFAR-style stem used
     by the reference code's ``models/resnet.py`` (implementation-notes section 1.6):
@@ -37,27 +44,31 @@ from . import MODELS
 
 __all__ = ["MODELS", "MIN_SIZE", "SmallCNN", "build"]
 
-MIN_SIZE = {"cnn": 4, "resnet18": 9}
+MIN_SIZE = {"cnn": 4, "cnn-gn": 4, "resnet18": 9}
 
 
 class SmallCNN(nn.Module):
-    """The ``"cnn"`` architecture (see the module docstring).
+    """The ``"cnn"`` architecture (see the module docstring); ``norm="group"``: ``"cnn-gn"``.
 
     Input ``N x C x H x W`` float32, output ``N x K`` float32 logits.
     State-dict keys: ``features.{0,1,4,5}.*`` (conv, BN, conv, BN) and
     ``classifier.{1,3}.*`` (the two Linear layers).
     """
 
-    def __init__(self, in_channels: int, image_size: tuple[int, int], num_classes: int):
+    def __init__(self, in_channels: int, image_size: tuple[int, int], num_classes: int, norm: str = "batch"):
         super().__init__()
         h, w = image_size
+
+        def normalise(c: int) -> nn.Module:  # "group": as opacus.validators.ModuleValidator.fix makes it
+            return nn.BatchNorm2d(c) if norm == "batch" else nn.GroupNorm(min(32, c), c)
+
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, 16, kernel_size=3, padding=1),
-            nn.BatchNorm2d(16),
+            normalise(16),
             nn.ReLU(inplace=True),
             nn.MaxPool2d(2),
             nn.Conv2d(16, 32, kernel_size=3, padding=1),
-            nn.BatchNorm2d(32),
+            normalise(32),
             nn.ReLU(inplace=True),
             nn.MaxPool2d(2),
         )
@@ -87,7 +98,7 @@ def build(model: str, channels: int, size: tuple[int, int], num_classes: int) ->
 
     Raises:
         ValueError: unknown ``model``; ``channels < 1``; ``num_classes < 2``; ``H`` or ``W``
-            below 4 (``"cnn"``) or 9 (``"resnet18"``); non-int sizes.
+            below 4 (``"cnn"``, ``"cnn-gn"``) or 9 (``"resnet18"``); non-int sizes.
     """
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r} for image-folder; choose one of {', '.join(MODELS)}")
@@ -99,8 +110,8 @@ def build(model: str, channels: int, size: tuple[int, int], num_classes: int) ->
         raise ValueError(f"the image size must be (H, W), got {size!r}") from None
     h = _check_int("height", h, MIN_SIZE[model])
     w = _check_int("width", w, MIN_SIZE[model])
-    if model == "cnn":
-        return SmallCNN(channels, (h, w), num_classes)
+    if model in ("cnn", "cnn-gn"):
+        return SmallCNN(channels, (h, w), num_classes, norm="batch" if model == "cnn" else "group")
     # resnet18: the reference code's CIFAR ResNet-18 (3x3 stride-1 stem, no max-pool).
     from torchvision.models import resnet18  # imported lazily: torchvision is slow to import
 
