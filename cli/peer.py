@@ -6,11 +6,12 @@ from pathlib import Path
 
 import typer
 
-from fedrelay.cli.common import (CONTEXT_SETTINGS, ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECURE_HELP, TLS_HELP,
-                                 fail, setup_logging, stop_on_sigterm, transport_from, version_option)
+from fedrelay.cli import exits
+from fedrelay.cli.common import (ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECURE_HELP, TLS_HELP, address_callback,
+                                 config_option, err_console, fail, json_option, make_app, setup_logging,
+                                 stop_on_sigterm, transport_from, version_option)
 
-app = typer.Typer(help="fedrelay peer: one daemon per site (institution).", no_args_is_help=True,
-                  add_completion=False, context_settings=CONTEXT_SETTINGS)
+app = make_app("fedrelay peer: one daemon per site (institution).", env_prefix="FEDRELAY_PEER")
 
 INSECURE = typer.Option(False, "--insecure", envvar=ENV_INSECURE, help=INSECURE_HELP)
 
@@ -22,14 +23,19 @@ def main(version: bool = version_option()) -> None:
 
 @app.command()
 def serve(
-    data: Path = typer.Option(..., "--data", help="Site folder: train/<class>/*.png|jpg and test/<class>/*."),
-    name: str = typer.Option(..., "--name", help="This site's name (unique in the federation)."),
-    listen: str = typer.Option("127.0.0.1:0", "--listen", help="HOST:PORT to listen on (port 0: any free port)."),
-    coordinator: str = typer.Option("127.0.0.1:50070", "--coordinator", envvar=ENV_COORDINATOR,
+    config: Path = config_option("peer serve"),
+    data: Path = typer.Option(..., "--data", envvar="FEDRELAY_DATA", help="Site folder: train/<class>/*.png|jpg and test/<class>/*."),
+    name: str = typer.Option(..., "--name", envvar="FEDRELAY_NAME", help="This site's name (unique in the federation)."),
+    listen: str = typer.Option("127.0.0.1:0", "--listen", envvar="FEDRELAY_LISTEN", callback=address_callback,
+                               help="HOST:PORT to listen on (port 0: any free port). The default reaches only "
+                                    "this host: a warning, refused when the coordinator is elsewhere; pass "
+                                    "--listen 0.0.0.0:PORT --advertise HOST:PORT for a federation across hosts."),
+    coordinator: str = typer.Option("127.0.0.1:50070", "--coordinator", "-c", envvar=ENV_COORDINATOR,
+                                    callback=address_callback,
                                     help="HOST:PORT of the coordinator."),
-    state_dir: Path = typer.Option(None, "--state-dir", help="Where runs and models are kept \\[default: ./.fedrelay/<name>]."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda:N"),
-    advertise: str = typer.Option(None, "--advertise", help="HOST:PORT other sites use to reach this peer \\[default: the listen address]."),
+    state_dir: Path = typer.Option(None, "--state-dir", envvar="FEDRELAY_STATE_DIR", help="Where runs and models are kept \\[default: ./.fedrelay/<name>]."),
+    device: str = typer.Option("auto", "--device", envvar="FEDRELAY_DEVICE", help="auto | cpu | cuda:N"),
+    advertise: str = typer.Option(None, "--advertise", envvar="FEDRELAY_ADVERTISE", callback=address_callback, help="HOST:PORT other sites use to reach this peer \\[default: the listen address]."),
     tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS,
                              help=TLS_HELP + " Here: the folder `coordinator enroll NAME` wrote.", file_okay=False),
     insecure: bool = INSECURE,
@@ -41,7 +47,7 @@ def serve(
     weights_dir: Path = typer.Option(None, "--weights-dir", file_okay=False,
                                      help="Initial-weights files this site holds (start-chain --init file finds "
                                           "them by SHA-256) \\[default: <state-dir>/weights]."),
-    metrics_listen: str = typer.Option(None, "--metrics-listen", help="HOST:PORT to serve Prometheus metrics on "
+    metrics_listen: str = typer.Option(None, "--metrics-listen", callback=address_callback, help="HOST:PORT to serve Prometheus metrics on "
                                        "(plain HTTP, /metrics; unauthenticated: bind it where only your "
                                        "monitoring reaches) \\[default: off]."),
     worker_slots: int = typer.Option(3, "--worker-slots", min=1, max=64,
@@ -71,6 +77,7 @@ def serve(
 ) -> None:
     """Serve a site: receive models from the predecessor, train the model pool, send to the successor."""
     transport = transport_from(tls, insecure)
+    _judge_address(listen, advertise or None, coordinator, outbound_only)
     if check:
         _check_serve(data, name, listen, coordinator, state_dir or Path(".fedrelay") / name, device, advertise,
                      transport, stall_timeout, weights_dir, outbound_only, relay_after, task or None)
@@ -87,10 +94,26 @@ def serve(
                    weights_dir=weights_dir, metrics_listen=metrics_listen, worker_slots=worker_slots,
                    outbound_only=outbound_only, relay_after=relay_after, fork_workers=fork_workers,
                    tasks=task or None)
-    except (DataError, ValueError, RuntimeError) as exc:
+    except (DataError, ValueError) as exc:
         fail(str(exc))
+    except RuntimeError as exc:
+        fail(str(exc), exits.FAILED)
     except KeyboardInterrupt:
         pass
+
+
+def _judge_address(listen: str, advertise: str | None, coordinator: str, outbound_only: bool) -> None:
+    """Refuse an address other sites cannot reach when the coordinator is elsewhere; warn when
+    only sites on this host can reach it (``fedrelay.peer.reachability``)."""
+    from fedrelay.peer.reachability import judge
+
+    verdict = judge(listen=listen, advertise=advertise, coordinator=coordinator, outbound_only=outbound_only)
+    if verdict.problem:
+        fail(verdict.problem)
+    from fedrelay.text import safe
+
+    for w in verdict.warnings:
+        err_console.print(f"[bold yellow]warning:[/] {safe(w)}", highlight=False)
 
 
 def _check_serve(data, name, listen, coordinator, state_dir, device, advertise, transport, stall_timeout,
@@ -106,18 +129,27 @@ def _check_serve(data, name, listen, coordinator, state_dir, device, advertise, 
                                 tasks=tasks)
     except ValueError as exc:
         fail(str(exc))
-    reach = f"dialled at {r.address}" if r.address else "connects out only (models through the relay)"
+    from fedrelay.peer.reachability import is_loopback
+
+    reach = "connects out only (models through the relay)"
+    if r.address:
+        host, _, port = r.address.rpartition(":")
+        reach = f"dialled at {host}:{'<a free port chosen at start>' if port == '0' else port}"
+        if is_loopback(host):
+            reach += " (from this host only)"
     console.print(f"ok: site {name}, {'; '.join(r.lines())}, device {r.device}, {reach}, "
                   f"coordinator {coordinator}, state dir {state_dir}", highlight=False, soft_wrap=True, markup=False)
 
 
 @app.command()
 def status(
-    peer: str = typer.Option(..., "--peer", help="HOST:PORT of a peer daemon."),
+    peer: str = typer.Option(..., "--peer", callback=address_callback, help="HOST:PORT of a peer daemon."),
     tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " A peer answers the coordinator's identity "
                              "(PKI/coordinator) and its own site's (the folder `coordinator enroll NAME` wrote, "
                              "which the daemon uses); other sites are refused.", file_okay=False),
     insecure: bool = INSECURE,
+    as_json: bool = json_option("Print the daemon's state as one JSON object: name, address, device, version, "
+                                "coordinator link, runs (run_id, state, detail)."),
 ) -> None:
     """Ask a peer daemon for its state and runs."""
     transport = transport_from(tls, insecure)
@@ -133,8 +165,18 @@ def status(
         with transport.channel(peer, expect=_own_site(transport)) as ch:
             st = peer_pb2_grpc.PeerStub(ch).GetStatus(peer_pb2.StatusRequest(), timeout=wire.CONTROL_TIMEOUT)
     except grpc.RpcError as exc:
-        fail(wire.transport_mismatch(exc, peer, transport.secure, what="peer")
-             or f"peer at {peer}: {wire.status_message(exc)}")
+        hint = wire.transport_mismatch(exc, peer, transport.secure, what="peer")
+        fail(hint or f"peer at {peer}: {wire.status_message(exc)}",
+             exits.USAGE if hint else exits.for_grpc_status(exc.code()))
+    if as_json:
+        import json
+
+        print(json.dumps({"name": st.name, "address": st.address, "device": st.device, "version": st.version,
+                          "coordinator": st.coordinator, "last_registered": st.last_registered or None,
+                          "registration_error": st.registration_error, "started": st.started or None,
+                          "runs": [{"run_id": r.run_id, "state": r.state, "detail": r.detail} for r in st.runs]},
+                         indent=1))
+        return
     # Every string here may quote another party (a run's end reason, a failure's details): text,
     # never markup or control (fedrelay.text.safe).
     console.print(f"peer [bold]{safe(st.name)}[/] at {safe(st.address)}, device {safe(st.device)}, "
@@ -176,22 +218,21 @@ def _own_site(transport) -> str | None:
 
 @app.command()
 def health(
-    peer: str = typer.Option(..., "--peer", help="HOST:PORT of a peer daemon."),
+    peer: str = typer.Option(..., "--peer", callback=address_callback, help="HOST:PORT of a peer daemon."),
     tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " The health service sits behind mutual TLS like "
                              "every call: the site's own folder (then the daemon's certificate must name that "
                              "site) or PKI/coordinator.", file_okay=False),
     insecure: bool = INSECURE,
-    timeout: float = typer.Option(5.0, "--timeout", help="Seconds to wait for the answer."),
+    timeout: float = typer.Option(5.0, "--timeout", min=0.0, help="Seconds to wait for the answer."),
+    as_json: bool = json_option('Print {"address", "status", "serving", "detail", "code"} as JSON.'),
 ) -> None:
-    """Probe a peer daemon's gRPC health service: prints one line, exits 0 when SERVING, else 1."""
+    """Probe a peer daemon's gRPC health service: prints one line; exits 0 when SERVING, 1 for
+    another answer, 3 when nothing answers, 4 when it refuses the caller."""
     transport = transport_from(tls, insecure)
-    from fedrelay.cli.common import console
-    from fedrelay.health import probe
-    from fedrelay.text import safe
+    from fedrelay.cli.common import report_health
+    from fedrelay.health import probe_result
 
-    ok, line = probe(transport, peer, expect=_own_site(transport), timeout=timeout)
-    console.print(f"peer {safe(peer)}: {safe(line)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(0 if ok else 1)
+    report_health("peer", peer, probe_result(transport, peer, expect=_own_site(transport), timeout=timeout), as_json)
 
 
 @app.command()
@@ -201,6 +242,7 @@ def prune(
     older_than: float = typer.Option(..., "--older-than", help="Remove the runs that ended more than DAYS days "
                                      "ago (0: every ended run).", metavar="DAYS"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would be removed."),
+    as_json: bool = json_option("Print the ended runs found as a JSON list (run_id, status, bytes, pruned)."),
 ) -> None:
     """Delete the files of ended runs (finished, failed, cancelled) older than --older-than days
     from a peer's state dir; never a running run's. Works while the daemon runs or not."""
@@ -210,8 +252,16 @@ def prune(
 
     try:
         found = do_prune(state_dir, older_than, dry_run=dry_run)
-    except (ValueError, OSError) as exc:
+    except ValueError as exc:
         fail(str(exc))
+    except OSError as exc:
+        fail(str(exc), exits.FAILED)
+    if as_json:
+        import json
+
+        print(json.dumps([{"run_id": r.run_id, "status": r.status, "bytes": r.bytes, "pruned": r.pruned}
+                          for r in found], indent=1))
+        return
     gone = [r for r in found if r.pruned]
     verb = "would remove" if dry_run else "removed"
     for r in gone:

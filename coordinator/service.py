@@ -1315,6 +1315,7 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
                          f"not {wire.COORDINATOR_IDENTITY!r} (use PKI/coordinator from `coordinator init-ca`)")
     if relay:
         names.check_address(relay, "--relay")
+    wire.check_bindable(listen)  # before the ledger file is created
     ledger = Ledger(db)
     if transport.secure and not relay and relay_dir is None:
         relay_dir = Path(db).resolve().parent / "relay"
