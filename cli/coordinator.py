@@ -681,7 +681,7 @@ def _metrics_table(run_id: str, rows: list[dict]) -> Table:
 
 @app.command("fetch-model")
 def fetch_model(run_id: str = typer.Argument(..., help="The run's id (`coordinator runs` lists them)."),
-                out: Path = typer.Option(..., "-o", "--out", help="Where to write the safetensors file; an existing "
+                out: Path = typer.Option(..., "--out", "-o", help="Where to write the safetensors file; an existing "
                                          "folder: FOLDER/<run id>.safetensors."),
                 coordinator: str = COORD,
                 as_json: bool = json_option('Print {"run_id", "path", "bytes", "sha256"} as JSON.'),
@@ -793,7 +793,7 @@ def audit(
 
 @app.command("init-ca")
 def init_ca(
-    out: Path = typer.Option(..., "--out", help="PKI folder to create: ca/, coordinator/, operator/."),
+    out: Path = typer.Option(..., "--out", "-o", help="PKI folder to create: ca/, coordinator/, operator/."),
     host: list[str] = HOSTS,
     as_json: bool = json_option('Print {"ca", "coordinator", "operator"} (the folders written) as JSON.'),
 ) -> None:
@@ -817,7 +817,7 @@ def init_ca(
 def enroll(
     name: str = typer.Argument(..., help="The site's name: its identity, and what it passes as `peer serve --name`."),
     ca: Path = typer.Option(..., "--ca", help="The PKI folder made by init-ca."),
-    out: Path = typer.Option(..., "--out", help="Folder to write key.pem (0600), cert.pem, ca.pem to."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder to write key.pem (0600), cert.pem, ca.pem to."),
     host: list[str] = HOSTS,
     days: int = typer.Option(825, "--days", help="Validity of the certificate in days."),
     force: bool = typer.Option(False, "--force", help="Replace the key and certificate of an --out folder that "
@@ -890,7 +890,7 @@ def split_dataset(
                                     "\\[default: 0.5 for fashion-mnist; none for breast-cancer: every site gets "
                                     "the overall mix of diagnoses]."),
     seed: int = typer.Option(0, "--seed", help="Fixes the Dirichlet draws, the shares and the subsampling."),
-    out: Path = typer.Option(..., "--out", help="Folder for site-00 ... site-(N-1)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder for site-00 ... site-(N-1)."),
     source: Path = typer.Option(None, "--source", help="fashion-mnist: folder with the IDX files \\[default: "
                                 "Debian's dataset-fashion-mnist]."),
     max_train_per_site: int = typer.Option(None, "--max-train-per-site", help="fashion-mnist: subsample each "
