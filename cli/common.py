@@ -87,15 +87,14 @@ def setup_logging(verbose: bool, prefix: str = "") -> None:
 
 def fail(message: str, code: int = exits.USAGE) -> None:
     """Print ``error: MESSAGE`` on stderr and exit with ``code`` (``fedrelay.cli.exits``; by
-    default :data:`~fedrelay.cli.exits.USAGE`, a bad value). Under ``--json`` the error is one JSON
-    object on stdout instead: ``{"error": MESSAGE, "code": CODE}``. ``message`` is plain text (it
+    default :data:`~fedrelay.cli.exits.USAGE`, a bad value). Under ``--json`` the error is also one
+    JSON object on stdout: ``{"error": MESSAGE, "code": CODE}``. ``message`` is plain text (it
     often quotes a coordinator's or a site's words): shown as it is, never read as markup."""
     from fedrelay.text import safe
 
     if json_mode():
         print(json.dumps({"error": message, "code": code}), flush=True)
-    else:
-        err_console.print(f"[bold red]error:[/] {safe(message)}", highlight=False)
+    err_console.print(f"[bold red]error:[/] {safe(message)}", highlight=False)
     raise typer.Exit(code)
 
 
@@ -124,7 +123,7 @@ def _argv_wants_json(args) -> bool:
 class Group(TyperGroup):
     """The command group of ``peer``, ``coordinator`` and ``fedrelay``: a usage error (unknown
     option, missing or malformed value) exits :data:`~fedrelay.cli.exits.USAGE` as click does,
-    and is one JSON object on stdout when the command line holds ``--json``."""
+    and is also one JSON object on stdout when the command line holds ``--json``."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         from typer._click import exceptions as click
@@ -136,6 +135,9 @@ class Group(TyperGroup):
             rv = super().main(argv, prog_name, complete_var, False, **extra)
         except click.ClickException as exc:
             print(json.dumps({"error": exc.format_message(), "code": exc.exit_code}), flush=True)
+            from fedrelay.text import safe
+
+            err_console.print(f"[bold red]error:[/] {safe(exc.format_message())}", highlight=False)
             sys.exit(exc.exit_code)
         except click.Abort:
             sys.exit(exits.FAILED)
