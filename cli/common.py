@@ -75,13 +75,18 @@ def stop_on_sigterm() -> None:
 def setup_logging(verbose: bool, prefix: str = "") -> None:
     """Log to stderr, one line per record (``fedrelay.text.OneLineFormatter``: text from other
     parties cannot start a line of its own or send control sequences), each with the date, the
-    local time and its offset from UTC (``2026-11-23 09:12:01+0100 [coordinator] INFO ...``);
-    debug lines too when ``verbose``."""
+    local time and its offset from UTC, ISO 8601 / RFC 3339 (``2026-11-23 09:12:01+01:00
+    [coordinator] INFO ...``); debug lines too when ``verbose``."""
     from fedrelay.text import OneLineFormatter
 
+    class Formatter(OneLineFormatter):
+        def formatTime(self, record, datefmt=None):  # noqa: N802 (logging's name)
+            from datetime import datetime
+
+            return datetime.fromtimestamp(record.created).astimezone().isoformat(sep=" ", timespec="seconds")
+
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(OneLineFormatter(f"%(asctime)s {prefix}%(levelname)s %(message)s",
-                                          datefmt="%Y-%m-%d %H:%M:%S%z"))
+    handler.setFormatter(Formatter(f"%(asctime)s {prefix}%(levelname)s %(message)s"))
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
 
 
@@ -203,14 +208,12 @@ def address_problem(value: str, *, allow_port_0: bool = False) -> str | None:
         return f"{value!r} has no port: write HOST:PORT, e.g. {value.rstrip(':') or 'localhost'}:50070"
     if not port.isascii() or not port.isdigit():
         return f"{value!r}: the port {port!r} is not a number (write HOST:PORT)"
-    if allow_port_0 and port.isdigit() and int(port) == 0:
-        value = f"{host}:1"  # check the host; port 0 means any free port here
     if not 0 <= int(port) <= 65535 or (int(port) == 0 and not allow_port_0):
         return f"{value!r}: the port must be 1-65535" + (" (0: any free port)" if allow_port_0 else "")
     if not host:
         return f"{value!r} has no host: write HOST:PORT, e.g. 127.0.0.1:{port}"
     try:
-        check_address(value)
+        check_address(f"{host}:{int(port) or 1}")  # port 0 (any free port) passed the check above
     except InvalidName:
         return (f"{value!r}: the host must be a DNS name, an IPv4 address or an [IPv6] address in brackets "
                 "(write HOST:PORT)")

@@ -95,6 +95,10 @@ def serve(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
 ) -> None:
     """Run the coordinator (ledger: SQLite at --db)."""
+    import math
+
+    if not (math.isfinite(peer_timeout) and peer_timeout > 0):
+        fail(f"--peer-timeout must be > 0 seconds, got {peer_timeout:g}")  # before the ledger file is created
     transport = transport_from(tls, insecure)
     setup_logging(verbose, prefix="[coordinator] ")
     stop_on_sigterm()
@@ -824,7 +828,7 @@ def enroll(
                                "already holds them (the old key stops working with a new certificate)."),
     kit: bool = typer.Option(False, "--kit", help="Also write a site kit into --out: peer.env, the systemd unit, "
                              "start-peer.sh and a README.md with ports, install steps and checks."),
-    kit_coordinator: str = typer.Option(None, "--coordinator", callback=address_callback, help="--kit: the coordinator's HOST:PORT, written "
+    kit_coordinator: str = typer.Option(None, "--coordinator", "-c", callback=address_callback, help="--kit: the coordinator's HOST:PORT, written "
                                         "into peer.env \\[default: a placeholder to edit]."),
     kit_outbound: bool = typer.Option(False, "--outbound-only", help="--kit: a site that accepts no inbound "
                                       "connection (its peer.env sets FEDRELAY_OUTBOUND_ONLY=1; its models come "

@@ -258,6 +258,8 @@ def test_coordinator_serve_with_a_bad_listen_address_leaves_nothing_behind(tmp_p
     assert res.returncode == exits.FAILED and "cannot listen on" in res.stderr and "in use" in res.stderr
     assert not C_CORE_LINE.search(res.stderr) and "Traceback" not in res.stderr, res.stderr
     assert not db.exists() and list(tmp_path.iterdir()) == []
+    res = runner.invoke(coord_cli.app, ["serve", "--peer-timeout", "-1", "--insecure", "--db", str(db)])
+    assert res.exit_code == exits.USAGE and "--peer-timeout must be > 0" in res.output and not db.exists()
 
 
 def test_peer_serve_at_a_loopback_address_warns_or_refuses(tmp_path):
@@ -333,7 +335,7 @@ def test_log_lines_carry_the_date_and_the_utc_offset(capsys):
         root.handlers[:], _ = saved
         root.setLevel(saved[1])
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[+-]\d{4} \[site-a\] INFO hello", line), line
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[+-]\d\d:\d\d \[site-a\] INFO hello", line), line
 
 
 def test_the_exit_codes_are_documented():
