@@ -262,6 +262,18 @@ def test_coordinator_serve_with_a_bad_listen_address_leaves_nothing_behind(tmp_p
     assert res.exit_code == exits.USAGE and "--peer-timeout must be > 0" in res.output and not db.exists()
 
 
+def test_an_unreachable_daemon_gets_one_clear_line_and_no_c_core_line():
+    """As the console scripts run (gRPC's C core writes to the process's stderr): each group's
+    networked commands against a closed port exit 3 with one error line."""
+    down = f"127.0.0.1:{closed_port()}"
+    for argv in (("coordinator", "runs", "-c", down), ("coordinator", "health", "-c", down, "--timeout", "2"),
+                 ("peer", "status", "--peer", down), ("peer", "health", "--peer", down, "--timeout", "2")):
+        res = subprocess.run([str(BIN / argv[0]), *argv[1:], "--insecure"], capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode == exits.UNREACHABLE, (argv, res.stdout, res.stderr)
+        assert not C_CORE_LINE.search(res.stderr + res.stdout) and "Traceback" not in res.stderr, res.stderr
+
+
 def test_peer_serve_at_a_loopback_address_warns_or_refuses(tmp_path):
     from fedrelay.peer.reachability import judge
 
