@@ -23,6 +23,7 @@ def main(version: bool = version_option()) -> None:
 
 @app.command()
 def serve(
+    ctx: typer.Context,
     config: Path = config_option("peer serve"),
     data: Path = typer.Option(..., "--data", envvar="FEDRELAY_DATA", help="Site folder: train/<class>/*.png|jpg and test/<class>/*."),
     name: str = typer.Option(..., "--name", envvar="FEDRELAY_NAME", help="This site's name (unique in the federation)."),
@@ -77,7 +78,9 @@ def serve(
 ) -> None:
     """Serve a site: receive models from the predecessor, train the model pool, send to the successor."""
     transport = transport_from(tls, insecure)
-    _judge_address(listen, advertise or None, coordinator, outbound_only)
+    source = ctx.get_parameter_source("listen")
+    _judge_address(listen, advertise or None, coordinator, outbound_only,
+                   chosen=getattr(source, "name", "DEFAULT") != "DEFAULT")
     if check:
         _check_serve(data, name, listen, coordinator, state_dir or Path(".fedrelay") / name, device, advertise,
                      transport, stall_timeout, weights_dir, outbound_only, relay_after, task or None)
@@ -102,12 +105,15 @@ def serve(
         pass
 
 
-def _judge_address(listen: str, advertise: str | None, coordinator: str, outbound_only: bool) -> None:
+def _judge_address(listen: str, advertise: str | None, coordinator: str, outbound_only: bool, *,
+                   chosen: bool) -> None:
     """Refuse an address other sites cannot reach when the coordinator is elsewhere; warn when
-    only sites on this host can reach it (``fedrelay.peer.reachability``)."""
+    only sites on this host can reach it, unless ``chosen`` (--listen given on the command line,
+    in FEDRELAY_LISTEN: a trial on one host that knows it) (``fedrelay.peer.reachability``)."""
     from fedrelay.peer.reachability import judge
 
-    verdict = judge(listen=listen, advertise=advertise, coordinator=coordinator, outbound_only=outbound_only)
+    verdict = judge(listen=listen, advertise=advertise, coordinator=coordinator, outbound_only=outbound_only,
+                    chosen=chosen)
     if verdict.problem:
         fail(verdict.problem)
     from fedrelay.text import safe

@@ -38,15 +38,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def judge(*, listen: str, advertise: str | None, coordinator: str, outbound_only: bool) -> Reach:
+def judge(*, listen: str, advertise: str | None, coordinator: str, outbound_only: bool, chosen: bool = False) -> Reach:
     """The verdict on the address a daemon with these options registers (``advertise`` or
     ``listen``, both ``HOST:PORT``; ``coordinator``: the coordinator's ``HOST:PORT``).
 
     A site that connects out only registers no address: nothing to judge. A loopback address is
     a problem when the coordinator is not on loopback (the other sites, on other hosts, cannot dial
     it), else a warning (only sites on this host can); a port 0 without ``--advertise`` is a
-    warning (a new port at every start: nothing to open in a firewall). Never raises for a
-    well-formed address; malformed ones are ``fedrelay.names.check_address``'s to refuse."""
+    warning (a new port at every start: nothing to open in a firewall). ``chosen``: the listen
+    address was given (command line, variable, configuration file), not the default; then a
+    federation on one host is what was asked for, and only the problem is reported. Never raises
+    for a well-formed address; malformed ones are ``fedrelay.names.check_address``'s to refuse."""
     if outbound_only:
         return Reach(None, ())
     address = advertise or listen
@@ -61,9 +63,10 @@ def judge(*, listen: str, advertise: str | None, coordinator: str, outbound_only
         if not is_loopback(coord_host):
             return Reach(f"{flag} {address} is a loopback address: only this host can reach it, and the "
                          f"coordinator at {coordinator} and the other sites are elsewhere; {HOW}", ())
-        warnings.append(f"{flag} {address} is a loopback address: only sites on this host can reach this peer "
-                        f"(fine for a trial on one machine); for a federation across hosts {HOW}")
-    if port == 0 and not advertise:
+        if not chosen:
+            warnings.append(f"{flag} {address} is a loopback address: only sites on this host can reach this peer "
+                            f"(fine for a trial on one machine); for a federation across hosts {HOW}")
+    if port == 0 and not advertise and not chosen:
         warnings.append(f"--listen {address}: the port is chosen anew at every start (nothing to open in a "
                         "firewall, and a restarted daemon registers another address); pass a fixed port")
     return Reach(None, tuple(warnings))

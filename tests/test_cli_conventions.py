@@ -289,6 +289,13 @@ def test_peer_serve_at_a_loopback_address_warns_or_refuses(tmp_path):
     out = " ".join(res.output.split())
     assert "warning: --listen 127.0.0.1:0 is a loopback address: only sites on this host" in out
     assert "the port is chosen anew at every start" in out
+    # A loopback --listen given on purpose, with the coordinator on this host: no warning.
+    res = runner.invoke(peer_cli.app, ["serve", "--data", str(tmp_path / "nowhere"), "--name", "a", "--insecure",
+                                       "--listen", "127.0.0.1:0", "--check"])
+    assert "is a loopback address" not in res.output and "chosen anew" not in res.output and res.exit_code == exits.USAGE
+    res = runner.invoke(peer_cli.app, ["serve", "--data", str(tmp_path), "--name", "a", "--insecure",
+                                       "--listen", "127.0.0.1:50071", "-c", "coord.example.org:50070"])
+    assert res.exit_code == exits.USAGE and "loopback address" in res.output
     assert judge(listen="0.0.0.0:50071", advertise="a.example.org:50071", coordinator="10.0.0.1:50070",
                  outbound_only=False) == judge(listen="127.0.0.1:0", advertise=None, coordinator="c:1",
                                                outbound_only=True)
