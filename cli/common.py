@@ -103,10 +103,16 @@ def fail(message: str, code: int = exits.USAGE) -> None:
     raise typer.Exit(code)
 
 
+_ARGV_JSON = [False]  # --json on the command line being run (Group.main), for errors before it is parsed
+
+
 def json_mode() -> bool:
-    """Whether the command being run was given ``--json`` (its ``as_json`` parameter is set)."""
+    """Whether the command being run was given ``--json`` (its ``as_json`` parameter is set, or,
+    while its options are still being read, e.g. by ``--config``, its command line holds it)."""
     from typer._click.globals import get_current_context
 
+    if _ARGV_JSON[0]:
+        return True
     ctx = get_current_context(silent=True)
     while ctx is not None:
         if ctx.params.get("as_json"):
@@ -134,7 +140,8 @@ class Group(TyperGroup):
         from typer._click import exceptions as click
 
         argv = list(sys.argv[1:] if args is None else args)
-        if not standalone_mode or not _argv_wants_json(argv):
+        _ARGV_JSON[0] = _argv_wants_json(argv)
+        if not standalone_mode or not _ARGV_JSON[0]:
             return super().main(argv, prog_name, complete_var, standalone_mode, **extra)
         try:
             rv = super().main(argv, prog_name, complete_var, False, **extra)

@@ -240,6 +240,8 @@ def test_both_daemons_read_a_config_file_and_fedrelay_variables(tmp_path, monkey
     (tmp_path / "bad.toml").write_text('peer_timout = 3\n')
     res = runner.invoke(coord_cli.app, ["serve", "--config", str(tmp_path / "bad.toml")])
     assert res.exit_code == exits.USAGE and "unknown key 'peer_timout'" in " ".join(res.output.split())
+    res = runner.invoke(coord_cli.app, ["start-chain", "--json", "--config", str(tmp_path / "bad.toml")])
+    assert res.exit_code == exits.USAGE and "unknown key 'peer_timout'" in json.loads(res.stdout)["error"]
 
 
 def test_coordinator_serve_with_a_bad_listen_address_leaves_nothing_behind(tmp_path):
