@@ -229,16 +229,14 @@ def address_problem(value: str, *, allow_port_0: bool = False) -> str | None:
 
 def report_health(what: str, address: str, result, as_json: bool) -> None:
     """Print a health probe's outcome (``fedrelay.health.ProbeResult``) as one line, or under
-    ``--json`` as ``{"address", "status", "serving", "detail"}``, and exit: 0 SERVING, 1 another
-    answer (NOT_SERVING, ...), 3 no answer, 4 refused (``fedrelay.cli.exits``)."""
+    ``--json`` as ``{"address", "status", "serving", "detail", "code"}``, and exit: 0 SERVING, 1
+    another answer (NOT_SERVING, ...), 3 no answer, 4 refused (``fedrelay.cli.exits``)."""
     from fedrelay.text import safe
 
     if result.serving:
         code = exits.OK
-    elif result.status == "UNREACHABLE":
-        code = exits.UNREACHABLE
-    elif result.status == "ERROR":
-        code = exits.for_grpc_status(result.grpc_code)
+    elif result.status in ("UNREACHABLE", "ERROR"):
+        code = exits.for_rpc_error(result.grpc_code, result.line)
     else:
         code = exits.FAILED
     if as_json:

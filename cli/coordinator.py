@@ -58,7 +58,7 @@ def _rpc_fail(exc: grpc.RpcError, address: str) -> None:
 
     details = exc.details() or ""
     tls_words = any(w in details for w in ("ssl", "SSL", "TLS", "Tls", "verif", "handshake"))
-    code = exits.for_grpc_status(exc.code())
+    code = exits.for_rpc_error(exc.code(), details)
     hint = transport_mismatch(exc, address, secure=_secure[0] if _secure else tls_words, what="coordinator")
     if hint:  # --tls against a plaintext daemon or --insecure against a TLS one: the flag is wrong
         fail(hint, exits.USAGE)

@@ -53,3 +53,16 @@ def for_grpc_status(code) -> int:
     if name in ("INVALID_ARGUMENT", "NOT_FOUND", "OUT_OF_RANGE", "ALREADY_EXISTS"):
         return USAGE
     return FAILED
+
+
+TLS_WORDS = ("ssl", "SSL", "TLS", "Tls", "verif", "handshake")
+
+
+def for_rpc_error(code, details: str = "") -> int:
+    """:func:`for_grpc_status`, except that a connection that failed in its TLS handshake
+    (UNAVAILABLE with ``details`` that speak of SSL/TLS, verification or the handshake: another
+    CA, an identity the other end does not accept) is :data:`REFUSED`, not UNREACHABLE."""
+    name = getattr(code, "name", str(code))
+    if name == "UNAVAILABLE" and any(w in (details or "") for w in TLS_WORDS):
+        return REFUSED
+    return for_grpc_status(code)

@@ -173,7 +173,7 @@ def status(
     except grpc.RpcError as exc:
         hint = wire.transport_mismatch(exc, peer, transport.secure, what="peer")
         fail(hint or f"peer at {peer}: {wire.status_message(exc)}",
-             exits.USAGE if hint else exits.for_grpc_status(exc.code()))
+             exits.USAGE if hint else exits.for_rpc_error(exc.code(), exc.details() or ""))
     if as_json:
         import json
 

@@ -363,3 +363,35 @@ def test_the_exit_codes_are_documented():
     doc = (ROOT / "docs" / "cli-conventions.md").read_text()
     for code in exits.MEANING:
         assert re.search(rf"^\| *{code} *\|", doc, re.M), f"exit code {code} is not in docs/cli-conventions.md"
+
+
+def test_another_federations_identity_is_refused_with_exit_4(tmp_path):
+    """A TLS handshake that fails (the caller's certificate is of another CA) is a refusal (4),
+    for the coordinator's commands, the health probes and peer status alike."""
+    import threading
+
+    from fedrelay import wire
+    from fedrelay.coordinator import pki
+    from fedrelay.coordinator.service import serve
+
+    pki.init_ca(tmp_path / "ours")
+    pki.init_ca(tmp_path / "theirs")
+    address = f"127.0.0.1:{closed_port()}"
+    stop, ready = threading.Event(), threading.Event()
+    thread = threading.Thread(target=serve, args=(address, tmp_path / "ledger.sqlite"), daemon=True,
+                              kwargs=dict(transport=wire.Transport.from_dir(tmp_path / "ours" / "coordinator"),
+                                          ready=ready, stop=stop))
+    thread.start()
+    try:
+        assert ready.wait(60)
+        theirs = str(tmp_path / "theirs" / "operator")
+        for app, argv in ((coord_cli.app, ["runs", "-c", address]), (coord_cli.app, ["health", "-c", address]),
+                          (peer_cli.app, ["status", "--peer", address]), (peer_cli.app, ["health", "--peer", address])):
+            res = runner.invoke(app, [*argv, "--tls", theirs, "--json"])
+            assert res.exit_code == exits.REFUSED, (argv, res.output)
+            assert json.loads(res.stdout)["code"] == exits.REFUSED
+        res = runner.invoke(coord_cli.app, ["runs", "-c", address, "--tls", str(tmp_path / "ours" / "operator")])
+        assert res.exit_code == exits.OK, res.output
+    finally:
+        stop.set()
+        thread.join(30)
