@@ -19,8 +19,8 @@ err_console = Console(stderr=True, emoji=False)
 
 INSECURE_HELP = ("Plaintext gRPC, no identities: only for local experiments on a network you trust "
                  "(prints a warning; runs started by an insecure coordinator are marked insecure).")
-TLS_HELP = ("Mutual TLS identity: a folder with key.pem, cert.pem and ca.pem (from `coordinator init-ca` "
-            "or `coordinator enroll`).")
+TLS_HELP = ("Mutual TLS identity: a folder with key.pem, cert.pem and ca.pem (from `coordinator init-ca`, "
+            "or a site's `peer init` + `peer install-cert`).")
 
 
 def transport_from(tls, insecure: bool):

@@ -20,7 +20,7 @@ from fedrelay.cli.common import (ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECUR
                                  config_option, console, err_console, fail, json_option, load_config_callback,
                                  make_app, setup_logging, stop_on_sigterm, transport_from, version_option,
                                  web_callback)
-from fedrelay.coordinator.planner import ORDERS
+from fedrelay.coordinator.plan import ORDERS
 from fedrelay import scoring, tasks as task_registry
 from fedrelay.registry import STRATEGIES
 
@@ -84,6 +84,13 @@ def serve(
     web: str = typer.Option(None, "--web", callback=web_callback, help="HOST:PORT to serve the live run page on (read-only, no "
                             "authentication; like --metrics-listen) \\[default: off]. A bare PORT still works (deprecated: "
                             "127.0.0.1:PORT)."),
+    operator_listen: str = typer.Option(None, "--operator-listen", callback=address_callback,
+                                        help="A second HOST:PORT for the operator's "
+                                        "commands (e.g. 127.0.0.1:50071), whose connections the sites' cannot "
+                                        "crowd out \\[default: off]."),
+    web_host: list[str] = typer.Option([], "--web-host", help="A host name the live run page may be reached by "
+                                       "(its Host: header), besides IP addresses, localhost and the --web host; "
+                                       "repeat for several. Any other name is refused (DNS rebinding)."),
     metrics_listen: str = typer.Option(None, "--metrics-listen", callback=address_callback, help="HOST:PORT to serve Prometheus metrics on "
                                        "(plain HTTP, /metrics; unauthenticated: bind it where only your "
                                        "monitoring reaches) \\[default: off]."),
@@ -106,7 +113,8 @@ def serve(
     from fedrelay.coordinator.service import serve as run_service
 
     try:
-        run_service(listen, db, transport=transport, peer_timeout=peer_timeout, web=web,
+        run_service(listen, db, transport=transport, peer_timeout=peer_timeout, web=web, web_hosts=web_host,
+                    operator_listen=operator_listen,
                     metrics_listen=metrics_listen, relay_dir=relay_dir, relay=relay)
     except (ValueError, LedgerError) as exc:  # LedgerError: --db is a folder, another file, not writable
         fail(str(exc))
@@ -124,10 +132,21 @@ def relay_command(
                                 help="Where the sealed payloads are kept until their receiver fetches them."),
     tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " Here: PKI/coordinator (sites dial "
                              "the relay expecting the coordinator's certificate name).", file_okay=False),
+    keep_hours: float = typer.Option(24.0, "--keep-hours", min=0.001,
+                                     help="Hours an envelope waits for its receiver before it is removed unfetched."),
+    sender_gib: float = typer.Option(8.0, "--sender-quota-gib", min=0.001,
+                                     help="GiB one sending site may have held here, over all runs."),
+    sender_envelopes: int = typer.Option(256, "--sender-envelopes", min=1,
+                                         help="Envelopes one sending site may have held here, over all runs."),
+    crl: Path = typer.Option(None, "--crl", envvar="FEDRELAY_CRL", dir_okay=False,
+                             help="The federation's revocation list (PKI/ca/crl.pem, rewritten by `coordinator "
+                                  "revoke`), reloaded when it changes: revoked sites are refused."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
 ) -> None:
     """Run a relay on its own: where senders leave payloads, sealed to the receiver's key, for sites
-    they cannot reach directly (point the coordinator at it with `serve --relay HOST:PORT`)."""
+    they cannot reach directly (point the coordinator at it with `serve --relay HOST:PORT`). It
+    carries only transfers the coordinator granted, each within its run's payload cap (see
+    docs/relay-bounds.md)."""
     if tls is None:
         fail("coordinator relay needs --tls PKI/coordinator (or FEDRELAY_TLS): it serves sealed payloads over "
              "mutual TLS only")
@@ -135,9 +154,12 @@ def relay_command(
     setup_logging(verbose, prefix="[relay] ")
     stop_on_sigterm()
     from fedrelay.coordinator.relay import serve_relay
+    from fedrelay.coordinator.relay_bounds import RelayLimits
 
     try:
-        serve_relay(listen, folder, transport=transport)
+        bounds = RelayLimits(lifetime=keep_hours * 3600.0, identity_bytes=int(sender_gib * (1 << 30)),
+                             identity_envelopes=sender_envelopes)
+        serve_relay(listen, folder, transport=transport, limits=bounds, crl=crl)
     except ValueError as exc:
         fail(str(exc))
     except RuntimeError as exc:
@@ -191,7 +213,7 @@ def start_chain(
         None, "--init", help="The initial model: shared (one seeded init for every site) | per-site (independent seeded "
         "inits, as supplementary Alg. 2 reads) | file (--init-weights) \\[default: shared]."),
     init_weights: str = typer.Option("", "--init-weights", help="--init file: the SHA-256 of a safetensors weights file "
-                                     "every site holds in its --weights-dir (README: 'A pretrained initial model')."),
+                                     "every site holds in its --weights-dir (docs/how-to/start-a-run.md: 'A pretrained initial model')."),
     weighting: _choice(run_params.choices("weighting")) = typer.Option(
         "samples", "--weighting", help="fedavg: samples (weights n_k / n) | uniform."),
     maecho_tau: int = typer.Option(100, "--maecho-tau", help="maecho: echo iterations (tau)."),
@@ -301,7 +323,8 @@ def _follow(client, run_id: str, total_epochs: int, out) -> None:
             if ev.kind == "epoch":
                 progress.advance(task)
                 progress.update(task, description=safe(ev.site))
-            elif ev.kind in ("hop", "upload", "final", "failed", "finished", "cancelled", "warning", "skip"):
+            elif ev.kind in ("hop", "upload", "final", "failed", "finished", "cancelled", "warning", "skip",
+                             "revoked"):
                 progress.console.print(safe(ev.message), highlight=False)
             elif ev.kind == "state" and (ev.message.endswith(": training") or "restarted" in ev.message):
                 progress.console.print(safe(ev.message), highlight=False)
@@ -374,13 +397,24 @@ def render_summary(s: dict) -> None:
                   f"[bold]{s['status']}[/]", highlight=False)
     if s.get("task_sha256"):
         console.print(f"task code SHA-256 {s['task_sha256']} (the same at every site)", highlight=False)
+    if s.get("started_by"):
+        console.print(f"started by {s['started_by']}", highlight=False)
     _render_live(s)
     if s.get("aggregator"):
         _render_star(s)
     else:
         _render_chain(s)
     _render_relayed(s)
+    for r in s.get("revoked") or ():
+        console.print(f"[bold red]revoked:[/] {_revoked_line(r)}", highlight=False, soft_wrap=True)
     _render_outcome(s)
+
+
+def _revoked_line(r: dict) -> str:
+    """One revoked site, for people: who revoked it, when (local time) and why."""
+    why = f": {r['reason']}" if r.get("reason") else ""
+    return (f"{r['name']} (certificate {r['serial'][:16]}) by {r['revoked_by'] or '?'} at "
+            f"{_local_time(r['revoked_at'])}{why}")
 
 
 def _render_live(s: dict) -> None:
@@ -414,7 +448,7 @@ METRIC_HEADS = scoring.LABELS  # the built-in metrics' column heads, as on the r
 
 def _final_metrics_table(f: dict) -> Table:
     """The final model's metrics per site (each site's exact figures on its own test split) and
-    global (from the sites' pooled statistics; README "Metrics")."""
+    global (from the sites' pooled statistics; docs/how-to/data-folders.md, "Metrics")."""
     names = [k for k in METRIC_HEADS if k in f.get("metrics", {}) or any(k in v.get("metrics", {})
                                                                        for v in f["per_site"].values())]
     own = sorted({k for v in f["per_site"].values() for k in v.get("metrics", {})} - set(METRIC_HEADS))
@@ -451,6 +485,10 @@ def _render_outcome(s: dict) -> None:
                       f"the final model holds the training of {', '.join(s['contributors'])}", highlight=False)
     if s["status"] == "cancelled":
         _render_cancelled(s)
+    if s.get("refused_by"):
+        whose = "its site policy" if s.get("refused_by_policy") else "the site"
+        console.print(f"[red]refused by {s['refused_by']}[/] ({whose}), before any model moved: {s['refusal']}",
+                      highlight=False)
     if s["error"]:
         console.print(f"[red]error:[/] {s['error']}", highlight=False)
     for w in s["warnings"]:
@@ -596,6 +634,10 @@ def peers(coordinator: str = COORD,
         t.add_column(col, no_wrap=col not in ("site", "address"), overflow="fold")
     for p in records:
         status = "[green]live[/]" if p.live else f"[red]stale[/] (> {p.peer_timeout:.0f} s)"
+        if p.HasField("revocation"):
+            from fedrelay.coordinator.client import revocation_dict
+
+            status = f"[bold red]revoked[/] {safe(_revoked_line(revocation_dict(p.revocation)))}"
         address = safe(p.address) or ("connects out only, " + ("[green]stream open[/]" if p.connected
                                                               else "[red]no stream[/]"))
         offers = "\n".join(_offer_line(o) for o in p.tasks) or "-"
@@ -628,31 +670,50 @@ def watch(run_id: str = typer.Argument(..., help="The run's id (from start-chain
 
 
 @app.command()
-def metrics(run_id: str = typer.Argument(..., help="The run's id (from start-chain or `coordinator runs`)."),
+def metrics(ctx: typer.Context,
+            run_id: str = typer.Argument(..., help="The run's id (from start-chain or `coordinator runs`)."),
             coordinator: str = COORD,
             site: str = typer.Option("", "--site", help="Only this site's epochs."),
             as_json: bool = typer.Option(False, "--json", help="Print the rows as a JSON list."),
             as_csv: bool = typer.Option(False, "--csv", help="Print the rows as CSV with a header row."),
+            mlflow: bool = typer.Option(False, "--mlflow", help="Also export the run's curves and final metrics "
+                                        "to MLflow, into --mlflow-uri \\[default: ./mlflow.db, what `mlflow ui` "
+                                        "reads there]. Exporting a run again replaces its earlier export."),
+            mlflow_uri: str = typer.Option(None, "--mlflow-uri", metavar="URI", envvar=["FEDRELAY_COORDINATOR_METRICS_MLFLOW_URI", "MLFLOW_TRACKING_URI"],
+                                           help="Where --mlflow exports to (implies --mlflow when typed): a "
+                                           "tracking server (http://HOST:PORT), a .db file or database URI, or a "
+                                           "folder (MLflow's file store)."),
+            mlflow_experiment: str = typer.Option("fedrelay", "--mlflow-experiment",
+                                                  help="--mlflow: the MLflow experiment the run goes into."),
+            tensorboard: Path = typer.Option(None, "--tensorboard", metavar="DIR", file_okay=False,
+                                             help="Also write the run's curves and final metrics as TensorBoard "
+                                             "event files in DIR/<run id>/ (`tensorboard --logdir DIR`)."),
             tls: Path = TLS, insecure: bool = INSECURE) -> None:
     """Per-epoch training metrics of a run, per site and pool model: training loss, validation
     accuracy, seconds (works while it runs); once the run has finished, the final model's
     metrics per site and global too (--json/--csv: the epoch rows only; `show --json` has the
-    final metrics)."""
+    final metrics). --mlflow / --tensorboard export them too (coordinator/export.py)."""
     from fedrelay.coordinator.client import METRIC_FIELDS
 
     if as_json and as_csv:
         fail("pass either --json or --csv, not both")
+    source = ctx.get_parameter_source("mlflow_uri")  # typed: implies --mlflow (MLFLOW_TRACKING_URI alone does not)
+    mlflow = mlflow or getattr(source, "name", "") == "COMMANDLINE"
+    exporting = mlflow or tensorboard is not None
     with _client(coordinator, tls, insecure) as client:
         try:
             rows = client.metrics(run_id)
-            final = None if (as_json or as_csv) else client.run(run_id)["final"]
+            summary = client.run(run_id) if exporting or not (as_json or as_csv) else None
         except grpc.RpcError as exc:
             _rpc_fail(exc, coordinator)
+    final = None if (as_json or as_csv) else summary["final"]
     if site:
         seen = {r["site"] for r in rows}
         rows = [r for r in rows if r["site"] == site]
         if not rows and seen:
             fail(f"run {run_id} has no metrics of site {site!r}; sites with metrics: {', '.join(sorted(seen))}")
+    if exporting:
+        _export_metrics(summary, rows, mlflow_uri if mlflow else None, mlflow, mlflow_experiment, tensorboard)
     if as_json:
         print(json.dumps(rows, indent=1))
     elif as_csv:
@@ -666,6 +727,27 @@ def metrics(run_id: str = typer.Argument(..., help="The run's id (from start-cha
         _print_wide(_metrics_table(safe(run_id), safe_tree(rows)))
         if final:
             _print_wide(_final_metrics_table(safe_tree(final)))  # metric names are the task's words
+
+
+def _export_metrics(summary: dict, rows: list[dict], mlflow_uri: str | None, mlflow: bool, experiment: str,
+                    tensorboard: Path | None) -> None:
+    """`metrics --mlflow/--tensorboard`: the export (coordinator/export.py), one line on stderr each."""
+    from fedrelay.coordinator import export
+
+    try:
+        if mlflow:
+            uri, mlflow_id = export.export_mlflow(summary, rows, mlflow_uri or None, experiment)
+            err_console.print(f"exported run {safe(summary['run_id'])} to MLflow at {safe(uri)}: experiment "
+                              f"{safe(experiment)!r}, MLflow run {mlflow_id}", highlight=False, soft_wrap=True)
+        if tensorboard is not None:
+            out = export.export_tensorboard(summary, rows, tensorboard)
+            err_console.print(f"wrote TensorBoard events of run {safe(summary['run_id'])} to {safe(str(out))} "
+                              f"(tensorboard --logdir {safe(str(tensorboard))})", highlight=False, soft_wrap=True)
+    except export.ExportError as exc:
+        fail(str(exc))
+    if summary.get("status") == "running":
+        err_console.print("[bold yellow]warning:[/] the run is still running: the export holds its epochs so far "
+                          "and no final metrics; export it again when it has ended", highlight=False)
 
 
 STAGES = {"warmup": "warm-up", "pool": "pool", "fedseq": "fedseq", "aggregate": "aggregation"}
@@ -795,6 +877,65 @@ def audit(
     raise typer.Exit({"verified": exits.OK, "failed": exits.FAILED, "unsigned": exits.UNSIGNED}[report.verdict])
 
 
+@app.command()
+def revoke(
+    name: str = typer.Argument(..., help="The site to revoke (its certificate name)."),
+    ca: Path = typer.Option(..., "--ca", help="The PKI folder made by init-ca: its CA key signs the revocation list "
+                            "(PKI/ca/crl.pem), and PKI/ca/issued holds the site's certificates."),
+    reason: str = typer.Option("", "--reason", help="Why, recorded in the ledger with who revoked the site and when."),
+    serial: list[str] = typer.Option(None, "--serial", help="Revoke this certificate serial (hex; repeatable) "
+                                     "\\[default: every certificate PKI/ca/issued holds for NAME]."),
+    coordinator: str = COORD,
+    as_json: bool = json_option('Print {"name", "serials", "revoked_by", "revoked_at", "crl_number", "runs"} as '
+                                'JSON (serials in hex, revoked_at in unix seconds).'),
+    tls: Path = TLS,
+    insecure: bool = INSECURE,
+) -> None:
+    """Revoke a site: sign a new certificate revocation list with the CA (PKI/ca/crl.pem) and
+    publish it through the coordinator, which records who revoked the site, when and why. The
+    site's next call to the coordinator or to any site is refused and its transfers in flight
+    stop (the sites fetch the list with their next heartbeat); its running runs are routed around
+    it. No daemon restarts."""
+    from fedrelay.coordinator.pki import PKIError, check_name, crl_path, issued, revoke as sign_revocation
+
+    try:
+        check_name(name)
+    except PKIError as exc:
+        fail(str(exc))
+    if serial:
+        try:
+            serials = [int(s, 16) for s in serial]
+        except ValueError:
+            fail(f"--serial must be hex serial numbers (as `openssl x509 -serial` prints them), not {serial!r}")
+    else:
+        try:
+            serials = [c.serial_number for c in issued(ca, name)]
+        except OSError as exc:
+            fail(f"--ca {ca}: {exc.strerror or exc}")
+        if not serials:
+            fail(f"--ca {ca} holds no certificate issued to {name} (PKI/ca/issued); pass its serial with --serial HEX")
+    with _client(coordinator, tls, insecure) as client:  # the TLS options are checked before the CRL changes
+        try:
+            crl_der, number = sign_revocation(ca, serials)
+        except (PKIError, OSError) as exc:
+            fail(str(exc))
+        try:
+            reply = client.revoke(name, serials, crl_der, reason=reason)
+        except grpc.RpcError as exc:
+            err_console.print(f"[yellow]the revocation list {number} is signed ({crl_path(ca)}) but was not "
+                              "published:[/]", highlight=False)
+            _rpc_fail(exc, coordinator)
+    if as_json:
+        print(json.dumps({"name": name, "serials": [f"{s:x}" for s in serials], "revoked_by": reply.revoked_by,
+                          "revoked_at": reply.revoked_at, "crl_number": reply.crl_number, "runs": list(reply.runs)}))
+        return
+    runs = f"; running run(s) routed around it: {', '.join(reply.runs)}" if reply.runs else ""
+    console.print(f"revoked {safe(name)} (certificate(s) {', '.join(f'{s:x}' for s in serials)}) by "
+                  f"{safe(reply.revoked_by)} at {_local_time(reply.revoked_at)}; revocation list {reply.crl_number} "
+                  f"published ({crl_path(ca)}): the site's calls are refused from the next heartbeat of each "
+                  f"site{runs}", highlight=False, soft_wrap=True)
+
+
 @app.command("init-ca")
 def init_ca(
     out: Path = typer.Option(..., "--out", "-o", help="PKI folder to create: ca/, coordinator/, operator/."),
@@ -819,15 +960,22 @@ def init_ca(
 
 @app.command()
 def enroll(
-    name: str = typer.Argument(..., help="The site's name: its identity, and what it passes as `peer serve --name`."),
+    name: str = typer.Argument(None, help="The site's name: its identity, and what it passes as `peer serve --name` "
+                               "(with --csr: optional, the request must name it)."),
     ca: Path = typer.Option(..., "--ca", help="The PKI folder made by init-ca."),
-    out: Path = typer.Option(..., "--out", "-o", help="Folder to write key.pem (0600), cert.pem, ca.pem to."),
-    host: list[str] = HOSTS,
+    out: Path = typer.Option(..., "--out", "-o", help="Folder to write cert.pem and ca.pem to (without --csr, for local "
+                             "trials: key.pem too)."),
+    csr: Path = typer.Option(None, "--csr", dir_okay=False, help="The site's certificate signing request (NAME.csr "
+                             "from `peer init` at the site): signed with the CA; the site's key stays at the site."),
+    host: list[str] = typer.Option(None, "--host", help="Host name or IP others dial this site at (repeatable; goes in "
+                                   "the certificate's SAN) \\[default: those the request asks for; without --csr: "
+                                   "localhost, 127.0.0.1, ::1]."),
     days: int = typer.Option(825, "--days", help="Validity of the certificate in days."),
-    force: bool = typer.Option(False, "--force", help="Replace the key and certificate of an --out folder that "
-                               "already holds them (the old key stops working with a new certificate)."),
+    force: bool = typer.Option(False, "--force", help="Replace the certificate (and key, without --csr) of an --out "
+                               "folder that already holds them."),
     kit: bool = typer.Option(False, "--kit", help="Also write a site kit into --out: peer.env, the systemd unit, "
-                             "start-peer.sh and a README.md with ports, install steps and checks."),
+                             "start-peer.sh and a README.md with ports, install steps and checks (needs --csr: a "
+                             "kit holds no private key)."),
     kit_coordinator: str = typer.Option(None, "--coordinator", "-c", callback=address_callback, help="--kit: the coordinator's HOST:PORT, written "
                                         "into peer.env \\[default: a placeholder to edit]."),
     kit_outbound: bool = typer.Option(False, "--outbound-only", help="--kit: a site that accepts no inbound "
@@ -835,54 +983,144 @@ def enroll(
                                       "through the relay)."),
     kit_port: int = typer.Option(50071, "--port", help="--kit: the port the site's daemon listens on; it is "
                                  "advertised at the first --host."),
+    operator: bool = typer.Option(False, "--operator", help="Enroll a further operator NAME instead of a site: "
+                                  "its certificate names operator.NAME, which may start and stop runs (the ledger "
+                                  "records which operator did; a site's policy may accept only some operators)."),
     as_json: bool = json_option('Print {"name", "out", "kit"} as JSON.'),
 ) -> None:
-    """Issue a key and certificate for one site (give the folder to the site; --tls DIR for `peer serve`);
-    with --kit, the folder is a whole site kit."""
-    from fedrelay.coordinator.pki import DEFAULT_HOSTS, PKIError, check_name, enroll as do_enroll
+    """Sign a site's certificate request (--csr, from `peer init` at the site) and write its
+    certificate and the CA's (give them back to the site: `peer install-cert`); with --kit, the
+    folder is a whole site kit; with --operator, a key and certificate for a further operator (--tls
+    DIR for the operator commands). Without --csr (LOCAL TRIALS ONLY), a site's key is made here,
+    at the operator's desk, and must then be carried to the site."""
+    from fedrelay.coordinator.pki import (DEFAULT_HOSTS, PKIError, check_name, enroll as do_enroll,
+                                          operator_identity, sign_csr)
 
     if days < 1:
         fail("--days must be >= 1")
+    if operator:
+        if kit:
+            fail("--kit makes a site's kit; it does not go with --operator")
+        if csr is not None:
+            fail("--operator makes the further operator's key and certificate here; it does not go with --csr")
+        try:
+            name = operator_identity(name)
+        except PKIError as exc:
+            fail(f"--operator: {exc}")
     if not kit and (kit_coordinator is not None or kit_port != 50071 or kit_outbound):
         fail("--coordinator, --port and --outbound-only only go with --kit")
+    if kit and csr is None:
+        fail("--kit needs --csr: a site kit holds no private key made by the operator; have the site run "
+             "`peer init --name NAME` and send you its NAME.csr")
+    if csr is None and not name:
+        fail("name the site to enrol, or pass its request with --csr NAME.csr")
+    request = None
+    if csr is not None:
+        try:
+            request = csr.read_bytes()
+        except OSError as exc:
+            fail(f"--csr {csr}: cannot read it ({exc.strerror or exc})")
+        from fedrelay.identity import IdentityError, csr_name, load_csr
+
+        try:
+            parsed = load_csr(request, f"--csr {csr}")
+        except IdentityError as exc:
+            fail(str(exc))
+        asked = csr_name(parsed)
+        if name and asked != name:
+            fail(f"--csr {csr} is for {asked!r}, not {name!r}")
+        name = asked
+    try:
+        if not operator:
+            check_name(name)
+    except PKIError as exc:
+        fail(str(exc))
+    hosts = host or (None if csr is not None else DEFAULT_HOSTS)
     if kit:
         from fedrelay.coordinator.kit import write_kit
         from fedrelay.names import InvalidName, check_address
 
         try:
-            check_name(name)
             if kit_coordinator is not None:
                 check_address(kit_coordinator, "--coordinator")
             if not 1 <= kit_port <= 65535:
                 raise ValueError(f"--port must be 1-65535, not {kit_port}")
-        except (PKIError, InvalidName, ValueError) as exc:
+        except (InvalidName, ValueError) as exc:
             fail(str(exc))
-    held = [f for f in ("key.pem", "cert.pem") if (out / f).exists()]
+    held = [f for f in (("cert.pem",) if csr is not None else ("key.pem", "cert.pem")) if (out / f).exists()]
     if held and not force:
         fail(f"{out} already holds {' and '.join(held)}: an identity is never overwritten silently; pass --force "
              "to replace it, or choose another --out folder")
     try:
-        do_enroll(name, ca, out, hosts=host or DEFAULT_HOSTS, days=days)
+        if csr is not None:
+            from fedrelay.identity import CA_FILE, CERT_FILE, KEY_FILE, write_private
+
+            _, cert_pem, ca_pem = sign_csr(request, ca, name=name, hosts=hosts, days=days, source=f"--csr {csr}")
+            _check_own_key(out / KEY_FILE, cert_pem)
+            out.mkdir(parents=True, exist_ok=True)
+            write_private(out / CERT_FILE, cert_pem, 0o644)
+            write_private(out / CA_FILE, ca_pem, 0o644)
+            from fedrelay.identity import csr_hosts, load_csr
+
+            kit_hosts = host or [h for h in csr_hosts(load_csr(request)) if h != name] or list(DEFAULT_HOSTS)
+        else:
+            do_enroll(name, ca, out, hosts=hosts, days=days)
+            kit_hosts = hosts
         if kit:
-            write_kit(out, name, hosts=host or DEFAULT_HOSTS, coordinator=kit_coordinator, port=kit_port,
+            write_kit(out, name, hosts=kit_hosts, coordinator=kit_coordinator, port=kit_port,
                       outbound_only=kit_outbound)
     except (PKIError, ValueError) as exc:
         fail(str(exc))
     except OSError as exc:
         fail(str(exc), exits.FAILED)
     if as_json:
-        print(json.dumps({"name": name, "out": str(out), "kit": kit}))
+        print(json.dumps({"name": name, "out": str(out), "kit": kit, "operator": operator}))
         if kit and kit_coordinator is None:
             err_console.print("[bold yellow]warning:[/] no --coordinator: peer.env holds a placeholder "
                               "coordinator address to edit", highlight=False)
         return
-    console.print(f"enrolled {name}: {out} (key.pem, cert.pem, ca.pem)", highlight=False)
+    if csr is not None:
+        from fedrelay.identity import request_fingerprint
+
+        from cryptography import x509 as _x509
+
+        san = _x509.load_pem_x509_certificate(cert_pem).extensions.get_extension_for_class(
+            _x509.SubjectAlternativeName).value
+        dialled = [str(v) for v in san.get_values_for_type(_x509.DNSName)] + [
+            str(v) for v in san.get_values_for_type(_x509.IPAddress)]
+        console.print(f"certificate for {name}, dialled at {', '.join(dialled)}", highlight=False, soft_wrap=True)
+        console.print(f"enrolled {name}: {out} (cert.pem, ca.pem) for the key of its request (request SHA-256 "
+                      f"{request_fingerprint(parsed)}: the site's `peer init` printed the same); the site installs "
+                      f"them beside its key: peer install-cert {out} --tls ITS_TLS_FOLDER", highlight=False,
+                      soft_wrap=True)
+    else:
+        console.print(f"enrolled {name}: {out} (key.pem, cert.pem, ca.pem)", highlight=False)
+        err_console.print("[bold yellow]for local trials only:[/] this site's private key was made here, at the "
+                          "operator's desk; a real site makes its own with `peer init` and you sign its request with "
+                          "`enroll --csr`", highlight=False, soft_wrap=True)
     if kit:
-        console.print(f"site kit in {out}: peer.env, fedrelay-peer.service, start-peer.sh, README.md (hand the "
-                      "whole folder to the site over a channel you trust: it holds key.pem)", highlight=False)
+        console.print(f"site kit in {out}: cert.pem, ca.pem, peer.env, fedrelay-peer.service, start-peer.sh, "
+                      "README.md (no private key: the site keeps its own)", highlight=False, soft_wrap=True)
         if kit_coordinator is None:
             err_console.print("[bold yellow]warning:[/] no --coordinator: peer.env holds a placeholder "
                               "coordinator address to edit", highlight=False)
+
+
+def _check_own_key(key_path: Path, cert_pem: bytes) -> None:
+    """Refuse to write a certificate beside a key it is not for (an --out folder that holds
+    another key). Raises ``ValueError``."""
+    if not key_path.exists():
+        return
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    der = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    try:
+        key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+    except ValueError:
+        raise ValueError(f"{key_path} is not a PEM private key; choose another --out folder") from None
+    if key.public_key().public_bytes(*der) != x509.load_pem_x509_certificate(cert_pem).public_key().public_bytes(*der):
+        raise ValueError(f"{key_path} is another key than the request's; choose another --out folder")
 
 
 @app.command("split-dataset")

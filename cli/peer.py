@@ -38,7 +38,7 @@ def serve(
     device: str = typer.Option("auto", "--device", envvar="FEDRELAY_DEVICE", help="auto | cpu | cuda:N"),
     advertise: str = typer.Option(None, "--advertise", envvar="FEDRELAY_ADVERTISE", callback=address_callback, help="HOST:PORT other sites use to reach this peer \\[default: the listen address]."),
     tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS,
-                             help=TLS_HELP + " Here: the folder `coordinator enroll NAME` wrote.", file_okay=False),
+                             help=TLS_HELP + " Here: the folder `peer init` wrote the site's key to.", file_okay=False),
     insecure: bool = INSECURE,
     stall_timeout: float = typer.Option(60.0, "--stall-timeout",
                                         help="Seconds a sender may send nothing before its handoff is dropped."),
@@ -72,6 +72,14 @@ def serve(
                                         "module:attr for a task module on this daemon's Python path \\[default: "
                                         "every installed task (entry-point group fedrelay.tasks) and the built-in "
                                         "ones]."),
+    crl: Path = typer.Option(None, "--crl", envvar="FEDRELAY_CRL", dir_okay=False,
+                             help="A certificate revocation list file from the operator (PKI/ca/crl.pem), reloaded "
+                                  "when it changes (every 10 s); the coordinator's newest list also comes with the "
+                                  "heartbeats. Calls from revoked sites are refused."),
+    policy: Path = typer.Option(None, "--policy", envvar="FEDRELAY_POLICY", dir_okay=False,
+                                help="This site's policy file (TOML: the tasks, strategies, epochs and operators it "
+                                     "accepts, and a pause switch; read again when it changes; docs/site-policy.md) "
+                                     "\\[default: STATE_DIR/policy.toml if it exists]."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
     check: bool = typer.Option(False, "--check", help="Only validate the options (name, TLS identity, addresses, "
                                "device, state dir, data folder), print one line and exit 0; listens on nothing."),
@@ -81,9 +89,19 @@ def serve(
     source = ctx.get_parameter_source("listen")
     _judge_address(listen, advertise or None, coordinator, outbound_only,
                    chosen=getattr(source, "name", "DEFAULT") != "DEFAULT")
+    if crl is not None:  # said before anything starts (--check too): a list that is not this CA's
+        from fedrelay import revocation
+
+        try:
+            revocation.RevocationList(transport.ca if transport.secure else None).update(
+                crl.read_bytes(), source=f"--crl {crl}")
+        except OSError as exc:
+            fail(f"--crl {crl}: cannot read it ({exc.strerror or exc})")
+        except revocation.CrlError as exc:
+            fail(str(exc))
     if check:
         _check_serve(data, name, listen, coordinator, state_dir or Path(".fedrelay") / name, device, advertise,
-                     transport, stall_timeout, weights_dir, outbound_only, relay_after, task or None)
+                     transport, stall_timeout, weights_dir, outbound_only, relay_after, task or None, policy)
         return
     setup_logging(verbose, prefix=f"[{name}] ")
     stop_on_sigterm()
@@ -96,7 +114,7 @@ def serve(
                    transport=transport, stall_timeout=stall_timeout, deterministic=deterministic,
                    weights_dir=weights_dir, metrics_listen=metrics_listen, worker_slots=worker_slots,
                    outbound_only=outbound_only, relay_after=relay_after, fork_workers=fork_workers,
-                   tasks=task or None)
+                   tasks=task or None, crl=crl, policy=policy)
     except (DataError, ValueError) as exc:
         fail(str(exc))
     except RuntimeError as exc:
@@ -123,10 +141,17 @@ def _judge_address(listen: str, advertise: str | None, coordinator: str, outboun
 
 
 def _check_serve(data, name, listen, coordinator, state_dir, device, advertise, transport, stall_timeout,
-                 weights_dir, outbound_only=False, relay_after=60.0, tasks=None) -> None:
-    """``peer serve --check``: ``fedrelay.peer.preflight.check_serve_options``, one line, exit 0 or fail."""
+                 weights_dir, outbound_only=False, relay_after=60.0, tasks=None, policy=None) -> None:
+    """``peer serve --check``: ``fedrelay.peer.preflight.check_serve_options`` and the site's
+    policy file, one line, exit 0 or fail."""
     from fedrelay.cli.common import console
+    from fedrelay.peer.policy import SitePolicy
     from fedrelay.peer.preflight import check_serve_options
+
+    try:
+        site_policy = SitePolicy.at(policy, state_dir).current()
+    except ValueError as exc:
+        fail(str(exc))
 
     try:
         r = check_serve_options(data_dir=data, name=name, listen=listen, coordinator=coordinator, state_dir=state_dir,
@@ -144,7 +169,9 @@ def _check_serve(data, name, listen, coordinator, state_dir, device, advertise, 
         if is_loopback(host):
             reach += " (from this host only)"
     console.print(f"ok: site {name}, {'; '.join(r.lines())}, device {r.device}, {reach}, "
-                  f"coordinator {coordinator}, state dir {state_dir}", highlight=False, soft_wrap=True, markup=False)
+                  f"coordinator {coordinator}, state dir {state_dir}, "
+                  f"{'site policy ' + str(policy or Path(state_dir) / 'policy.toml') if site_policy else 'no site policy'}",
+                  highlight=False, soft_wrap=True, markup=False)
 
 
 @app.command()
@@ -219,7 +246,7 @@ def _own_site(transport) -> str | None:
     from fedrelay import wire
 
     who = transport.identity
-    return who if who and who not in (wire.COORDINATOR_IDENTITY, wire.OPERATOR_IDENTITY) else None
+    return who if who and who != wire.COORDINATOR_IDENTITY and not wire.is_operator(who) else None
 
 
 @app.command()
@@ -239,6 +266,77 @@ def health(
     from fedrelay.health import probe_result
 
     report_health("peer", peer, probe_result(transport, peer, expect=_own_site(transport), timeout=timeout), as_json)
+
+
+@app.command()
+def init(
+    name: str = typer.Option(..., "--name", help="This site's name (what it passes as `peer serve --name`)."),
+    state_dir: Path = typer.Option(None, "--state-dir", file_okay=False,
+                                   help="The site's state dir (`peer serve --state-dir`) \\[default: ./.fedrelay/<name>]."),
+    tls: Path = typer.Option(None, "--tls", file_okay=False,
+                             help="Folder for the key and request (later `peer serve --tls`) \\[default: "
+                                  "<state-dir>/tls]."),
+    host: list[str] = typer.Option(None, "--host", help="Host name or IP other sites dial this site at (repeatable; "
+                                   "goes in the certificate's SAN) \\[default: localhost, 127.0.0.1, ::1]."),
+    force: bool = typer.Option(False, "--force", help="Replace a key the folder already holds (its certificate "
+                               "stops working: the operator must sign the new request)."),
+    as_json: bool = json_option('Print {"name", "key", "request", "request_sha256"} as JSON.'),
+) -> None:
+    """Make this site's private key and a certificate signing request, here at the site: send the
+    request (NAME.csr) to the operator (`coordinator enroll --csr`), then put the cert.pem and
+    ca.pem you get back beside the key (`peer install-cert`). The key never leaves this folder."""
+    from fedrelay.cli.common import console
+    from fedrelay.identity import DEFAULT_HOSTS, IdentityError, init_site
+
+    folder = tls or (state_dir or Path(".fedrelay") / name) / "tls"
+    try:
+        request = init_site(name, folder, hosts=host or DEFAULT_HOSTS, force=force)
+    except (IdentityError, OSError) as exc:
+        fail(str(exc))
+    from fedrelay.identity import load_csr, request_fingerprint
+
+    digest = request_fingerprint(load_csr(request.read_bytes()))
+    if as_json:
+        import json
+
+        print(json.dumps({"name": name, "key": str(folder / "key.pem"), "request": str(request),
+                          "request_sha256": digest}))
+        return
+    console.print(f"site {name}: private key {folder / 'key.pem'} (mode 0600; it never leaves this host), "
+                  f"request {request}", highlight=False, soft_wrap=True)
+    console.print(f"request SHA-256 {digest} (read it to the operator over another channel: `enroll --csr` "
+                  "prints the same)", highlight=False, soft_wrap=True)
+    console.print(f"next: send {request.name} to the federation's operator, who runs\n"
+                  f"  coordinator enroll --csr {request.name} --ca PKI --out DIR\n"
+                  f"then put what comes back beside the key: peer install-cert DIR --tls {folder}",
+                  highlight=False, soft_wrap=True)
+
+
+@app.command("install-cert")
+def install_cert(
+    source: Path = typer.Argument(..., help="The folder the operator returned (cert.pem and ca.pem from "
+                                  "`coordinator enroll --csr`; a site kit folder)."),
+    tls: Path = typer.Option(..., "--tls", file_okay=False, help="The folder `peer init` wrote the key to."),
+    as_json: bool = json_option('Print {"site", "tls"} (the identity installed and its folder) as JSON.'),
+) -> None:
+    """Check that the operator's certificate is for this site's key and from the CA, and put
+    cert.pem and ca.pem beside the key: the folder is then `peer serve --tls`."""
+    from fedrelay.cli.common import console
+    from fedrelay.identity import IdentityError, copy_certificate
+    from fedrelay.wire import Transport, TransportError
+
+    try:
+        copy_certificate(source, tls)
+        t = Transport.from_dir(tls)
+    except (IdentityError, TransportError, OSError) as exc:
+        fail(str(exc))
+    if as_json:
+        import json
+
+        print(json.dumps({"site": t.identity, "tls": str(tls)}))
+        return
+    console.print(f"site {t.identity}: certificate installed in {tls}; serve with `peer serve --tls {tls} ...`",
+                  highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from fedrelay import purpose as purposes
 from fedrelay import signing
 from fedrelay.coordinator import hashchain
 from fedrelay.coordinator.plan import Plan
@@ -50,8 +51,6 @@ from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2
 FORMAT = "fedrelay-audit-bundle"
 FORMAT_VERSION = 1
 ROW_TABLES = ("hops", "receipts", "evaluations")
-PURPOSE_WORDS = {common_pb2.CHAIN_HOP: "chain", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}
-PLAN_PURPOSE = {"chain": "hop", "final": "final", "upload": "upload"}
 MESSAGES = {m.DESCRIPTOR.full_name: m for m in (cpb.HopReport, cpb.ReceiptReport, cpb.FinalReport, cpb.FailureReport,
                                                 peer_pb2.EvaluateReply)}
 # The event kinds a record of each type is kept with.
@@ -261,7 +260,7 @@ def _transfer_words(purpose: str, hop: int, sender: str, receiver: str) -> str:
 
 def _describe_record(type_: str, msg, signer: str) -> str:
     if type_ in ("HopReport", "ReceiptReport"):
-        purpose = PURPOSE_WORDS.get(msg.purpose, str(msg.purpose))
+        purpose = purposes.ledger_of_wire(msg.purpose) or str(msg.purpose)
         what = "report" if type_ == "HopReport" else "receipt"
         return f"{signer}'s {what} of {_transfer_words(purpose, msg.hop, msg.sender, msg.receiver)}"
     return {"FinalReport": f"{signer}'s final report", "FailureReport": f"{signer}'s failure report",
@@ -420,8 +419,8 @@ class _Verifier:
         if e.get("kind") not in EVENT_KINDS[type_]:
             self.problem(seq, where, f"a {type_} cannot be kept with a {e.get('kind')!r} event")
         if type_ in ("HopReport", "ReceiptReport"):
-            purpose = PURPOSE_WORDS.get(msg.purpose, "")
-            t = self.planned.get((PLAN_PURPOSE.get(purpose, ""), msg.hop, msg.sender, msg.receiver))
+            purpose = purposes.ledger_of_wire(msg.purpose) or ""
+            t = self.planned.get(((purposes.from_ledger(purpose) if purpose in purposes.LEDGER_WORDS else ""), msg.hop, msg.sender, msg.receiver))
             if t is None:
                 self.problem(seq, where, f"{_transfer_words(purpose, msg.hop, msg.sender, msg.receiver)} is not a "
                              "transfer of the run's recorded plan: signed by a site that was not planned for it")
@@ -583,6 +582,8 @@ class _Verifier:
             self.problem(-1, where, f"its run row does not parse: {exc}")
             return
         for k in hashchain.SEALED_RUN_FIELDS:
+            if k in hashchain.SEALED_SINCE_POLICY and k not in sealed:
+                continue  # sealed by a coordinator from before the column
             if not _same(have.get(k), sealed.get(k)):
                 words = {"chain": "order", "params": "training parameters"}.get(k, k)
                 self.problem(-1, f"run {self.run_id}'s row",

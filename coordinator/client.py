@@ -13,11 +13,12 @@ from typing import Callable, Iterator
 
 import grpc
 
+from fedrelay import purpose as purposes
 from fedrelay import params as run_params, wire
 from fedrelay.coordinator.live import BUSY
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2
 
-PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}
+PURPOSE_NAMES = {purposes.to_wire(w): w for w in purposes.WORDS}  # plan words, by wire value
 
 
 def summary_dict(s: cpb.RunSummary) -> dict:
@@ -52,7 +53,10 @@ def summary_dict(s: cpb.RunSummary) -> dict:
     age_seconds (since then, by the coordinator's clock), line (e.g. "site-03 training, model 2/5, epoch 3/10"), busy (receiving, training or
     sending); ``[]`` once the run has ended), cancelled_by and cancel_reason (status cancelled: who stopped the run
     — the operator's certificate name, or "insecure operator" — and the reason given; null
-    otherwise; ``ended`` is when).
+    otherwise; ``ended`` is when), started_by (the operator who started the run: its
+    certificate name, or "insecure operator"; null in older ledgers), refused_by, refusal and
+    refused_by_policy (a site refused its assignment, so the run failed before any model moved:
+    which site, its reason, and whether its own site policy refused it; docs/site-policy.md).
 
     Star plans (the parallel one-shot methods) add: aggregator (the aggregating site), uploads
     (the sites' payloads to it, records like ``hops``, ``hop`` = the upload's index),
@@ -96,6 +100,10 @@ def summary_dict(s: cpb.RunSummary) -> dict:
                   "updated": v.updated, "age_seconds": round(v.age_seconds, 3), "line": v.line,
                   "busy": v.state in BUSY} for v in s.live],
         "cancelled_by": s.cancelled_by or None, "cancel_reason": s.cancel_reason or None,
+        "revoked": [revocation_dict(e) for e in s.revoked],
+        "started_by": s.started_by or None,
+        "refused_by": s.refused_by or None, "refusal": s.refusal or None,
+        "refused_by_policy": s.refused_by_policy,
     }
     if s.aggregator:
         out.update({
@@ -131,6 +139,13 @@ def planned_epochs(summary: dict) -> int:
     return warmup + per_site * n * rounds
 
 
+def revocation_dict(e: cpb.CrlEntry) -> dict:
+    """A revoked site certificate: name, serial (hex), revoked_at (unix seconds), revoked_by
+    (the operator's certificate name), reason."""
+    return {"name": e.name, "serial": e.serial, "revoked_at": e.revoked_at, "revoked_by": e.revoked_by,
+            "reason": e.reason}
+
+
 def peer_dict(p: cpb.PeerRecord) -> dict:
     """A registered peer as the JSON object of ``peers --json``: name, address, device, tasks
     [{name, version, sha256, models, classes [{name, train, test}], train_samples, test_samples,
@@ -140,11 +155,13 @@ def peer_dict(p: cpb.PeerRecord) -> dict:
     coordinator's --peer-timeout), peer_timeout (that timeout, seconds), outbound_only (it
     registered no address: it connects out only), connected (its control stream is open) and
     classes_omitted (classes the coordinator left out of the tasks' ``classes`` to keep its reply
-    under the message cap; 0 normally)."""
+    under the message cap; 0 normally) and revoked (:func:`revocation_dict` when the site's
+    certificate was revoked, else null)."""
     return {"name": p.name, "address": p.address, "device": p.device, "tasks": [_offer_dict(t) for t in p.tasks],
             "last_seen": p.last_seen, "age_seconds": round(p.age_seconds, 3), "live": p.live,
             "peer_timeout": p.peer_timeout, "outbound_only": p.outbound_only, "connected": p.connected,
-            "classes_omitted": p.classes_omitted}
+            "classes_omitted": p.classes_omitted,
+            "revoked": revocation_dict(p.revocation) if p.HasField("revocation") else None}
 
 
 def _offer_dict(t: cpb.TaskOffer) -> dict:
@@ -329,6 +346,16 @@ class OperatorClient:
         then on; a daemon started there afterwards registers anew. Raises ``grpc.RpcError``: NOT_FOUND (no such peer),
         FAILED_PRECONDITION (it is a site of a running run)."""
         return self.stub.ForgetPeer(cpb.ForgetPeerRequest(name=name), timeout=wire.CONTROL_TIMEOUT)
+
+    def revoke(self, name: str, serials: list[int], crl_der: bytes, reason: str = "") -> cpb.RevocationReply:
+        """Publish the CA-signed revocation list ``crl_der`` that revokes site ``name``'s
+        certificates ``serials`` (``fedrelay.coordinator.pki.revoke`` makes it); the coordinator
+        records who (this client's certificate name), when and ``reason``. Raises
+        ``grpc.RpcError``: INVALID_ARGUMENT (a list that is not the CA's, older than the one
+        published, or without the serials), PERMISSION_DENIED (not the operator)."""
+        return self.stub.Revoke(cpb.RevocationRequest(name=name, reason=reason, crl=crl_der,
+                                                      serials=[f"{s:x}" for s in serials]),
+                                timeout=wire.CONTROL_TIMEOUT)
 
     def fetch_model(self, run_id: str, out: Path) -> tuple[str, int]:
         """Download the run's final model to ``out`` (a file path; written atomically, mode

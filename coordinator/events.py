@@ -140,3 +140,13 @@ class EventHub:
         with self._lock:
             r = self._runs.get(run_id)
             return len(r.watchers) if r else 0
+
+    def last_seq(self, run_id: str) -> int | None:
+        """The ledger seq of the run's newest event this hub has seen (None: none since it
+        attached, or the tail was dropped). Cheap: no ledger read; the page's data cache keys
+        on it (``coordinator/web/cache.py``)."""
+        with self._lock:
+            r = self._runs.get(run_id)
+            if r is None:
+                return None
+            return r.seqs[-1] if r.seqs else r.floor

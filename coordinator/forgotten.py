@@ -9,7 +9,7 @@ registers anew, and the removal record is dropped. A registration without an ins
 a fedrelay daemon) cannot be told apart from the forgotten one and stays refused.
 
 To keep a site out for good, stop its daemon; to keep its certificate from being used at all,
-the federation's CA must stop trusting it (README, "Security").
+the federation's CA must stop trusting it (docs/explanation/security.md).
 """
 
 from __future__ import annotations

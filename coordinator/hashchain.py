@@ -52,7 +52,10 @@ def event_hash(prev_hash: str, event: dict[str, Any]) -> str:
 SEALED_RUN_FIELDS = ("run_id", "created", "ended", "status", "strategy", "arch", "seed", "params", "chain",
                      "class_index", "model", "warnings", "insecure", "rounds", "final_sha256", "final_site",
                      "accuracy", "error", "cancelled_by", "cancel_reason", "task", "task_version", "task_sha256",
-                     "metrics")
+                     "metrics", "started_by", "refused_by", "refusal", "refused_by_policy")
+# Columns sealed since site policies and several operators (docs/site-policy.md): a seal written
+# before them does not hold them, and is checked without them.
+SEALED_SINCE_POLICY = frozenset({"started_by", "refused_by", "refusal", "refused_by_policy"})
 
 
 def sealed_run(row: dict[str, Any]) -> str:

@@ -1,9 +1,10 @@
-"""Site kits (``coordinator enroll NAME --kit``): one folder with everything a site's
-administrator needs to run the site's peer daemon.
+"""Site kits (``coordinator enroll --csr NAME.csr --kit``): one folder with everything a site's
+administrator needs to run the site's peer daemon, except the site's private key: the site made
+that itself (``peer init``) and keeps it; the kit holds the certificate the CA issued for it.
 
-Layout of ``enroll NAME --ca PKI --out DIR --kit``::
+Layout of ``enroll --csr NAME.csr --ca PKI --out DIR --kit``::
 
-    DIR/key.pem (0600), cert.pem, ca.pem   the site's identity (``--tls DIR``)
+    DIR/cert.pem, ca.pem                   the site's certificate and the CA's (``peer install-cert DIR``)
     DIR/peer.env                           settings, systemd EnvironmentFile syntax (comments on own lines)
     DIR/fedrelay-peer.service              the systemd unit (== deploy/systemd/fedrelay-peer.service)
     DIR/start-peer.sh                      runs the daemon from peer.env without systemd
@@ -19,13 +20,13 @@ from fedrelay import names
 
 #: The systemd unit; deploy/systemd/fedrelay-peer.service is this text (tests/test_deploy.py).
 PEER_UNIT = r"""# fedrelay peer daemon for one site. Install (as root; a site kit from
-# `coordinator enroll NAME --kit` holds this file, a filled-in peer.env and the TLS files):
+# `coordinator enroll --csr NAME.csr --kit` holds this file, a filled-in peer.env and the certificates):
 #   python3.11 -m venv /opt/fedrelay && /opt/fedrelay/bin/pip install /path/to/fedrelay
 #   useradd --system --home /var/lib/fedrelay fedrelay
 #   install -m 0644 fedrelay-peer.service /etc/systemd/system/
 #   install -D -m 0640 -o root -g fedrelay peer.env.example /etc/fedrelay/peer.env   # then edit it
-#   install -d -m 0750 -o root -g fedrelay /etc/fedrelay/tls
-#   install -m 0640 -o root -g fedrelay site-3.pki/key.pem site-3.pki/cert.pem site-3.pki/ca.pem /etc/fedrelay/tls/
+#   peer init --name site-3 --tls /etc/fedrelay/tls --host HOST   (the site's own key; send site-3.csr to the operator)
+#   peer install-cert site-3.kit --tls /etc/fedrelay/tls && chgrp -R fedrelay /etc/fedrelay/tls && chmod 0750 /etc/fedrelay/tls
 #   sudo -u fedrelay /opt/fedrelay/bin/peer serve --check ...   (see the kit's README.md)
 #   systemctl daemon-reload && systemctl enable --now fedrelay-peer
 # Restart=always restarts it with the same command after a crash or reboot: the daemon then
@@ -158,7 +159,7 @@ FEDRELAY_COORDINATOR={coord}
 FEDRELAY_DEVICE={device}
 # Runs and models; under systemd it must lie under /var/lib/fedrelay (the unit's only writable folder).
 FEDRELAY_STATE_DIR={state_dir}
-# The folder holding key.pem, cert.pem and ca.pem of this kit.
+# The folder holding the site's key.pem (from `peer init`) and this kit's cert.pem and ca.pem.
 FEDRELAY_TLS={tls}
 """
 
@@ -210,12 +211,12 @@ connection, enrol it with `--kit --outbound-only` (or set `FEDRELAY_OUTBOUND_ONL
 `FEDRELAY_ADVERTISE` and a loopback `FEDRELAY_LISTEN`): it then connects out only."""
     return f"""# Site kit for `{name}` (fedrelay)
 
-This folder holds what site `{name}` needs to run its fedrelay peer daemon:
+This folder holds what site `{name}` needs to run its fedrelay peer daemon, except its private
+key: the site made that itself (`peer init`), and it never leaves the site.
 
 | file | what it is |
 |---|---|
-| `key.pem` | the site's private key (mode 0600): keep it secret, never copy it elsewhere |
-| `cert.pem`, `ca.pem` | the site's certificate and the federation's CA certificate |
+| `cert.pem`, `ca.pem` | the site's certificate (for the key `peer init` made here) and the federation's CA certificate |
 | `peer.env` | the daemon's settings (systemd EnvironmentFile syntax: `KEY=VALUE`, comments on their own lines) |
 | `fedrelay-peer.service` | the systemd unit (hardened; GPU devices allowed) |
 | `start-peer.sh` | runs the daemon from `peer.env` on a host without systemd |
@@ -230,8 +231,9 @@ This folder holds what site `{name}` needs to run its fedrelay peer daemon:
     useradd --system --home /var/lib/fedrelay fedrelay
     install -m 0644 fedrelay-peer.service /etc/systemd/system/
     install -D -m 0640 -o root -g fedrelay peer.env /etc/fedrelay/peer.env
-    install -d -m 0750 -o root -g fedrelay /etc/fedrelay/tls
-    install -m 0640 -o root -g fedrelay key.pem cert.pem ca.pem /etc/fedrelay/tls/
+    # the key made by `peer init --name {name} --tls /etc/fedrelay/tls` stays there; add the certificates:
+    peer install-cert . --tls /etc/fedrelay/tls
+    chgrp -R fedrelay /etc/fedrelay/tls && chmod 0750 /etc/fedrelay/tls && chmod 0640 /etc/fedrelay/tls/key.pem
     # edit /etc/fedrelay/peer.env (FEDRELAY_DATA at least), then check it (next section)
     systemctl daemon-reload && systemctl enable --now fedrelay-peer
     journalctl -u fedrelay-peer -f

@@ -69,7 +69,11 @@ CREATE TABLE IF NOT EXISTS runs (
     cancel_reason TEXT,             -- status cancelled: the reason given
     task TEXT, task_version TEXT,   -- the run's task (model: its fedrelay.ModelSpec)
     task_sha256 TEXT,               -- the digest of the task's code every site ran
-    metrics TEXT                    -- JSON {name: value}: the global metrics (fedrelay.scoring)
+    metrics TEXT,                   -- JSON {name: value}: the global metrics (fedrelay.scoring)
+    started_by TEXT,                -- the operator's identity that started the run (or "insecure operator")
+    refused_by TEXT,                -- the site that refused its assignment (the run failed before any transfer)
+    refusal TEXT,                   -- that site's reason
+    refused_by_policy INTEGER NOT NULL DEFAULT 0  -- 1: the site's own policy refused it (peer/policy.py)
 );
 CREATE TABLE IF NOT EXISTS plans (
     run_id TEXT NOT NULL, version INTEGER NOT NULL,
@@ -269,7 +273,8 @@ class Ledger:
                  "receipts": ("route TEXT NOT NULL DEFAULT 'direct'", "relay_wire_bytes INTEGER NOT NULL DEFAULT 0"),
                  "runs": ("rounds INTEGER NOT NULL DEFAULT 1", "schema_sha256 TEXT", "upload_bytes INTEGER",
                           "upload_schema_sha256 TEXT", "cancelled_by TEXT", "cancel_reason TEXT", "task TEXT",
-                          "task_version TEXT", "task_sha256 TEXT", "metrics TEXT"),
+                          "task_version TEXT", "task_sha256 TEXT", "metrics TEXT", "started_by TEXT", "refused_by TEXT",
+                          "refusal TEXT", "refused_by_policy INTEGER NOT NULL DEFAULT 0"),
                  "evaluations": ("metrics TEXT NOT NULL DEFAULT '{}'", "stats TEXT NOT NULL DEFAULT '{}'"),
                  "peers": ("instance TEXT", "tasks TEXT NOT NULL DEFAULT '[]'"),
                  "events": ("prev_hash TEXT NOT NULL DEFAULT ''", "hash TEXT NOT NULL DEFAULT ''",
@@ -465,10 +470,11 @@ class Ledger:
     # -- runs ----------------------------------------------------------------------------------
     def create_run(self, run_id: str, *, strategy: str, arch: str, seed: int, params: dict,
                    chain: list[dict], class_index: list[str], model: dict, warnings: list[str],
-                   insecure: bool, rounds: int = 1, plan: dict | None = None) -> None:
+                   insecure: bool, rounds: int = 1, plan: dict | None = None, started_by: str = "") -> None:
         """Record a new running run and, when given, version 0 of its plan (one transaction).
         ``model``: the run's ``fedrelay.ModelSpec.to_dict()`` (its task, version and digest are
-        also kept in columns of their own); ``arch``: the task's model name."""
+        also kept in columns of their own); ``arch``: the task's model name; ``started_by``: the
+        operator identity that started it."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -476,11 +482,12 @@ class Ledger:
                 self._db.execute(
                     """INSERT INTO runs (run_id, created, status, strategy, arch, seed, params, chain,
                                          class_index, model, warnings, insecure, rounds, task, task_version,
-                                         task_sha256)
-                       VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                                         task_sha256, started_by)
+                       VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                     (run_id, now, strategy, arch, seed, json.dumps(params), json.dumps(chain),
                      json.dumps(class_index), json.dumps(model), json.dumps(warnings), int(insecure), rounds,
-                     model.get("task", ""), model.get("task_version", ""), model.get("task_sha256", "")),
+                     model.get("task", ""), model.get("task_version", ""), model.get("task_sha256", ""),
+                     started_by),
                 )
                 if plan is not None:
                     self._db.execute("INSERT INTO plans (run_id, version, plan, time) VALUES (?, 0, ?, ?)",
@@ -619,6 +626,18 @@ class Ledger:
         why = f": {reason}" if reason else ""
         return self.finish_run(run_id, "cancelled", message=f"run cancelled by {cancelled_by}{why}",
                                cancelled_by=cancelled_by, cancel_reason=reason, reason=reason)
+
+    def refuse_run(self, run_id: str, site: str, reason: str, *, policy: bool) -> bool:
+        """End a running run as failed because ``site`` refused its assignment for ``reason``
+        (``policy``: its own site policy refused it): the run's ``refused_by``, ``refusal`` and
+        ``refused_by_policy`` say so, and the ``failed`` event (site = ``site``) carries them.
+        False (nothing written) when it had already ended."""
+        if self.run(run_id) is None or self.run(run_id)["status"] != "running":
+            return False
+        self.update_run(run_id, refused_by=site, refusal=reason, refused_by_policy=int(policy))
+        error = f"assignment refused by {site}: {'its site policy: ' if policy else ''}{reason}"
+        return self.finish_run(run_id, "failed", error=error, message=f"run failed: {error}", site=site,
+                               refused_by=site, refusal=reason, refused_by_policy=policy)
 
     # -- hops ----------------------------------------------------------------------------------
     def record_hop(self, run_id: str, purpose: str, hop: int, sender: str, receiver: str,

@@ -44,6 +44,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from fedrelay import purpose as purposes
 from fedrelay import wire
 from fedrelay.guard import Guard, Limits
 from fedrelay.metrics import MetricsServer, code_label
@@ -55,7 +56,6 @@ log = logging.getLogger("fedrelay.coordinator")
 
 RECENT_RESULTS = 20  # finished runs whose final metrics are exported (older ones stay in the ledger)
 RUN_STATES = ("running", "finished", "failed", "cancelled")  # always exported, 0 when no run has them
-TRANSFER_PURPOSES = ("chain", "upload", "final")
 
 
 def _caller(context) -> str:
@@ -172,7 +172,7 @@ class _LedgerCollector:
             "resumed_bytes": CounterMetricFamily("fedrelay_coordinator_resumed_bytes", "Bytes that resumed "
                                                  "transfers did not send again.", labels=["purpose"]),
         }
-        for purpose in dict.fromkeys([*TRANSFER_PURPOSES, *sorted(totals)]):
+        for purpose in dict.fromkeys([*purposes.LEDGER_WORDS, *sorted(totals)]):
             row = totals.get(purpose, {})
             for key, family in families.items():
                 family.add_metric([purpose], row.get(key) or 0)

@@ -5,8 +5,10 @@ The coordinator assigns roles and records; it never sits on the chain's path.
 Authorization (mutual TLS; identity = the caller's certificate name, never a message field):
 peers' calls (Register, Report*) only from site identities, each only as itself (``name``,
 ``sender`` or ``site`` must equal the certificate name); operator calls (StartChain, WatchRun,
-GetRun, ListRuns, ListPeers, FetchModel, GetMetrics, StopRun, ForgetPeer) only from the ``operator`` or
-``coordinator`` identity.
+GetRun, ListRuns, ListPeers, FetchModel, GetMetrics, StopRun, ForgetPeer) only from an operator
+identity (``operator``, or ``operator.NAME`` from ``coordinator enroll --operator NAME``) or the
+``coordinator`` identity; the ledger records which operator started (``started_by``) or stopped
+(``cancelled_by``) each run.
 Refusals are PERMISSION_DENIED. Under TLS every report and evaluation must also be signed by the
 reporting site's key (``coordinator/signatures.py``; the ledger keeps the signed records for
 ``coordinator audit``). On an insecure (plaintext) coordinator there are no identities
@@ -29,18 +31,23 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, checks, names, params as run_params, registry, text, wire
+from fedrelay import __version__, checks, names, params as run_params, registry, signing, text, wire
 from fedrelay.coordinator.ledger import TERMINAL, Ledger, LedgerConflict
 from fedrelay.coordinator import evaluation
 from fedrelay.coordinator.events import EventHub
 from fedrelay.coordinator.monitoring import CoordinatorMonitor
 from fedrelay.health import COORDINATOR_SERVICE, Health
 from fedrelay.coordinator.live import LiveState
-from fedrelay.coordinator.plan import (FINAL, HOP, UPLOAD, Plan, PlanError, Transfer, chain_plan, pick_aggregator,
-                                       replan, star_plan)
-from fedrelay.coordinator.planner import PeerInfo, plan_chain
+from fedrelay.coordinator.plan import (PeerInfo, Plan, PlanError, Transfer, chain_plan, choose_sites,
+                                       pick_aggregator, replan, star_plan)
+from fedrelay.coordinator import relay_bounds
+from fedrelay.coordinator.progress_limit import ProgressLimit
 from fedrelay.coordinator.relay import RelayService
-from fedrelay.coordinator import forgotten, replies
+from fedrelay.coordinator.relay_bounds import Permit
+from fedrelay.coordinator.relay_permits import RelayPermits
+from fedrelay.coordinator.revocations import RevocationRefused, Revocations
+from fedrelay.coordinator import forgotten, replies, site_policy
+from fedrelay import purpose as purposes
 from fedrelay.coordinator.signatures import Signatures
 from fedrelay.coordinator.tunnel import Tunnels
 from fedrelay.final_model import MODEL_SPEC_METADATA
@@ -57,10 +64,6 @@ RELAY_NOTICE_RETRY = 30.0  # seconds before a relay notice is sent again while t
 DEFAULT_PEER_TIMEOUT = 120.0  # seconds a site may go without a heartbeat before it is routed around
 CLAIM_PROBE_TIMEOUT = 3.0  # seconds the coordinator waits for the registered daemon of a name claimed anew
 INSECURE_OPERATOR = "insecure operator"  # who cancelled a run, on a plaintext coordinator
-PURPOSES = {common_pb2.CHAIN_HOP: "chain", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}  # wire -> ledger
-PLAN_PURPOSE = {"chain": HOP, "final": FINAL, "upload": UPLOAD}  # ledger -> plan
-PLAN_PURPOSE_WIRE = {v: k for k, v in PURPOSES.items()}  # ledger -> wire
-PURPOSE_ERROR = "purpose must be CHAIN_HOP, UPLOAD or FINAL_MODEL"
 
 
 def new_run_id() -> str:
@@ -77,6 +80,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # Signed records (coordinator/signatures.py): the sites' reports and evaluations are
         # verified before the ledger keeps them; each ended run's seal is signed with our key.
         self.signatures = Signatures(transport)
+        # Revoked sites and the revocation list this coordinator publishes (coordinator/revocations.py).
+        self.revocations = Revocations(ledger, transport)
         ledger.sealer = self.signatures.seal
         if peer_timeout <= 0:
             raise ValueError("--peer-timeout must be > 0 seconds")
@@ -103,6 +108,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # The relay: this coordinator's own (``relay_dir``; None: none), or the operator's at
         # ``relay`` (HOST:PORT), which RegisterReply names to the sites.
         self.relay_address = relay
+        self.relay_permits = RelayPermits(ledger, self._planned, self._plan, self._peer)  # coordinator/relay_permits.py
         self.relay = RelayService(relay_dir, authorize=self._relay_authorize) if relay_dir is not None and not relay else None
         # Relayed transfers whose receiver has not attested yet: key -> (notice, monotonic time of the next try).
         self._relay_notices: dict[tuple[str, str, int, str], list] = {}
@@ -110,6 +116,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._receipts = threading.Condition()  # notified by every receipt (evaluation waits for relayed copies)
         # Chain hops whose outbound-only receiver was told to prepare on its sender's behalf: (run, hop).
         self._prepared: set[tuple[str, int]] = set()
+        # Progress reports per run member, rate-limited (a token bucket each).
+        self.progress_limit = ProgressLimit()
+        ledger.on_run_ended.append(lambda run_id, status, error: self.progress_limit.forget(run_id))
 
     # -- authorization ---------------------------------------------------------------------------
     def _as_site(self, context, claimed: str) -> None:
@@ -117,16 +126,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         who = wire.caller_identity(context)
         if who is None:
             return
-        if who in (wire.COORDINATOR_IDENTITY, wire.OPERATOR_IDENTITY):
+        if who == wire.COORDINATOR_IDENTITY or wire.is_operator(who):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the {who} identity cannot act as a site")
         if who != claimed:
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"certificate identity {who!r} cannot register or report as {claimed!r}")
 
     def _as_operator(self, context) -> None:
-        """Abort with PERMISSION_DENIED unless the caller is the operator or coordinator (TLS only)."""
+        """Abort with PERMISSION_DENIED unless the caller is an operator (``operator`` or
+        ``operator.NAME``) or the coordinator (TLS only)."""
         who = wire.caller_identity(context)
-        if who is not None and who not in (wire.OPERATOR_IDENTITY, wire.COORDINATOR_IDENTITY):
+        if who is not None and who != wire.COORDINATOR_IDENTITY and not wire.is_operator(who):
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"{who!r} is a site identity; only the operator may call this")
 
@@ -187,7 +197,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if request.instance:
             self.ledger.set_peer_instance(request.name, request.instance)
         return cpb.RegisterReply(version=__version__, heartbeat_seconds=self.heartbeat_period(),
-                                 relay=self.relay_address)
+                                 relay=self.relay_address, crl_number=self.revocations.list.number,
+                                 revoked_sites=len(self._revoked_sites()))
 
     def heartbeat_period(self) -> int:
         """Seconds between a site's heartbeats, told in every ``RegisterReply``: 10 (at most a
@@ -297,15 +308,30 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._end_retry.pop(key, None)
 
     # -- the relay --------------------------------------------------------------------------------
-    def _relay_authorize(self, run_id: str, purpose: int, index: int, sender: str, receiver: str) -> None:
-        """The coordinator's relay carries only transfers of a running run's plan (any version).
-        Raises ``PermissionError``."""
-        run = self.ledger.run(run_id)
-        if run is None or run["status"] != "running":
-            raise PermissionError(f"run {run_id!r} is not running")
-        word = PURPOSES.get(purpose)
-        if word is None or self._planned(run_id, word, index, sender, receiver) is None:
-            raise PermissionError(f"{sender} -> {receiver} is not transfer {index} of run {run_id}'s plan")
+    def _relay_authorize(self, run_id: str, purpose: int, index: int, sender: str, receiver: str) -> Permit:
+        """The coordinator's relay carries only transfers of a running run's plan (any version),
+        within their permit (``coordinator/relay_permits.py``). Raises ``PermissionError`` or
+        ``relay_bounds.CapUnknown``."""
+        return self.relay_permits.permit(run_id, purpose, index, sender, receiver)
+
+    def GrantRelay(self, request: cpb.RelayGrantRequest, context) -> common_pb2.RelayGrant:
+        """A planned sender's leave to send a transfer through the operator's relay: the
+        coordinator's signed grant (``coordinator/relay_bounds.py``). Mutual TLS only."""
+        names.check_run_id(request.run_id)
+        names.check_site_name(request.receiver, "receiver")
+        names.check_hop(request.index, "index")
+        who = wire.caller_identity(context)
+        if who is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "relay grants need mutual TLS")
+        self._as_site(context, who)
+        try:
+            permit = self.relay_permits.permit(request.run_id, request.purpose, request.index, who, request.receiver)
+        except PermissionError as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except relay_bounds.CapUnknown as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return relay_bounds.issue_grant(signing.signer_for(self.transport), request.run_id, request.purpose,
+                                        request.index, who, request.receiver, permit)
 
     def _owe_relay_notice(self, run_id: str, purpose: int, index: int, sender: str, receiver: str,
                           relay: str, sealed_bytes: int, sealed_sha256: str) -> None:
@@ -313,7 +339,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         notice = peer_pb2.RelayNotice(run_id=run_id, purpose=purpose, index=index, sender=sender,
                                       relay=self.relay_address, sealed_bytes=sealed_bytes, sealed_sha256=sealed_sha256)
         with self._relay_lock:
-            self._relay_notices[(run_id, PURPOSES[purpose], index, receiver)] = [notice, 0.0]
+            self._relay_notices[(run_id, purposes.ledger_of_wire(purpose), index, receiver)] = [notice, 0.0]
 
     def _send_relay_notices(self) -> None:
         """Tell the receivers of relayed transfers that their envelope waits (``Peer.RelayReady``),
@@ -343,8 +369,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         with self._relay_lock:
             ended = {k for k in self._prepared if (r := self.ledger.run(k[0])) is None or r["status"] in TERMINAL}
             self._prepared -= ended
+        for run_id in self.relay_permits.runs():
+            if (r := self.ledger.run(run_id)) is None or r["status"] in TERMINAL:
+                self.relay_permits.forget(run_id)
         if self.relay is None:
             return
+        self.relay.sweep()  # what was never fetched expires
         for run_id in self.relay.runs():
             run = self.ledger.run(run_id)
             if run is None or run["status"] in TERMINAL:
@@ -391,7 +421,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         transfer made before a reroute dropped it is still a planned one (its report may come
         after the reroute). A dict lookup per version, whatever the number of sites."""
         for version in reversed(self.ledger.plans(run_id)):
-            t = self._parsed(run_id, version)[1].get((PLAN_PURPOSE[purpose], index, sender, receiver))
+            t = self._parsed(run_id, version)[1].get((purposes.from_ledger(purpose), index, sender, receiver))
             if t is not None:
                 return t
         return None
@@ -446,9 +476,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.ledger.add_event(request.run_id, "state", f"ignored a hop report from {request.sender} "
                                   "(routed around)", site=request.sender)
             return cpb.ReportReply(duplicate=True)
-        purpose = PURPOSES.get(request.purpose)
+        purpose = purposes.ledger_of_wire(request.purpose)
         if purpose is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, PURPOSE_ERROR)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, purposes.WIRE_ERROR)
         t = self._check_report(run, purpose, request.hop, request.sender, request.receiver,
                                request.payload_bytes, context)
         record = self.signatures.report(request, context, request.sender)
@@ -503,9 +533,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._site_in_run(run, request.receiver, context)
         if run["status"] == "cancelled":
             return cpb.ReportReply(duplicate=True)  # the run was stopped: nothing more is recorded
-        purpose = PURPOSES.get(request.purpose)
+        purpose = purposes.ledger_of_wire(request.purpose)
         if purpose is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, PURPOSE_ERROR)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, purposes.WIRE_ERROR)
         self._check_report(run, purpose, request.hop, request.sender, request.receiver, request.payload_bytes, context)
         record = self.signatures.report(request, context, request.receiver)
         try:
@@ -538,6 +568,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._site_in_run(run, request.site, context)
         if run["status"] == "cancelled":
             return cpb.ReportReply(duplicate=True)  # the run was stopped: nothing more is recorded
+        if not self.progress_limit.admit(request.run_id, request.site):
+            return cpb.ReportReply(duplicate=True)  # over this member's rate (coordinator/progress_limit.py)
         if request.kind == "epoch":
             val = request.val_accuracy if request.val_accuracy >= 0 else None
             with self.ledger.batch():  # the metric and its event: one commit
@@ -699,9 +731,23 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         threading.Thread(target=loop, name="route-monitor", daemon=True).start()
 
     def _dead(self, names: list[str]) -> set[str]:
+        """The sites of ``names`` to route around: no heartbeat for more than ``peer_timeout``,
+        or revoked (``coordinator revoke``)."""
         now = time.time()
         seen = self.ledger.last_seen()
-        return {n for n in names if now - seen.get(n, 0) > self.peer_timeout}
+        revoked = self._revoked_sites()
+        return {n for n in names if now - seen.get(n, 0) > self.peer_timeout or n in revoked}
+
+    def _revoked_sites(self) -> dict:
+        """The sites revoked now (``Revocations.current``: not enrolled anew since)."""
+        return self.revocations.current(self._certificates)
+
+    def _down_reason(self, name: str) -> str:
+        """Why ``name`` is routed around (its revocation, else its silence)."""
+        revoked = self._revoked_sites().get(name)
+        if revoked is not None:
+            return f"certificate {revoked.describe()}"
+        return f"no heartbeat for more than {self.peer_timeout:.0f} s"
 
     def check_route(self, run_id: str) -> list[str]:
         """Route a running run around sites that stayed down; returns the sites newly skipped.
@@ -742,14 +788,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if not set(order) - skipped - skip:
             self._fail(run_id, "every site of the chain is unreachable")
             return []
-        reason = f"no heartbeat for more than {self.peer_timeout:.0f} s"
         new = replan(order, run["rounds"], plan, skipped | skip, resume)
-        version = self.ledger.reroute(run_id, new.to_json(), [(n, reason) for n in sorted(skip)])
+        version = self.ledger.reroute(run_id, new.to_json(), [(n, self._down_reason(n)) for n in sorted(skip)])
         if version is None:
             return []
         for name in sorted(skip):
-            self.ledger.add_event(run_id, "skip", f"{name} unreachable for more than {self.peer_timeout:.0f} s: "
-                                  "routed around it", site=name)
+            self.ledger.add_event(run_id, "skip", f"{name}: {self._down_reason(name)}: routed around it", site=name)
         self._queue_reroutes(run, plan, new, version)
         return sorted(skip)
 
@@ -760,19 +804,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         evaluated. The aggregator gets the new part of the plan at once (``Peer.Reroute``)."""
         run_id = run["run_id"]
         if plan.aggregator in dead:
-            self._fail(run_id, f"the aggregating site {plan.aggregator} is unreachable (no heartbeat for more "
-                               f"than {self.peer_timeout:.0f} s)", site=plan.aggregator)
+            self._fail(run_id, f"the aggregating site {plan.aggregator} is out of the run "
+                               f"({self._down_reason(plan.aggregator)})", site=plan.aggregator)
             return []
         skip = dead - skipped
         received = {h["sender"] for h in self.ledger.hops(run_id, "upload")}
         new = star_plan(order, plan.aggregator, skipped | skip, received)
-        reason = f"no heartbeat for more than {self.peer_timeout:.0f} s"
-        version = self.ledger.reroute(run_id, new.to_json(), [(n, reason) for n in sorted(skip)])
+        version = self.ledger.reroute(run_id, new.to_json(), [(n, self._down_reason(n)) for n in sorted(skip)])
         if version is None:
             return []
         for name in sorted(skip):
             held = " (its upload arrived and stays in the final model)" if name in received else ""
-            self.ledger.add_event(run_id, "skip", f"{name} unreachable for more than {self.peer_timeout:.0f} s: "
+            self.ledger.add_event(run_id, "skip", f"{name}: {self._down_reason(name)}: "
                                   f"the aggregator no longer waits for it{held}", site=name)
         self._queue_reroutes(run, plan, new, version)
         return sorted(skip)
@@ -873,7 +916,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 for purpose in ("chain", "upload", "final"):
                     for h in self.ledger.hops(run_id, purpose):
                         if h["route"] == "relayed" and h["receipt"] is None:
-                            self._owe_relay_notice(run_id, PLAN_PURPOSE_WIRE[purpose], h["hop"], h["sender"],
+                            self._owe_relay_notice(run_id, purposes.wire_of_ledger(purpose), h["hop"], h["sender"],
                                                    h["receiver"], h["relay"], h["sealed_bytes"], h["sealed_sha256"])
                 if run["final_sha256"]:
                     self._submit_evaluation(run_id)
@@ -973,7 +1016,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             run_params.check(params)  # once, completely, before anything is written
             run_params.check_rounds(rounds)
-            chosen = plan_chain(peers, names=list(request.peers) or None, order=request.order or "random",
+            chosen = choose_sites(peers, names=list(request.peers) or None, order=request.order or "random",
                                 seed=request.seed, task=request.task, model=request.model,
                                 task_sha256=request.task_sha256)
             plan = self._new_plan(params["strategy"], chosen.names, rounds, request.aggregator, request.seed)
@@ -992,17 +1035,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "peers not reachable: " + "; ".join(unreachable))
         run_id = new_run_id()
+        operator = wire.caller_identity(context) or ""  # told to each site: its policy may check it
+        started_by = operator or INSECURE_OPERATOR
         chain = [{"name": p.name, "address": p.address} for p in chosen.order]
         self.ledger.create_run(run_id, strategy=params["strategy"], arch=chosen.model.model, seed=request.seed,
                                params=params, chain=chain, class_index=chosen.class_index,
                                model=chosen.model.to_dict(),
-                               warnings=chosen.warnings, insecure=self.insecure, rounds=rounds, plan=plan.to_json())
+                               warnings=chosen.warnings, insecure=self.insecure, rounds=rounds, plan=plan.to_json(),
+                               started_by=started_by)
         cycles = f", {rounds} rounds ({len(plan.hops)} hops)" if rounds > 1 else ""
         shape = (f"{len(chain)} sites in parallel, aggregated at {plan.aggregator}: {', '.join(chosen.names)}"
                  if plan.aggregator else f"{len(chain)} sites{cycles}: {' -> '.join(chosen.names)}")
         self.ledger.add_event(run_id, "started", f"run {run_id}: {params['strategy']} over {shape}; task "
                               f"{chosen.model.task} {chosen.model.task_version} (code SHA-256 "
-                              f"{chosen.model.task_sha256[:12]}…), model {chosen.model.model}",
+                              f"{chosen.model.task_sha256[:12]}…), model {chosen.model.model}; started by {started_by}",
+                              started_by=started_by,
                               order=chosen.names, rounds=rounds, aggregator=plan.aggregator, task=chosen.model.task,
                               task_version=chosen.model.task_version, task_sha256=chosen.model.task_sha256)
         self.monitor.run_started(run_id, params["strategy"], chosen.names, plan.aggregator, context)
@@ -1018,18 +1065,25 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         positions = list(reversed(range(n)))
         if plan.aggregator:
             positions.sort(key=lambda pos: chosen.names[pos] != plan.aggregator)
+        assignments = {pos: peer_pb2.Assignment(
+            run_id=run_id, position=pos, chain_length=n, seed=request.seed, params=request.params,
+            model=spec, class_index=chosen.class_index, site=chosen.names[pos], order=chosen.names, rounds=rounds,
+            aggregator=plan.aggregator, operator=operator, **plan.part_pb(chosen.names[pos], address))
+            for pos in positions}
+        # Every site's own policy first, before any site keeps or starts anything.
+        refusal = site_policy.first_refusal(((chosen.names[pos], self._peer(chosen.order[pos]), assignments[pos])
+                                             for pos in positions), timeout=wire.CONTROL_TIMEOUT)
+        if refusal is not None:
+            self.ledger.refuse_run(run_id, *refusal, policy=True)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.ledger.run(run_id)["error"])
         for pos in positions:
-            site = chosen.names[pos]
-            a = peer_pb2.Assignment(
-                run_id=run_id, position=pos, chain_length=n, seed=request.seed, params=request.params,
-                model=spec, class_index=chosen.class_index, site=site, order=chosen.names, rounds=rounds,
-                aggregator=plan.aggregator, **plan.part_pb(site, address))
+            site, a = chosen.names[pos], assignments[pos]
             try:
                 self._peer(chosen.order[pos]).Assign(a, timeout=wire.CONTROL_TIMEOUT)
             except grpc.RpcError as exc:
-                error = f"assignment refused by {site}: {wire.status_message(exc)}"
-                self._fail(run_id, error, site=site)
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
+                reason, by_policy = wire.assignment_refusal(exc)
+                self.ledger.refuse_run(run_id, site, reason, policy=by_policy)
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.ledger.run(run_id)["error"])
         self.ledger.add_event(run_id, "assigned", "every site has its assignment")
         return cpb.StartChainReply(run_id=run_id, order=chosen.names, warnings=chosen.warnings)
 
@@ -1041,6 +1095,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         peers = self.ledger.peers()
         now = time.time()
         stale = {p["name"]: now - (p["last_seen"] or 0) for p in peers if now - (p["last_seen"] or 0) > self.peer_timeout}
+        revoked = self._revoked_sites()
+        if revoked:
+            bad = [n for n in named if n in revoked]
+            if bad:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "revoked sites cannot take part in a run: " + ", ".join(
+                    f"{n} ({revoked[n].describe()})" for n in bad))
+            left = sorted(p["name"] for p in peers if p["name"] in revoked)
+            if left and not named:
+                warnings.append(f"left out {len(left)} revoked site(s): {', '.join(left)}")
+            peers = [p for p in peers if p["name"] not in revoked]
         if named:
             bad = [n for n in named if n in stale]
             if bad:
@@ -1132,11 +1196,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 last_seen=p["last_seen"] or 0,
                 tasks=[Offer.from_dict(o).to_pb() for o in p["tasks"]], **self._liveness(p),
                 outbound_only=not p["address"],
-                connected=not p["address"] and self.tunnels.get(p["name"]) is not None))
+                connected=not p["address"] and self.tunnels.get(p["name"]) is not None,
+                revocation=self._revocation_pb(p["name"])))
 
         peers, more = replies.page((record(p) for p in self.ledger.peers() if p["name"] > request.after),
                                    lambda r: r.ByteSize())
         return cpb.ListPeersReply(peers=peers, next_after=peers[-1].name if more else "")
+
+    def _revocation_pb(self, name: str) -> cpb.CrlEntry | None:
+        revoked = self._revoked_sites().get(name)
+        return Revocations.entry_pb(revoked) if revoked is not None else None
 
     def _liveness(self, peer: dict) -> dict:
         """PeerRecord's liveness fields: live (heard from within --peer-timeout), age_seconds
@@ -1240,6 +1309,39 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         log.info("forgot peer %s (was registered at %s)", request.name, peer["address"])
         return cpb.ForgetPeerReply(name=request.name, address=peer["address"])
 
+    # -- revocation -------------------------------------------------------------------------------
+    def Revoke(self, request: cpb.RevocationRequest, context) -> cpb.RevocationReply:
+        """Record and publish a site's revocation (``coordinator/revocations.py``), then route
+        its running runs around it (each gets a ``revoked`` event). Aborts INVALID_ARGUMENT for
+        a list that is not usable, FAILED_PRECONDITION on a plaintext coordinator."""
+        names.check_site_name(request.name, "name")
+        names.check_text(request.reason, "reason", max_chars=1000)
+        self._as_operator(context)
+        who = wire.caller_identity(context) or INSECURE_OPERATOR
+        try:
+            entry = self.revocations.revoke(request.name, list(request.serials), request.crl, who, request.reason)
+        except RevocationRefused as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION if self.insecure else grpc.StatusCode.INVALID_ARGUMENT,
+                          str(exc))
+        tunnel = self.tunnels.get(request.name)
+        if tunnel is not None:
+            self.tunnels.drop(tunnel)
+        runs = [r for r in self.ledger.running_run_ids()
+                if request.name in [c["name"] for c in self.ledger.run(r)["chain"]] and request.name not in self._skipped(r)]
+        for run_id in runs:
+            self.ledger.add_event(run_id, "revoked", f"{request.name}: certificate {entry.describe()}",
+                                  site=request.name, revoked_by=who, reason=request.reason)
+            try:
+                self.check_route(run_id)
+            except Exception:  # noqa: BLE001 - the monitor tries again at its next tick
+                log.exception("routing run %s around revoked %s failed", run_id, request.name)
+        return cpb.RevocationReply(name=request.name, revoked_by=who, revoked_at=entry.revoked_at, runs=runs,
+                                   crl_number=self.revocations.list.number)
+
+    def GetCrl(self, request: cpb.CrlRequest, context) -> cpb.CrlReply:
+        """The newest revocation list and the revoked sites (any authenticated caller)."""
+        return self.revocations.reply(self._certificates)
+
     # -- summaries --------------------------------------------------------------------------------
     def summary(self, run_id: str) -> cpb.RunSummary | None:
         run = self.ledger.run(run_id)
@@ -1255,12 +1357,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             cancelled_by=run["cancelled_by"] or "", cancel_reason=run["cancel_reason"] or "",
             task=run["task"] or "", task_version=run["task_version"] or "", task_sha256=run["task_sha256"] or "",
             model_spec_json=json.dumps(run["model"], sort_keys=True),
+            started_by=run["started_by"] or "", refused_by=run["refused_by"] or "", refusal=run["refusal"] or "",
+            refused_by_policy=bool(run["refused_by_policy"]),
         )
         s.live.extend(now.to_pb() for now in self.live.sites(run))
         plans = self.ledger.plans(run_id)
         plan = Plan.from_json(plans[-1]["plan"]) if plans else None
         skipped = self._skipped(run_id)
         s.skipped.extend(c["name"] for c in run["chain"] if c["name"] in skipped)
+        revoked = self.revocations.names()
+        s.revoked.extend(Revocations.entry_pb(revoked[c["name"]]) for c in run["chain"] if c["name"] in revoked)
         s.contributors.extend(c["name"] for c in run["chain"] if c["name"] not in skipped)
         reported = {}
         for purpose, field in (("chain", s.hops), ("upload", s.uploads), ("final", s.final_transfers)):
@@ -1296,14 +1402,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: threading.Event | None = None,
           stop: threading.Event | None = None, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
           web: str | None = None, metrics_listen: str | None = None, relay_dir: str | Path | None = None,
-          relay: str = "") -> None:
+          relay: str = "", web_hosts: list[str] | tuple[str, ...] = (), operator_listen: str | None = None) -> None:
     """Run the coordinator until ``stop`` is set (or forever), with mutual TLS unless ``transport``
     is insecure (then every run it starts is recorded as insecure), the gRPC health service
     (``fedrelay.health``) and, with ``metrics_listen`` (``HOST:PORT``), Prometheus metrics over
     HTTP (``coordinator/monitoring.py``). ``web``: PORT or HOST:PORT of the live run page
-    (``coordinator.web``; off when None). Raises ``RuntimeError`` if it cannot bind,
-    ``ValueError`` if a TLS identity is not the coordinator's or ``web`` or ``metrics_listen``
-    is malformed.
+    (``coordinator.web``; off when None); ``web_hosts``: extra names its ``Host:`` may carry
+    (``coordinator/http_limits.py``). ``operator_listen``: a second HOST:PORT for the operator's
+    commands, with a connection quota of its own (``docs/limits.md``; best on loopback).
+    Raises ``RuntimeError`` if it cannot bind,
+    ``ValueError`` if a TLS identity is not the coordinator's or ``web``, ``metrics_listen``,
+    ``operator_listen`` or a ``web_hosts`` name is malformed.
 
     The relay (``coordinator/relay.py``) for sites that cannot be reached directly: under mutual
     TLS the coordinator serves it, keeping envelopes in ``relay_dir`` (default: the folder
@@ -1316,12 +1425,20 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
     if relay:
         names.check_address(relay, "--relay")
     wire.check_bindable(listen)  # before the ledger file is created
+    if operator_listen:
+        try:
+            wire.split_hostport(operator_listen)
+        except ValueError as exc:
+            raise ValueError(f"--operator-listen: {exc}") from None
     ledger = Ledger(db)
     if transport.secure and not relay and relay_dir is None:
         relay_dir = Path(db).resolve().parent / "relay"
     service = CoordinatorService(ledger, transport=transport, peer_timeout=peer_timeout,
                                  relay_dir=relay_dir if transport.secure else None, relay=relay)
-    server, port = wire.make_server(listen, transport=transport, guard=service.monitor.guard())
+    guard = service.monitor.guard()
+    guard.watch(service.revocations.list)  # revoked sites' calls refused, those in flight cancelled
+    server, port = wire.make_server(listen, transport=transport, guard=guard,
+                                    also=[operator_listen] if operator_listen else [])
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     if service.relay is not None:
         relay_pb2_grpc.add_RelayServicer_to_server(service.relay, server)
@@ -1331,7 +1448,10 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
     server.start()
     log.info("coordinator %s listening on %s (%s), ledger %s", __version__, wire.with_port(listen, port),
              "mutual TLS" if transport.secure else "INSECURE plaintext", db)
-    page = _start_web(web, service, server, ledger) if web else None
+    if operator_listen:
+        log.info("operator listener on %s (connections of its own)",
+                 wire.with_port(operator_listen, server.also_ports[0]))
+    page = _start_web(web, service, server, ledger, web_hosts) if web else None
     picked = service.recover()
     if picked:
         log.info("picked up %d running run(s) from the ledger: %s", len(picked), ", ".join(picked))
@@ -1353,13 +1473,13 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
         ledger.close()
 
 
-def _start_web(web: str, service: CoordinatorService, server: grpc.Server, ledger: Ledger):
+def _start_web(web: str, service: CoordinatorService, server: grpc.Server, ledger: Ledger, hosts=()):
     """The live run page on ``web``; when it cannot start, the gRPC server and ledger are closed
     before the error propagates."""
     from fedrelay.coordinator.web import start_web
 
     try:
-        return start_web(web, service)
+        return start_web(web, service, hosts=hosts)
     except BaseException:
         server.stop(grace=0).wait()
         service.close()

@@ -19,8 +19,9 @@ Logs of every process are in ``<workdir>/logs``; the ledger is ``<workdir>/ledge
 site's state dir (received, pool and outgoing models) is ``<workdir>/state/<site>``.
 
 Every channel uses mutual TLS: the launcher makes a fresh PKI in ``<workdir>/pki`` with the real
-CLI (``coordinator init-ca``, then ``coordinator enroll <site>`` per site into
-``<workdir>/pki/sites/<site>``). ``--insecure`` runs everything in plaintext instead.
+CLI (``coordinator init-ca``; then, per site, ``peer init`` makes the site's own key and request
+in ``<workdir>/pki/sites/<site>`` and ``coordinator enroll --csr`` signs the request: no key is
+made by the operator). ``--insecure`` runs everything in plaintext instead.
 """
 
 from __future__ import annotations
@@ -185,23 +186,28 @@ class LocalTrial:
         return Transport.insecure() if self.insecure else Transport.from_dir(self.pki / identity)
 
     def make_pki(self) -> None:
-        """A fresh CA and identities, through the real CLI (init-ca, enroll per site)."""
+        """A fresh CA and identities, through the real CLI: init-ca; per site, the site's own key
+        and request (``peer init``), signed by the CA (``coordinator enroll --csr``)."""
         shutil.rmtree(self.pki, ignore_errors=True)
         def hosts(name: str) -> list[str]:
             names = dict.fromkeys(("localhost", "127.0.0.1", self.addresses[name].rsplit(":", 1)[0]))
             return [arg for h in names for arg in ("--host", h)]
 
-        def run(step: list[str]) -> None:
-            res = subprocess.run([_tool("coordinator"), *step], env=self.env, capture_output=True, text=True)
+        def run(step: list[str], tool: str = "coordinator") -> None:
+            res = subprocess.run([_tool(tool), *step], env=self.env, capture_output=True, text=True)
             if res.returncode != 0:
-                raise RuntimeError(f"coordinator {' '.join(step)} failed: {res.stderr.strip()}")
+                raise RuntimeError(f"{tool} {' '.join(step)} failed: {res.stderr.strip()}")
+
+        def enrol(n: str) -> None:  # what the site does, then what the operator does
+            run(["init", "--name", n, "--tls", str(self.site_tls(n)), *hosts(n)], tool="peer")
+            run(["enroll", "--csr", str(self.site_tls(n) / f"{n}.csr"), "--ca", str(self.pki),
+                 "--out", str(self.site_tls(n))])
 
         run(["init-ca", "--out", str(self.pki), *hosts("coordinator")])
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:  # 100 sites: in parallel
-            list(pool.map(run, [["enroll", n, "--ca", str(self.pki), "--out", str(self.site_tls(n)), *hosts(n)]
-                                for n in self.names]))
+            list(pool.map(enrol, self.names))
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)

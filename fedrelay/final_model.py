@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from pathlib import Path
+
+from fedrelay import safetensors_header
 
 PREFIX = "fedrelay."
 # gRPC metadata key of the coordinator's FetchModel reply: the run's ModelSpec as JSON
@@ -50,18 +51,10 @@ class ModelFileError(ValueError):
 
 def _split(data: bytes) -> tuple[dict, bytes]:
     """safetensors bytes -> (header dict, the tensor data after the header)."""
-    if len(data) < 8:
-        raise ModelFileError("not a safetensors file (shorter than 8 bytes)")
-    (length,) = struct.unpack("<Q", data[:8])
-    if length > len(data) - 8:
-        raise ModelFileError("not a safetensors file (its header length exceeds the file)")
     try:
-        header = json.loads(data[8:8 + length])
-    except ValueError as exc:
-        raise ModelFileError(f"not a safetensors header: {exc}") from None
-    if not isinstance(header, dict):
-        raise ModelFileError("not a safetensors header (not a JSON object)")
-    return header, data[8 + length:]
+        return safetensors_header.split(data)
+    except safetensors_header.HeaderError as exc:
+        raise ModelFileError(str(exc)) from None
 
 
 def with_metadata(data: bytes, metadata: dict[str, str]) -> bytes:
@@ -74,9 +67,7 @@ def with_metadata(data: bytes, metadata: dict[str, str]) -> bytes:
     meta = dict(header.get("__metadata__") or {})
     meta.update({str(k): str(v) for k, v in metadata.items()})
     header["__metadata__"] = meta
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    return struct.pack("<Q", len(head)) + head + body
+    return safetensors_header.join(header, body)
 
 
 def describe(*, spec: dict, class_names, run_id: str, strategy: str, final_sha256: str) -> dict[str, str]:
@@ -101,17 +92,10 @@ def read_metadata(path: str | Path) -> dict:
     taken from a site's state dir: fetch it with ``coordinator fetch-model``), ``OSError`` if
     it cannot be read."""
     path = Path(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ModelFileError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (length,) = struct.unpack("<Q", head)
-        if length > 100 << 20:
-            raise ModelFileError(f"{path}: not a safetensors file (a header of {length} bytes)")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as exc:
-            raise ModelFileError(f"{path}: not a safetensors file: {exc}") from None
+    try:
+        header = safetensors_header.read_header(path)
+    except safetensors_header.HeaderError as exc:
+        raise ModelFileError(f"{path}: {exc}") from None
     meta = (header.get("__metadata__") or {}) if isinstance(header, dict) else {}
     if PREFIX + "arch" in meta and PREFIX + "task" not in meta:  # written before tasks existed
         try:

@@ -10,10 +10,13 @@ one on every server) that wraps every method:
   name) and per (identity, method). A site may hold ``per_caller`` calls at once, at most
   ``per_method`` of one method (``method_bounds`` overrides: ``Peer.Handoff`` may use the
   caller's whole share), and all sites together at most ``shared`` calls. The ``coordinator``
-  and ``operator`` identities (``privileged``) may hold ``privileged_per_caller`` calls each,
+  and operator identities (``privileged``, and every ``operator.NAME``) may hold ``privileged_per_caller`` calls each,
   ``privileged_total`` together, outside the sites' share. The numbers add up to fewer than the
   pool's workers: admitted calls never fill the pool, and a refusal never waits for a worker.
   A call over a bound is refused at once: RESOURCE_EXHAUSTED.
+- **Connections per identity**: a site identity may make calls on at most
+  ``per_identity_connections`` connections within the idle window
+  (``fedrelay.limits.IdentityConnections``); a call on one more is refused (RESOURCE_EXHAUSTED).
 - **A deadline for the first request message** (``first_message_timeout`` seconds): the request
   of a unary call, the first message of a stream (a handoff's header). A call that sends none in
   time is refused (DEADLINE_EXCEEDED) and its worker freed. (Unary methods are served as
@@ -29,6 +32,12 @@ one on every server) that wraps every method:
   K refusal lines ...") once the window is over (written with the caller's next refusal or the
   next refusal of anyone, or by :meth:`RefusalLog.flush`).
 
+- **Revoked certificates** (``revocations``, a :class:`fedrelay.revocation.RevocationList`): a
+  call whose client certificate's serial is on the federation's revocation list is refused
+  (PERMISSION_DENIED, saying who revoked it and when), before any bound is counted; when a new
+  list revokes a certificate, the calls it has in flight are cancelled (a revoked site's running
+  transfers and control stream stop at once).
+
 On a plaintext server (``--insecure``) there are no identities: the per-caller bounds do not
 apply (only ``shared``, the deadline and the rest); the log names the caller's address.
 """
@@ -43,6 +52,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from fedrelay import limits as limits_mod
 from fedrelay import names, wire
 
 log = logging.getLogger("fedrelay.guard")
@@ -75,6 +85,9 @@ class Limits:
     long_lived: frozenset[str] = frozenset()
     log_lines: int = 10
     log_window: float = 60.0
+    # Connections one site identity may make calls on within the idle window
+    # (``fedrelay.limits.IdentityConnections``; the privileged identities are not bounded).
+    per_identity_connections: int = 64
 
     def __post_init__(self) -> None:
         if self.shared + self.privileged_total > self.max_workers:
@@ -144,16 +157,23 @@ class _Slot:
     """One admitted call of the caller ``label``: released once (the handler returned, or the
     call ended)."""
 
-    __slots__ = ("guard", "keys", "label", "released")
+    __slots__ = ("guard", "keys", "label", "released", "serial", "context")
 
-    def __init__(self, guard: "Guard", keys: tuple, label: str):
+    def __init__(self, guard: "Guard", keys: tuple, label: str, serial: int | None = None, context=None):
         self.guard, self.keys, self.label, self.released = guard, keys, label, False
+        self.serial, self.context = serial, context
 
     def release(self) -> None:
         with self.guard._lock:
             if self.released:
                 return
             self.released = True
+            if self.serial is not None:
+                live = self.guard._live.get(self.serial)
+                if live is not None:
+                    live.discard(self)
+                    if not live:
+                        del self.guard._live[self.serial]
             for key in self.keys:
                 self.guard._counts[key] -= 1
                 if not self.guard._counts[key]:
@@ -179,17 +199,45 @@ class Guard(grpc.ServerInterceptor):
     ``grpc.StatusCode``), also those whose log line the rate limit suppresses: the daemons'
     metrics count refusals with it."""
 
-    def __init__(self, limits: Limits | None = None, on_refusal=None):
+    def __init__(self, limits: Limits | None = None, on_refusal=None, revocations=None):
         self.limits = limits or Limits()
         self.on_refusal = on_refusal
+        self._live: dict[int, set] = {}  # certificate serial -> its admitted calls in flight (_Slot)
+        self.revocations = None
+        if revocations is not None:
+            self.watch(revocations)
         self.refusals = RefusalLog(log, self.limits.log_lines, self.limits.log_window)
         self._lock = threading.Lock()
         self._counts: dict[tuple, int] = {}
         self._cache: dict[str, tuple] = {}
+        self.connections = limits_mod.IdentityConnections(self.limits.per_identity_connections,
+                                                          window=wire.MAX_CONNECTION_IDLE_MS / 1000,
+                                                          exempt=self.limits.privileged)
         # Reads of first messages (each waits at most first_message_timeout, and only admitted
         # calls read, so it never runs out of threads).
         self._readers = futures.ThreadPoolExecutor(max_workers=self.limits.max_workers,
                                                    thread_name_prefix="guard-first-message")
+
+    def watch(self, revocations) -> None:
+        """Enforce ``revocations`` (a ``fedrelay.revocation.RevocationList``): refuse revoked
+        callers, and cancel the calls in flight of every certificate a new list revokes."""
+        self.revocations = revocations
+        revocations.on_change.append(self.cancel_revoked)
+
+    def cancel_revoked(self, _new=None) -> int:
+        """Cancel the calls in flight whose caller's certificate is revoked now; returns how many."""
+        if self.revocations is None:
+            return 0
+        revoked = self.revocations.serials
+        with self._lock:
+            doomed = [slot for serial, slots in self._live.items() if serial in revoked for slot in slots]
+        for slot in doomed:
+            log.warning("cancelled a call in flight of %s: its certificate was revoked", slot.label)
+            try:
+                slot.context.cancel()
+            except Exception:  # noqa: BLE001 - a call that ended meanwhile
+                pass
+        return len(doomed)
 
     def counts(self) -> dict[tuple, int]:
         """Calls in flight: ``("caller", ID)``, ``("method", ID, METHOD)``, ``("shared",)``,
@@ -279,8 +327,16 @@ class Guard(grpc.ServerInterceptor):
     def _admit(self, context, method: str) -> _Slot:
         """Count the call in, or refuse it (RESOURCE_EXHAUSTED) when it is over a bound."""
         who, label = self._caller(context)
+        serial = None
+        if who is not None and self.revocations is not None:
+            pem = (context.auth_context() or {}).get("x509_pem_cert") or []
+            if pem:
+                refused = self.revocations.refused(pem[0])
+                if refused:
+                    self._refuse(context, label, method, grpc.StatusCode.PERMISSION_DENIED, refused)
+                serial = self.revocations.serial_for(pem[0])
         lim = self.limits
-        if who is not None and who in lim.privileged:
+        if who is not None and (who in lim.privileged or wire.is_operator(who)):
             bounds = [(("caller", who), lim.privileged_per_caller, "this identity"),
                       (("privileged",), lim.privileged_total, "the coordinator and operator together")]
         elif who is not None:
@@ -291,6 +347,10 @@ class Guard(grpc.ServerInterceptor):
                 bounds.append((("shared",), lim.shared, "all sites together"))
         else:  # plaintext: no identities
             bounds = [(("shared",), lim.shared, "all callers together")]
+        if who is not None and not self.connections.admit(who, context.peer()):
+            self._refuse(context, label, method, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"too many connections: this identity may make calls on {self.connections.per_identity} "
+                         "connections at once; reuse a channel")
         with self._lock:
             over = next(((limit, what) for key, limit, what in bounds if self._counts.get(key, 0) >= limit), None)
             if over is None:
@@ -299,8 +359,15 @@ class Guard(grpc.ServerInterceptor):
         if over is not None:
             self._refuse(context, label, method, grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"too many calls in flight: {over[1]} may hold {over[0]} at once; retry later")
-        slot = _Slot(self, tuple(key for key, _, _ in bounds), label)
+        slot = _Slot(self, tuple(key for key, _, _ in bounds), label, serial, context)
+        if serial is not None:
+            with self._lock:
+                self._live.setdefault(serial, set()).add(slot)
         context.add_callback(slot.release)  # also when a streamed response is abandoned
+        if serial is not None and self.revocations.is_revoked(serial):  # revoked while it was admitted
+            slot.release()
+            self._refuse(context, label, method, grpc.StatusCode.PERMISSION_DENIED,
+                         self.revocations.refused(pem[0]) or "this certificate was revoked")
         return slot
 
     def _first_message(self, request_iterator, context, method: str, slot):

@@ -227,6 +227,7 @@ def check_assignment(a) -> None:
     check_params(a.params)
     if a.aggregator:
         check_site_name(a.aggregator, "aggregator")
+    check_text(a.operator, "operator", max_chars=200)
 
 
 def check_params(p) -> None:

@@ -1,7 +1,7 @@
 """The one registry of what a run can do: site-side strategies and aggregators.
 
 The CLI's choices, the coordinator's checks and the peer's dispatch all read this table, so a
-strategy is added by writing one module and one entry here (README, "Adding a strategy"). The
+strategy is added by writing one module and one entry here (docs/development.md, "Adding a strategy"). The
 table itself imports nothing heavy (the coordinator and the CLI never import torch); the
 module named by an entry is imported by the peer only when a site runs it (:func:`load`).
 
@@ -43,7 +43,7 @@ CHAIN, STAR = "chain", "star"
 @dataclass(frozen=True)
 class Strategy:
     name: str
-    summary: str    # one line, for --help and README
+    summary: str    # one line, for --help and the docs
     plan: str       # the plan it runs on: "chain" or "star" (coordinator/plan.py)
     module: str     # what the peer imports to run a site's local training
     aggregator: str = ""   # star plans: the aggregator (AGGREGATORS) the aggregating site runs

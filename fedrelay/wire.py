@@ -51,7 +51,7 @@ _OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 HANDSHAKE_TIMEOUT_MS = 10_000  # a connection must finish TLS and HTTP/2 set-up within 10 s
-MAX_CONNECTION_IDLE_MS = 300_000  # a connection with no call for 5 minutes is closed (GOAWAY)
+MAX_CONNECTION_IDLE_MS = 60_000  # a connection with no call for 1 minute is closed (GOAWAY)
 MAX_STREAMS_PER_CONNECTION = 256  # calls at once on one connection (HTTP/2); above the guard's bounds, which do the limiting
 _SERVER_OPTIONS = _OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
@@ -59,6 +59,9 @@ _SERVER_OPTIONS = _OPTIONS + [
     ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
     ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
     ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+    # Identity only: no compressed request is accepted (UNIMPLEMENTED), so a few KiB on the wire
+    # cannot unpack into a large model stream or report (issue 28).
+    ("grpc.compression_enabled_algorithms_bitset", 1),
 ]
 
 
@@ -84,9 +87,23 @@ def transfer_timeout(total_bytes: int) -> float:
 KEY_FILE, CERT_FILE, CA_FILE = "key.pem", "cert.pem", "ca.pem"
 # The Peer methods the coordinator may call over the control stream of a site that only connects
 # out (coordinator/tunnel.py, peer/control.py); site-to-site calls never go that way.
-TUNNELED_METHODS = ("Assign", "Reroute", "EndRun", "Evaluate", "GetStatus", "FetchModel", "RelayReady", "Prepare")
+TUNNELED_METHODS = ("Assign", "Reroute", "EndRun", "Evaluate", "GetStatus", "FetchModel", "RelayReady", "Prepare",
+                    "RelayQuota", "CheckPolicy")
 COORDINATOR_IDENTITY = "coordinator"
 OPERATOR_IDENTITY = "operator"
+# Further operators (``coordinator enroll --operator NAME``): certificate name "operator.NAME".
+# A site's name is one DNS label (no dot), so no site certificate can carry such a name.
+OPERATOR_PREFIX = OPERATOR_IDENTITY + "."
+# How a site's daemon words an assignment its own policy refused (peer/policy.py); the
+# coordinator records such a refusal as the site's policy's (RunSummary.refused_by_policy).
+POLICY_REFUSAL = "refused by this site's policy: "
+
+
+def is_operator(identity: str | None) -> bool:
+    """Whether a certificate name is an operator's: ``operator`` (made by ``init-ca``) or
+    ``operator.NAME`` (``enroll --operator NAME``)."""
+    return bool(identity) and (identity == OPERATOR_IDENTITY or (
+        identity.startswith(OPERATOR_PREFIX) and len(identity) > len(OPERATOR_PREFIX)))
 
 
 class TransportError(ValueError):
@@ -137,7 +154,8 @@ class Transport:
             except OSError as exc:
                 raise TransportError(f"--tls {folder}: cannot read {name} ({exc.strerror}); expected "
                                      f"{KEY_FILE}, {CERT_FILE} and {CA_FILE} as written by "
-                                     "`coordinator init-ca` / `coordinator enroll`") from exc
+                                     "`coordinator init-ca`, or at a site `peer init` then `peer install-cert` (a site "
+                                     "whose cert.pem is missing: its request awaits the operator's signature)") from exc
         try:
             cert = x509.load_pem_x509_certificate(blobs[CERT_FILE])
             x509.load_pem_x509_certificates(blobs[CA_FILE])
@@ -197,7 +215,8 @@ def insecure_channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=_OPTIONS)
 
 
-def make_server(listen: str, transport: Transport = INSECURE, guard=None) -> tuple[grpc.Server, int]:
+def make_server(listen: str, transport: Transport = INSECURE, guard=None, *, also: list[str] | tuple[str, ...] = (),
+                max_connections: int | None = None) -> tuple[grpc.Server, int]:
     """A gRPC server bound to ``listen`` (``HOST:PORT``; port 0 picks a free one), with mutual TLS
     when ``transport`` is secure (daemons always pass theirs; the default is plaintext).
 
@@ -207,27 +226,45 @@ def make_server(listen: str, transport: Transport = INSECURE, guard=None) -> tup
     worker pool has ``guard.limits.max_workers`` threads (started as needed). Connections must
     finish their handshake within ``HANDSHAKE_TIMEOUT_MS``, are closed after
     ``MAX_CONNECTION_IDLE_MS`` without a call, and carry at most ``MAX_STREAMS_PER_CONNECTION``
-    calls at once.
+    calls at once; the process's open-files limit is raised and the listener accepts at most
+    ``fedrelay.limits.max_connections`` connections at once (``fedrelay/limits.py``;
+    ``max_connections`` overrides it).
 
-    Returns (server, bound port). Raises ``RuntimeError`` when the address cannot be bound.
+    ``also``: more addresses (``HOST:PORT``) the same server listens on, each with a quota of
+    connections of its own: the coordinator's operator listener (``--operator-listen``), which
+    connections held on ``listen`` cannot fill. ``server.also_ports`` holds their bound ports.
+
+    Returns (server, bound port of ``listen``). Raises ``RuntimeError`` when an address cannot
+    be bound.
     """
     from concurrent import futures
 
     from fedrelay.guard import Guard
 
+    from fedrelay import limits
+
     guard = guard if guard is not None else Guard()
     check_bindable(listen)
+    # Connections are bounded per listener and by the open-files limit (fedrelay/limits.py).
+    open_files = limits.raise_open_files()
+    connections = max_connections if max_connections is not None else limits.max_connections(open_files)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=guard.limits.max_workers),
-                         interceptors=[guard], options=_SERVER_OPTIONS)
-    try:
-        if transport.secure:
-            port = server.add_secure_port(listen, transport.server_credentials())
-        else:
-            port = server.add_insecure_port(listen)
-    except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ...")
-        raise RuntimeError(f"cannot listen on {listen}: {exc}") from exc
-    if port == 0:
-        raise RuntimeError(f"cannot listen on {listen}: address in use or not available")
+                         interceptors=[guard],
+                         options=_SERVER_OPTIONS + [("grpc.max_allowed_incoming_connections", connections)])
+    ports = []
+    for address in (listen, *also):
+        try:
+            if transport.secure:
+                port = server.add_secure_port(address, transport.server_credentials())
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ...")
+            raise RuntimeError(f"cannot listen on {address}: {exc}") from exc
+        if port == 0:
+            raise RuntimeError(f"cannot listen on {address}: address in use or not available")
+        ports.append(port)
+    port = ports[0]
+    server.also_ports = ports[1:]
     return server, port
 
 
@@ -296,20 +333,17 @@ def schema_digest(path: str | Path) -> str:
     payload) and not only that its bytes match. Raises ``ValueError`` for a file whose header
     is not safetensors."""
     import json
-    import struct
 
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (length,) = struct.unpack("<Q", head)
-        if length > MAX_MESSAGE_BYTES:
-            raise ValueError(f"{path}: safetensors header of {length} bytes is too large")
-        try:
-            header = json.loads(f.read(length))
-            entries = sorted((k, v["dtype"], list(v["shape"])) for k, v in header.items() if k != "__metadata__")
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"{path}: not a safetensors header: {exc}") from None
+    from fedrelay.safetensors_header import HeaderError, read_header
+
+    try:
+        header = read_header(path, limit=MAX_MESSAGE_BYTES)
+    except HeaderError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    try:
+        entries = sorted((k, v["dtype"], list(v["shape"])) for k, v in header.items() if k != "__metadata__")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path}: not a safetensors header: {exc}") from None
     return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -376,6 +410,20 @@ def status_message(exc: grpc.RpcError) -> str:
         return f"{exc.code().name}: {exc.details()}"
     except Exception:  # not a call error with a status
         return str(exc)
+
+
+def assignment_refusal(exc: grpc.RpcError) -> tuple[str, bool]:
+    """(reason, by its policy) of a site's refused ``Peer.Assign``: a refusal of the site's own
+    policy (PERMISSION_DENIED worded with ``POLICY_REFUSAL``) gives the policy's reason and True;
+    anything else ``status_message(exc)`` and False."""
+    message = status_message(exc)
+    try:
+        code, details = exc.code(), exc.details() or ""
+    except Exception:  # not a call error with a status
+        return message, False
+    if code == grpc.StatusCode.PERMISSION_DENIED and details.startswith(POLICY_REFUSAL):
+        return details[len(POLICY_REFUSAL):], True
+    return message, False
 
 
 def speaks_tls(address: str, timeout: float = 2.0) -> bool | None:

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, names, tasks as task_registry, wire
+from fedrelay import __version__, names, revocation, tasks as task_registry, wire
 from fedrelay.guard import Guard
 from fedrelay.health import PEER_SERVICE, Health
 from fedrelay.peer.control import ControlLink
+from fedrelay.peer.policy import SitePolicy
 from fedrelay.peer.node import DEFAULT_RELAY_AFTER, DEFAULT_STALL_TIMEOUT, PeerNode
 from fedrelay.task import DataError
 from fedrelay.tasks.offers import Offer
@@ -108,12 +109,13 @@ def registration(name: str, address: str, offers: list[Offer], device: str, inst
 
 
 def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: threading.Event,
-               refused: list[str] | None = None) -> None:
+               refused: list[str] | None = None, revocations: revocation.RevocationList | None = None) -> None:
     """Register until the coordinator answers, then re-register every heartbeat (this also
     re-registers after a coordinator restart). An unexpected error is logged with its traceback
     and the heartbeat goes on (a silent end would get the site routed around). ALREADY_EXISTS
     (another live daemon serves this site's name) appends the coordinator's message to
-    ``refused`` and sets ``stop``: this daemon must not serve."""
+    ``refused`` and sets ``stop``: this daemon must not serve. A reply naming a revocation list
+    newer than ``revocations``' is fetched and taken (``fedrelay.revocation.follow``)."""
     period = None
     delays = backoff_delays(cap=10.0)
     while not stop.is_set():
@@ -126,6 +128,8 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
                          request.address or "connects out only")
             period = reply.heartbeat_seconds or 10
             delays = backoff_delays(cap=10.0)
+            if revocations is not None:
+                _follow_crl(link, revocations, reply.crl_number, reply.revoked_sites)
             stop.wait(period)
         except grpc.RpcError as exc:
             link.registration_error = wire.status_message(exc)
@@ -149,6 +153,20 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
             stop.wait(next(delays))
 
 
+def _follow_crl(link: CoordinatorLink, revocations: revocation.RevocationList, number: int,
+                revoked_sites: int | None = None) -> None:
+    """Take the coordinator's newest revocation list when it is newer than ours (or revokes
+    another number of sites); a failure is logged and tried again at the next heartbeat."""
+    if not number:
+        return
+    try:
+        revocation.follow(link.stub, revocations, number, revoked_sites, timeout=wire.CONTROL_TIMEOUT)
+    except grpc.RpcError as exc:
+        log.warning("could not fetch the coordinator's revocation list %d: %s", number, wire.status_message(exc))
+    except revocation.CrlError as exc:
+        log.error("the coordinator's revocation list %d was refused: %s", number, exc)
+
+
 def _claim_name(link: CoordinatorLink, request: cpb.RegisterRequest) -> str | None:
     """One registration before the daemon resumes any run: the coordinator's message when it
     refuses the name because another live daemon serves it (ALREADY_EXISTS), else None (also
@@ -168,7 +186,7 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
           deterministic: bool = True, weights_dir: Path | None = None, metrics_listen: str | None = None,
           worker_slots: int = DEFAULT_SLOTS, slots_dir: Path | None = None, outbound_only: bool = False,
           relay_after: float = DEFAULT_RELAY_AFTER, fork_workers: bool = False,
-          tasks: list[str] | None = None) -> None:
+          tasks: list[str] | None = None, crl: Path | None = None, policy: Path | None = None) -> None:
     """Run a peer daemon until ``stop`` is set (or forever), with mutual TLS on every channel
     unless ``transport`` is insecure. ``stall_timeout``: seconds a handoff may send nothing
     before it is dropped. ``deterministic``: on a CUDA device, use deterministic kernels
@@ -189,8 +207,17 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     mutual TLS. ``relay_after``: seconds a receiver with an address may stay unreachable before
     this site sends to it through the relay (0: never; TLS only).
 
+    ``crl``: a certificate revocation list file the operator copied here, reloaded when it
+    changes (``fedrelay.revocation``); the coordinator's newest list comes with the heartbeats
+    anyway, and the list taken last is kept in ``state_dir/crl.der``. Calls from revoked sites
+    are refused and their calls in flight cancelled; nothing is sent to a revoked site.
+
     ``tasks``: offer only these tasks (names, or ``module:attr`` for a task module on the
     daemon's path); None: every task installed here (``fedrelay.tasks``).
+
+    ``policy``: the site's policy file (``peer/policy.py``; docs/site-policy.md) [default:
+    ``state_dir/policy.toml`` when it exists]; it must parse at start-up, and it is read again
+    whenever it changes, at each new assignment.
 
     ``fork_workers``: fork each worker from a template process that imported torch once
     (``peer/forking.py``): a job starts in milliseconds instead of ~3 s of CPU, and the daemon's
@@ -210,6 +237,7 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
         raise ValueError("--stall-timeout must be > 0 seconds")
     check_outbound(outbound_only, advertise, transport, relay_after)
     check_state_dir(Path(state_dir))
+    site_policy = SitePolicy.at(policy, state_dir)  # PolicyError (a ValueError) names the file and key
     if device not in ("auto", "cpu") and not device.startswith("cuda"):
         raise ValueError(f"--device must be auto, cpu or cuda:N, not {device!r}")
     for t in tasks or ():
@@ -239,7 +267,12 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
         raise DataError(f"no task installed at this site can read {data_dir}: " + "; ".join(
             f"{o.name}: {o.error.removeprefix('DataError: ')}" for o in offers))
     log.info("site data checked by a worker in %.1f s (every sample read once); device %s", seconds, device)
-    guard = Guard()
+    try:
+        revocations = revocation.for_daemon(transport, keep=Path(state_dir) / "crl.der" if transport.secure else None,
+                                            crl_file=crl, stop=stop)
+    except revocation.CrlError as exc:
+        raise ValueError(str(exc)) from None
+    guard = Guard(revocations=revocations)
     server, port = wire.make_server(listen, transport=transport, guard=guard)
     address = "" if outbound_only else advertise or wire.with_port(listen, port)
     if address:
@@ -250,7 +283,8 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     link = CoordinatorLink(coordinator, transport)
     node = PeerNode(name, address, offers, Path(state_dir), device, link, transport=transport,
                     stall_timeout=stall_timeout, weights_dir=weights_dir, jobs=pool,
-                    extra_tasks=[t for t in tasks or () if ":" in t])
+                    extra_tasks=[t for t in tasks or () if ":" in t], policy=site_policy)
+    node.revocations = revocations
     node.instance = secrets.token_hex(8)  # this process's id: a second daemon under the same name is refused
     node.relay_after = relay_after
     refused: list[str] = []
@@ -273,7 +307,7 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
         link.close()
         raise RuntimeError(f"not serving: {claim}")
     node.resume()
-    hb = threading.Thread(target=_heartbeat, args=(link, request, stop, refused),
+    hb = threading.Thread(target=_heartbeat, args=(link, request, stop, refused, revocations),
                           name="heartbeat", daemon=True)
     hb.start()
     control = ControlLink(link, servicer, name, node.instance, stop).start() if outbound_only else None

@@ -21,11 +21,13 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, params as run_params, payload, registry, signing, tasks as task_registry, wire
+from fedrelay import purpose as purposes
+from fedrelay import __version__, params as run_params, payload, registry, signing, tasks as task_registry, transfer_bounds, wire
 from fedrelay.task import ModelSpec, SiteData, canonical_json
 from fedrelay.tasks.offers import Offer
 from fedrelay.peer.inbound import InboundStreams, Stream
 from fedrelay.peer.refusals import RefusedStreams
+from fedrelay.peer.policy import POLICY_FILE, SitePolicy
 from fedrelay.peer.monitoring import PeerMetrics
 from fedrelay.peer.reporting import RETRYABLE, CoordinatorLink, Reporter
 from fedrelay.wire import backoff_delays
@@ -40,11 +42,12 @@ from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2, relay_pb2
 
 log = logging.getLogger("fedrelay.peer")
 
-DEFAULT_STALL_TIMEOUT = 60.0  # seconds
-SEAL_OVERHEAD = 64 << 10  # bytes a sealed envelope may add to its payload (header, certificate, GCM tags)
+DEFAULT_STALL_TIMEOUT = transfer_bounds.STALL_TIMEOUT  # seconds
+SEAL_OVERHEAD = transfer_bounds.SEAL_OVERHEAD  # bytes a sealed envelope may add to its payload (header, certificate, GCM tags)
 DEFAULT_RELAY_AFTER = 60.0  # seconds a receiver with an address may stay unreachable before the relay is used
 REROUTE_GRACE = 120.0  # seconds a final-model copy retries a refusal after a reroute (see _deliver)
-PURPOSE_NAMES = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final model", common_pb2.UPLOAD: "upload"}
+# How messages name a transfer's purpose (fedrelay.purpose.said), by its wire value.
+PURPOSE_NAMES = {purposes.to_wire(w): purposes.said(w) for w in purposes.WORDS}
 
 
 class PeerNode:
@@ -63,7 +66,7 @@ class PeerNode:
                  coordinator: CoordinatorLink | None, *, send_deadline: float = 1800.0,
                  start_workers: bool = True, transport: wire.Transport = wire.INSECURE,
                  stall_timeout: float = DEFAULT_STALL_TIMEOUT, weights_dir: Path | None = None, jobs=None,
-                 extra_tasks: list[str] | tuple = ()):
+                 extra_tasks: list[str] | tuple = (), policy: SitePolicy | None = None):
         self.transport = transport
         # Initial-weights files this site holds (``--init file``), found by their SHA-256.
         self.weights_dir = Path(weights_dir) if weights_dir is not None else Path(state_dir) / "weights"
@@ -72,6 +75,8 @@ class PeerNode:
         self.extra_tasks = list(extra_tasks)
         self.offers: dict[str, Offer] = {o.name: o for o in _offers(data)}
         self.state_dir = Path(state_dir)
+        # The site's own policy (peer/policy.py): --policy FILE, else STATE_DIR/policy.toml if present.
+        self.policy = policy if policy is not None else SitePolicy(self.state_dir / POLICY_FILE)
         self.device = device
         self.coordinator = coordinator
         self.send_deadline = send_deadline
@@ -93,6 +98,9 @@ class PeerNode:
         self.metrics = PeerMetrics(self)  # Prometheus metrics (peer/monitoring.py)
         self.started = time.time()
         self.instance = ""  # the daemon process's random id (RegisterRequest.instance), set by serve()
+        # The federation's revocation list (fedrelay/revocation.py), set by serve(): nothing goes
+        # to a site the coordinator says is revoked.
+        self.revocations = None
         self._load_runs()
 
     # -- persistence -----------------------------------------------------------------------------
@@ -118,7 +126,8 @@ class PeerNode:
 
     # -- coordinator calls -----------------------------------------------------------------------
     def assign(self, a: peer_pb2.Assignment) -> str:
-        """Accept an assignment (idempotent). Raises ``ValueError`` when it cannot be run here."""
+        """Accept an assignment (idempotent). Raises ``ValueError`` when it cannot be run here,
+        ``PolicyRefusal`` (a ``ValueError``) when a new run is outside the site's policy."""
         if a.site != self.name:
             raise ValueError(f"assignment is for {a.site!r}, this peer is {self.name!r}")
         if not a.run_id or "/" in a.run_id or a.run_id.startswith("."):
@@ -135,6 +144,8 @@ class PeerNode:
         self.check_task(ModelSpec.from_pb(a.model), list(a.class_index))
         params = run_params.to_dict(a.params)
         run_params.check(params)
+        if a.run_id not in self.runs:  # a new run: within this site's policy (raises PolicyRefusal)
+            self.policy.check(a)
         opts = run_params.options(params)
         if opts["init"] == "file":
             self.initial_weights(opts["init_sha256"])  # refuse now, not at the first epoch
@@ -470,10 +481,11 @@ class PeerNode:
             raise LookupError(f"unknown run {run_id!r}")
         if caller is not None and caller not in (sender, wire.COORDINATOR_IDENTITY):
             raise PermissionError(f"certificate identity {caller!r} is not {sender!r}")
-        if not any(t.receiver == self.name and t.sender == sender for t in run.assignment.transfers):
+        planned = [t for t in run.assignment.transfers if t.receiver == self.name and t.sender == sender]
+        if not planned:
             raise PermissionError(f"{sender!r} sends nothing to this site in run {run_id}")
-        if run.ended.is_set() or not self.start_workers:
-            return False
+        if run.ended.is_set() or not self.start_workers or all(run.destination(t).exists() for t in planned):
+            return False  # nothing more to receive from that sender: no worker is held for it
         req, key = self._schema_request(run.assignment)
         prefetch, asked = [], None
         if key not in self._schemas and key not in self._schema_waits:
@@ -487,17 +499,26 @@ class PeerNode:
                     self._schema_waits.pop(key, None)
                     asked.set()
             prefetch = [(req, keep)]
-        started = self.jobs.warm(run_id, prefetch, spec=self._spec(run.assignment))
+        started = self.jobs.warm(run_id, prefetch, spec=self._spec(run.assignment), sender=sender)
         if not started and asked is not None:
             self._schema_waits.pop(key, None)
             asked.set()
         return started
 
+    def relay_quota(self, run_id: str) -> int:
+        """``Peer.RelayQuota``: the largest payload (bytes) this site accepts in run ``run_id``
+        (the relay stores no larger envelope for it). Raises ``LookupError`` (unknown run) or
+        ``ValueError`` (no worker can tell the run's payload schemas)."""
+        run = self.runs.get(run_id)
+        if run is None:
+            raise LookupError(f"unknown run {run_id!r}")
+        return self._payload_cap(run.assignment)
+
     def _payload_cap(self, a: peer_pb2.Assignment) -> int:
         """Largest payload accepted for a run: 4 x (the model's tensor bytes + the aggregator's
-        extra tensors' bytes) + 1 MiB of header."""
+        extra tensors' bytes) + 1 MiB of header (``fedrelay.limits.payload_cap``)."""
         schemas = self._schemas_of(a)
-        return 4 * (payload.payload_bytes(schemas["model"]) + payload.payload_bytes(schemas["extras"])) + (1 << 20)
+        return transfer_bounds.payload_cap(payload.payload_bytes(schemas["model"]) + payload.payload_bytes(schemas["extras"]))
 
     def _check_model_bytes(self, a: peer_pb2.Assignment, data: bytes, purpose: int) -> None:
         """Parse a payload with safetensors' numpy API and check it against its schema before
@@ -807,16 +828,22 @@ class PeerNode:
                 log.info("run %s: %s to %s is no longer in this site's plan; not sending it", run.run_id,
                          PURPOSE_NAMES[t.purpose], t.receiver)
                 return False
+            if self._revoked(to.name, run, t, deadline, delay):  # wait for the coordinator's reroute
+                continue
             try:
                 attempts += 1
                 if relayed:
                     sent = self._send_relayed(run, t, path, counter)
                 else:  # under TLS the receiver's certificate must name the site we mean to reach
                     sent = send_model(to.address, header, path, transport=self.transport, expect=to.name,
-                                      counter=counter, cancelled=run.ended.is_set)
+                                      counter=counter,
+                                      cancelled=lambda: run.ended.is_set() or self._is_revoked(to.name))
                 break
-            except SendCancelled:  # the coordinator ended the run mid-stream
-                raise RunEnded(run.run_id) from None
+            except SendCancelled:  # the coordinator ended the run mid-stream, or revoked the receiver
+                if run.ended.is_set():
+                    raise RunEnded(run.run_id) from None
+                log.warning("run %s: stopped sending %s %d to %s mid-stream: its certificate was revoked", run.run_id,
+                            PURPOSE_NAMES[t.purpose], t.index, to.name)
             except (RelayUnavailable, SealError) as exc:
                 raise RuntimeError(f"cannot send {PURPOSE_NAMES[t.purpose]} {t.index} to {to.name} through the "
                                    f"relay: {exc}") from exc
@@ -882,7 +909,12 @@ class PeerNode:
         sealed, sealed_bytes, sealed_sha = relaying.seal(self.transport, run.run_id, t, path, ref.certificate,
                                                          run.path("sealed"))
         relay = self.relay_address
-        sent = relaying.put(relay, self.transport, run.run_id, t, sealed, counter, cancelled=run.ended.is_set)
+        grant = None
+        if self.coordinator.relay:  # the operator's relay carries only what the coordinator granted
+            grant = self.coordinator.stub.GrantRelay(cpb.RelayGrantRequest(
+                run_id=run.run_id, purpose=t.purpose, index=t.index, receiver=t.receiver), timeout=wire.CONTROL_TIMEOUT)
+        sent = relaying.put(relay, self.transport, run.run_id, t, sealed, counter, cancelled=run.ended.is_set,
+                            grant=grant)
         sent.route, sent.relay, sent.sealed_bytes, sent.sealed_sha256 = "relayed", relay, sealed_bytes, sealed_sha
         return sent
 
@@ -999,6 +1031,25 @@ class PeerNode:
             log.info("%s moved from %s to %s", to.name, to.address, now.address)
             return common_pb2.SiteRef(name=to.name, address=now.address)
         return to
+
+    def _is_revoked(self, name: str) -> bool:
+        return self.revocations is not None and self.revocations.revoked_name(name) is not None
+
+    def _revoked(self, name: str, run: Run, t: common_pb2.PlannedTransfer, deadline: float, delay: float) -> bool:
+        """True (after a pause) when ``name`` is revoked: nothing is sent to it; the coordinator
+        routes the run around it, and the reroute ends the wait (``_deliver`` finds ``t`` off
+        the plan). Raises ``RuntimeError`` past ``deadline`` (monotonic seconds)."""
+        if not self._is_revoked(name):
+            return False
+        if time.monotonic() + delay > deadline:
+            raise RuntimeError(f"cannot deliver to {name}: its certificate was "
+                               f"{self.revocations.revoked_name(name).describe()}")
+        log.warning("run %s: not sending %s %d to %s: its certificate was revoked; waiting for the coordinator "
+                    "to route around it", run.run_id, PURPOSE_NAMES[t.purpose], t.index, name)
+        self._pause(run, delay)
+        if self.stop.is_set():
+            raise RuntimeError("daemon stopping")
+        return True
 
     @staticmethod
     def _still_planned(run: Run, t: common_pb2.PlannedTransfer) -> bool:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import grpc
 
+from fedrelay import purpose as purposes
 from fedrelay import sealing, wire
 from fedrelay.peer.transfer import Received, Sent, TransferError, held_bytes, receive_model, send_model
 from fedrelay.v1 import common_pb2, relay_pb2
@@ -33,7 +34,8 @@ from fedrelay.v1 import common_pb2, relay_pb2
 RELAY_METHODS = ("/fedrelay.v1.Relay/Offset", "/fedrelay.v1.Relay/Put", relay_pb2.RelayReceipt.FromString)
 GET_METHOD = "/fedrelay.v1.Relay/Get"
 DISCARD_METHOD = "/fedrelay.v1.Relay/Discard"
-PURPOSE_WORDS = {common_pb2.CHAIN_HOP: "hop", common_pb2.FINAL_MODEL: "final", common_pb2.UPLOAD: "upload"}
+# The purposes' words in envelope file names (fedrelay.purpose).
+PURPOSE_WORDS = {purposes.to_wire(w): w for w in purposes.WORDS}
 
 
 class RelayUnavailable(RuntimeError):
@@ -73,13 +75,17 @@ def seal(transport: wire.Transport, run_id: str, t: common_pb2.PlannedTransfer, 
 
 
 def put(relay: str, transport: wire.Transport, run_id: str, t: common_pb2.PlannedTransfer, sealed: Path,
-        counter: list[int], cancelled=None) -> Sent:
+        counter: list[int], cancelled=None, grant: common_pb2.RelayGrant | None = None) -> Sent:
     """Stream the envelope ``sealed`` to the relay at ``relay`` (whose certificate must name
-    ``coordinator``), from the bytes it already holds. ``counter[0]`` accumulates the wire
-    bytes. Raises ``grpc.RpcError`` (and ``transfer.SendCancelled``) as ``send_model``."""
+    ``coordinator``), from the bytes it already holds. ``grant``: the coordinator's grant of
+    this transfer (``Coordinator.GrantRelay``), which an operator's relay requires.
+    ``counter[0]`` accumulates the wire bytes. Raises ``grpc.RpcError`` (and
+    ``transfer.SendCancelled``) as ``send_model``."""
     header = common_pb2.TransferHeader(run_id=run_id, hop=t.index, purpose=t.purpose, sender=t.sender,
                                        receiver=t.receiver, total_bytes=sealed.stat().st_size,
                                        sha256=wire.sha256_file(sealed))
+    if grant is not None:
+        header.relay_grant.CopyFrom(grant)
     return send_model(relay, header, sealed, transport=transport, expect=wire.COORDINATOR_IDENTITY,
                       counter=counter, cancelled=cancelled, methods=RELAY_METHODS)
 

@@ -3,10 +3,10 @@
 Every refusal is a gRPC status with a one-line reason; an exception in one call never stops the
 daemon from serving the next.
 
-Authorization under mutual TLS (identity = the caller's certificate name): Assign, Evaluate,
+Authorization under mutual TLS (identity = the caller's certificate name): Assign, CheckPolicy, Evaluate,
 FetchModel, Reroute, EndRun and RelayReady only from the ``coordinator`` identity (also when they
 come over the control stream of a site that only connects out: ``peer/control.py``); GetStatus from the coordinator or the
-site's own identity (its administrator, with the folder ``coordinator enroll NAME`` wrote); Handoff only from the run's
+site's own identity (its administrator, with the site's own TLS folder); Handoff only from the run's
 assigned predecessor or last site (checked in ``PeerNode.handoff``), TransferOffset and Prepare likewise. Refusals are
 PERMISSION_DENIED. A plaintext daemon has no identities (only the name checks apply).
 """
@@ -19,6 +19,7 @@ import grpc
 
 from fedrelay import names, wire
 from fedrelay.peer.node import PeerNode
+from fedrelay.peer.policy import PolicyRefusal
 from fedrelay.peer.transfer import TransferError, model_stream
 from fedrelay.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
@@ -41,9 +42,24 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self._from_coordinator(context)
         try:
             state = self.node.assign(request)
+        except PolicyRefusal as exc:  # the site's own policy (peer/policy.py): the coordinator records it as such
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{wire.POLICY_REFUSAL}{exc}")
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"assignment refused: {exc}")
         return peer_pb2.AssignReply(run_id=request.run_id, state=state)
+
+    def CheckPolicy(self, request: peer_pb2.Assignment, context) -> peer_pb2.PolicyVerdict:
+        """Whether this site's policy accepts ``request`` (nothing is kept: ``peer/policy.py``)."""
+        names.check_assignment(request)
+        self._from_coordinator(context)
+        if request.site != self.node.name:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"assignment is for {request.site!r}, this peer is {self.node.name!r}")
+        try:
+            held = self.node.policy.check(request)
+        except PolicyRefusal as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{wire.POLICY_REFUSAL}{exc}")
+        return peer_pb2.PolicyVerdict(run_id=request.run_id, has_policy=held)
 
     def Handoff(self, request_iterator, context) -> peer_pb2.HandoffReceipt:
         try:
@@ -109,6 +125,17 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         except LookupError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         return peer_pb2.EndRunReply(run_id=request.run_id, state=state, removed_bytes=removed)
+
+    def RelayQuota(self, request: peer_pb2.RelayQuotaRequest, context) -> peer_pb2.RelayQuotaReply:
+        """The largest payload this site accepts in a run (the coordinator bounds the relay with it)."""
+        names.check_run_id(request.run_id)
+        self._from_coordinator(context)
+        try:
+            return peer_pb2.RelayQuotaReply(payload_cap_bytes=self.node.relay_quota(request.run_id))
+        except LookupError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
     def RelayReady(self, request: peer_pb2.RelayNotice, context) -> peer_pb2.RelayReadyReply:
         names.check_run_id(request.run_id)

@@ -137,6 +137,12 @@ def add_peer_servicer(servicer, server) -> None:
         "RelayReady": grpc.unary_unary_rpc_method_handler(
             servicer.RelayReady, request_deserializer=peer_pb2.RelayNotice.FromString,
             response_serializer=peer_pb2.RelayReadyReply.SerializeToString),
+        "RelayQuota": grpc.unary_unary_rpc_method_handler(
+            servicer.RelayQuota, request_deserializer=peer_pb2.RelayQuotaRequest.FromString,
+            response_serializer=peer_pb2.RelayQuotaReply.SerializeToString),
+        "CheckPolicy": grpc.unary_unary_rpc_method_handler(
+            servicer.CheckPolicy, request_deserializer=peer_pb2.Assignment.FromString,
+            response_serializer=peer_pb2.PolicyVerdict.SerializeToString),
     }
     missing = set(peer_pb2.DESCRIPTOR.services_by_name["Peer"].methods_by_name) - set(handlers)
     if missing:  # the .proto grew a method: register it here too

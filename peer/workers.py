@@ -13,8 +13,11 @@ machine, shared by every site daemon there) and that exits after the job, its me
 memory too) going with it. A worker's start (Python, torch, the site's pixels decoded: seconds)
 is hidden where the daemon knows work is coming: ``warm(run_id)`` starts the run's next worker
 ahead (the predecessor asks for it as it starts training, ``Peer.Prepare``) if a slot is free
-now, so a warm worker never waits for a slot and never blocks a job that needs one; one left
-unused for ``warm_timeout`` seconds, or whose run ends (``drop``), is closed. A job whose worker
+now, so a warm worker never waits for a slot and never blocks a job that needs one: a job that
+finds no free slot closes the oldest warm worker of another run and takes its slot. A warm
+worker is held for one (run, sender) (``Peer.Prepare`` comes from the run's planned sender), a
+sender holds at most one at a time across runs, and one left unused for ``warm_timeout``
+seconds (a timer), or whose run ends (``drop``), is closed. A job whose worker
 dies is run once more on a new worker (its persisted steps are kept, so a training resumes);
 a second death raises ``WorkerDied``.
 
@@ -41,7 +44,7 @@ __all__ = ["WorkerDied", "WorkerError", "JobCancelled", "WorkerProcess", "Worker
 log = logging.getLogger("fedrelay.peer")
 
 EventCallback = Callable[[dict], None]
-DEFAULT_WARM_TIMEOUT = 900.0  # seconds a warm worker waits for its job before it is closed
+DEFAULT_WARM_TIMEOUT = 300.0  # seconds a warm worker waits for its job before it is closed
 
 
 class WorkerDied(RuntimeError):
@@ -182,11 +185,13 @@ class _Warm:
     requests (which need no data: they are answered as soon as torch is imported), then
     prepared. Each prefetch callback is called once, with the answer or None (failed)."""
 
-    def __init__(self, worker: WorkerProcess, prepare: dict, prefetch: list[tuple[dict, Callable]]):
+    def __init__(self, worker: WorkerProcess, prepare: dict, prefetch: list[tuple[dict, Callable]],
+                 sender: str = "", started: float | None = None):
         self.worker = worker
+        self.sender = sender
         self.done = threading.Event()
         self.error: BaseException | None = None
-        self.started = time.monotonic()
+        self.started = time.monotonic() if started is None else started
         threading.Thread(target=self._prepare, args=(prepare, prefetch), daemon=True,
                          name=f"warm-{worker.pid}").start()
 
@@ -220,7 +225,8 @@ class WorkerPool:
 
     def __init__(self, data_dir: str | Path, device: str, slots, *, deterministic: bool = True,
                  stop: threading.Event | None = None, warm_timeout: float = DEFAULT_WARM_TIMEOUT,
-                 env: dict | None = None, fork: bool = False, extra_tasks: list[str] | tuple = ()):
+                 env: dict | None = None, fork: bool = False, extra_tasks: list[str] | tuple = (),
+                 clock=time.monotonic):
         self.data_dir = str(Path(data_dir).resolve())
         self.device = device
         self.deterministic = deterministic
@@ -230,9 +236,11 @@ class WorkerPool:
         self.env = env
         self.fork = fork
         self.extra_tasks = list(extra_tasks)  # module:attr tasks (peer serve --task), for the workers' lookups
+        self.clock = clock
         self._warm: dict[str, _Warm] = {}
         self._lock = threading.Lock()
         self.started = 0  # worker processes started (for tests and metrics)
+        self.preempted = 0  # warm workers closed to give their slot to a job (for tests and the log)
 
     def _prepare_request(self, spec: dict | None = None) -> dict:
         """The worker's ``prepare``: the site's data read by the task of ``spec`` (a job's
@@ -247,30 +255,54 @@ class WorkerPool:
         self.started += 1
         return WorkerProcess(slot=slot, env=self.env, fork=self.fork)
 
-    def warm(self, run_id: str, prefetch: list[tuple[dict, Callable]] = (), spec: dict | None = None) -> bool:
-        """Start a worker ahead for ``run_id`` (whose model is ``spec``) if it has none and a slot
-        is free now; the ``prefetch`` requests (e.g. the run's payload schemas) are asked first,
-        their answers (None: failed) passed to their callbacks. True when a worker was started
-        (False: the callbacks are not called)."""
+    def warm(self, run_id: str, prefetch: list[tuple[dict, Callable]] = (), spec: dict | None = None,
+             sender: str = "") -> bool:
+        """Start a worker ahead for ``run_id`` (whose model is ``spec``), asked for by its planned
+        ``sender``, if the run has none, the sender holds none for another run, and a slot is
+        free now; the ``prefetch`` requests (e.g. the run's payload schemas) are asked first,
+        their answers (None: failed) passed to their callbacks. The worker is closed after
+        ``warm_timeout`` seconds unused. True when a worker was started (False: the callbacks
+        are not called)."""
         self._expire()
         with self._lock:
             if run_id in self._warm or self.stop.is_set():
                 return False
+            if sender and any(w.sender == sender for w in self._warm.values()):
+                log.info("run %s: %s already has a worker started ahead for another run here; not starting one",
+                         run_id, sender)
+                return False
             slot = self.slots.try_acquire()
             if slot is None:
                 return False
-            self._warm[run_id] = _Warm(self._new_worker(slot), self._prepare_request(spec), list(prefetch))
+            self._warm[run_id] = _Warm(self._new_worker(slot), self._prepare_request(spec), list(prefetch),
+                                       sender=sender, started=self.clock())
+        timer = threading.Timer(self.warm_timeout + 0.1, self._expire)
+        timer.daemon = True
+        timer.start()
         log.info("run %s: started a worker ahead of the model's arrival", run_id)
         return True
 
     def _expire(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             old = [k for k, w in self._warm.items() if now - w.started > self.warm_timeout]
             expired = [self._warm.pop(k) for k in old]
         for w in expired:
             log.info("closing a worker left unused for %.0f s", self.warm_timeout)
             w.worker.close()
+
+    def _preempt(self, keep: str | None) -> bool:
+        """Close the oldest warm worker of a run other than ``keep`` (its slot goes back to the
+        host): a job never waits for a worker that was only started ahead. True when one was."""
+        with self._lock:
+            others = [(w.started, k) for k, w in self._warm.items() if k != keep]
+            victim = self._warm.pop(min(others)[1]) if others else None
+        if victim is None:
+            return False
+        self.preempted += 1
+        log.info("closing a worker started ahead (for %s) to run a job now", victim.sender or "a run")
+        victim.worker.close()
+        return True
 
     def drop(self, run_id: str) -> None:
         """Close ``run_id``'s warm worker, if any (the run ended here)."""
@@ -289,6 +321,8 @@ class WorkerPool:
             log.warning("the worker started ahead failed (%s); starting another", w.error)
             w.worker.close()
         slot = self.slots.try_acquire()
+        while slot is None and self._preempt(run_id):
+            slot = self.slots.try_acquire()
         if slot is None:
             if on_wait is not None:
                 on_wait(f"waiting for a worker slot ({self.slots.count} on this host)")
@@ -354,7 +388,7 @@ class InlineRunner:
         self.worker = Worker(data, device)
         self.started = 0
 
-    def warm(self, run_id: str, prefetch=(), spec: dict | None = None) -> bool:
+    def warm(self, run_id: str, prefetch=(), spec: dict | None = None, sender: str = "") -> bool:
         for req, on_result in prefetch:
             on_result(self.run(req))
         return False

@@ -335,7 +335,7 @@ def _hop(con, run_id, purpose="chain", hop=1) -> sqlite3.Row:
 
 
 @pytest.mark.parametrize("edit", ["hop bytes", "hop digest", "receipt digest", "hop number", "evaluation accuracy",
-                                  "run accuracy", "run order", "event message", "final model"])
+                                  "run accuracy", "run order", "event message", "final model", "started by"])
 def test_an_edited_row_is_named(finished, copy, edit):
     path, con = copy
     run_id, names = finished["run_id"], finished["names"]
@@ -358,6 +358,8 @@ def test_an_edited_row_is_named(finished, copy, edit):
                           "run_id = ? AND kind = 'hop' ORDER BY seq LIMIT 1)", "(hop: ", "was edited"),
         "final model": (f"UPDATE runs SET final_sha256 = {FLIP('final_sha256')} WHERE run_id = ?",
                         f"run {run_id}'s", "final"),
+        "started by": ("UPDATE runs SET started_by = 'operator.mallory' WHERE run_id = ?", f"run {run_id}'s row",
+                       "its started_by is 'operator.mallory' in the ledger; the coordinator sealed 'operator'"),
     }[edit]
     assert check(finished, path).verdict == "verified"
     assert con.execute(where[0], (run_id,)).rowcount == 1

@@ -9,7 +9,7 @@ import pytest
 from conftest import image_offers
 from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.plan import chain_plan, replan
-from fedrelay.coordinator.planner import PeerInfo, PlanError, plan_chain
+from fedrelay.coordinator.plan import PeerInfo, PlanError, choose_sites
 from fedrelay.task import DataSummary
 from fedrelay.tasks.offers import Offer
 from fedrelay.v1 import common_pb2
@@ -25,21 +25,21 @@ def peer(name, classes=None, shape=(1, 28, 28), sha="a" * 64):
 
 def test_order_is_fixed_by_the_seed_not_by_registration_order():
     peers = [peer(f"site-{i}") for i in range(6)]
-    a = plan_chain(peers, seed=3).names
-    b = plan_chain(list(reversed(peers)), seed=3).names
+    a = choose_sites(peers, seed=3).names
+    b = choose_sites(list(reversed(peers)), seed=3).names
     assert a == b and sorted(a) == [p.name for p in peers]
-    assert any(plan_chain(peers, seed=s).names != a for s in range(4, 10))
+    assert any(choose_sites(peers, seed=s).names != a for s in range(4, 10))
 
 
 def test_given_order_is_kept():
     peers = [peer("x"), peer("y"), peer("z")]
-    assert plan_chain(peers, names=["z", "x", "y"], order="given").names == ["z", "x", "y"]
+    assert choose_sites(peers, names=["z", "x", "y"], order="given").names == ["z", "x", "y"]
 
 
 def test_class_index_is_the_sorted_union_and_single_holders_warn():
     peers = [peer("s1", {"cat": (5, 1), "dog": (0, 0)}), peer("s2", {"cat": (2, 1), "Dog": (4, 1)}),
              peer("s3", {"cat": (1, 1), "bird": (3, 0)})]
-    plan = plan_chain(peers, seed=0)
+    plan = choose_sites(peers, seed=0)
     assert plan.class_index == ["Dog", "bird", "cat"]  # an empty class folder ("dog") adds nothing
     m = plan.model
     assert (m.task, m.model, m.input, m.num_classes, m.task_sha256) == (
@@ -61,7 +61,7 @@ def test_class_index_is_the_sorted_union_and_single_holders_warn():
 ])
 def test_impossible_chains_are_refused_clearly(peers, kw, words):
     with pytest.raises(PlanError, match=words):
-        plan_chain(peers, **kw)
+        choose_sites(peers, **kw)
 
 
 def test_ledger_records_each_hop_once_and_streams_events():

@@ -107,24 +107,37 @@ def test_kit_unit_is_the_deployed_unit():
 
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory):
-    """A PKI, and a site kit for site-00 (the three_sites fixture's first site's name)."""
+    """A PKI, and a site kit for site-00 (the three_sites fixture's first site's name), made as a
+    real site gets one: the site's own key and request (`peer init`, in ``site-tls`` beside the
+    kit), the request signed into the kit (`enroll --csr --kit`), the kit's certificates put
+    beside the key (`peer install-cert`)."""
     from fedrelay.cli.coordinator import app
+    from fedrelay.cli.peer import app as peer_app
 
     tmp = tmp_path_factory.mktemp("kit")
     runner = CliRunner()
     assert runner.invoke(app, ["init-ca", "--out", str(tmp / "pki")]).exit_code == 0
-    r = runner.invoke(app, ["enroll", "site-00", "--ca", str(tmp / "pki"), "--out", str(tmp / "kit"), "--kit",
-                            "--host", "site-00.example.org", "--coordinator", "coord.example.org:50070"])
+    r = runner.invoke(peer_app, ["init", "--name", "site-00", "--tls", str(tmp / "site-tls"),
+                                 "--host", "site-00.example.org"])
     assert r.exit_code == 0, r.output
-    again = runner.invoke(app, ["enroll", "site-00", "--ca", str(tmp / "pki"), "--out", str(tmp / "kit"), "--kit"])
+    no_csr = runner.invoke(app, ["enroll", "site-00", "--ca", str(tmp / "pki"), "--out", str(tmp / "kit"), "--kit"])
+    assert no_csr.exit_code == 2 and "--kit needs --csr" in no_csr.output
+    csr = str(tmp / "site-tls" / "site-00.csr")
+    r = runner.invoke(app, ["enroll", "--csr", csr, "--ca", str(tmp / "pki"), "--out", str(tmp / "kit"), "--kit",
+                            "--coordinator", "coord.example.org:50070"])
+    assert r.exit_code == 0, r.output
+    again = runner.invoke(app, ["enroll", "--csr", csr, "--ca", str(tmp / "pki"), "--out", str(tmp / "kit"), "--kit"])
     assert again.exit_code == 2 and "--force" in again.output
+    r = runner.invoke(peer_app, ["install-cert", str(tmp / "kit"), "--tls", str(tmp / "site-tls")])
+    assert r.exit_code == 0, r.output
     return tmp / "kit"
 
 
 def test_kit_contents(kit):
-    assert {p.name for p in kit.iterdir()} == {"key.pem", "cert.pem", "ca.pem", "peer.env", "fedrelay-peer.service",
+    # No private key: the site made its own (`peer init`), and it stays in the site's folder.
+    assert {p.name for p in kit.iterdir()} == {"cert.pem", "ca.pem", "peer.env", "fedrelay-peer.service",
                                                "start-peer.sh", "README.md"}
-    assert stat.S_IMODE((kit / "key.pem").stat().st_mode) == 0o600
+    assert stat.S_IMODE((kit.parent / "site-tls" / "key.pem").stat().st_mode) == 0o600
     assert os.access(kit / "start-peer.sh", os.X_OK)
     env = parse_environment_file((kit / "peer.env").read_text())
     assert env["FEDRELAY_COORDINATOR"] == "coord.example.org:50070"
@@ -148,7 +161,8 @@ def test_kit_env_starts_peer_check_under_systemd_rules(kit, three_sites, tmp_pat
     example's inline comment is refused with a clear message; start-peer.sh does the same."""
     from fedrelay.cli.peer import app
 
-    env = _edited(parse_environment_file((kit / "peer.env").read_text()), three_sites[0], tmp_path / "state", kit)
+    tls = kit.parent / "site-tls"
+    env = _edited(parse_environment_file((kit / "peer.env").read_text()), three_sites[0], tmp_path / "state", tls)
     argv = exec_start((kit / "fedrelay-peer.service").read_text(), env)
     assert argv[:2] == ["/opt/fedrelay/bin/peer", "serve"]
     runner = CliRunner()
@@ -158,7 +172,7 @@ def test_kit_env_starts_peer_check_under_systemd_rules(kit, three_sites, tmp_pat
 
     bad = parse_environment_file((kit / "peer.env").read_text().replace("FEDRELAY_DEVICE=auto",
                                                                          "FEDRELAY_DEVICE=auto   # auto | cpu"))
-    bad = {**_edited(bad, three_sites[0], tmp_path / "state", kit), "FEDRELAY_DEVICE": bad["FEDRELAY_DEVICE"]}
+    bad = {**_edited(bad, three_sites[0], tmp_path / "state", tls), "FEDRELAY_DEVICE": bad["FEDRELAY_DEVICE"]}
     r = runner.invoke(app, exec_start((kit / "fedrelay-peer.service").read_text(), bad)[1:] + ["--check"])
     assert r.exit_code == 2 and "--device must be auto, cpu or cuda:N" in r.output
 
@@ -178,10 +192,12 @@ def test_outbound_only_kit_opens_no_inbound_port_and_passes_check(three_sites, t
 
     runner = CliRunner()
     assert runner.invoke(coord, ["init-ca", "--out", str(tmp_path / "pki")]).exit_code == 0
-    r = runner.invoke(coord, ["enroll", "site-00", "--ca", str(tmp_path / "pki"), "--out", str(tmp_path / "kit"),
-                              "--kit", "--outbound-only", "--coordinator", "coord.example.org:50070"])
+    assert runner.invoke(app, ["init", "--name", "site-00", "--state-dir", str(tmp_path / "state")]).exit_code == 0
+    tls = tmp_path / "state" / "tls"  # peer init's default folder
+    r = runner.invoke(coord, ["enroll", "--csr", str(tls / "site-00.csr"), "--ca", str(tmp_path / "pki"), "--out",
+                              str(tls), "--kit", "--outbound-only", "--coordinator", "coord.example.org:50070"])
     assert r.exit_code == 0, r.output
-    kit = tmp_path / "kit"
+    kit = tls
     env = parse_environment_file((kit / "peer.env").read_text())
     assert env["FEDRELAY_OUTBOUND_ONLY"] == "1" and env["FEDRELAY_ADVERTISE"] == ""
     assert env["FEDRELAY_LISTEN"].startswith("127.0.0.1:")

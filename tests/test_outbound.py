@@ -63,6 +63,16 @@ def _transfer(sender="site-a", receiver="site-b") -> common_pb2.PlannedTransfer:
     return common_pb2.PlannedTransfer(purpose=common_pb2.CHAIN_HOP, index=1, round=1, sender=sender, receiver=receiver)
 
 
+def _grant(federation, run_id: str, t: common_pb2.PlannedTransfer, cap: int = 64 << 20) -> common_pb2.RelayGrant:
+    """The coordinator's grant of ``t`` (what ``Coordinator.GrantRelay`` answers a planned sender)."""
+    from fedrelay import signing
+    from fedrelay.coordinator.relay_bounds import Permit, issue_grant
+
+    c = federation["coordinator"]
+    return issue_grant(signing.Signer(c.key, c.cert), run_id, t.purpose, t.index, t.sender, t.receiver,
+                       Permit.for_plan(cap, 4))
+
+
 def test_the_relay_holds_only_ciphertext_and_gives_it_to_its_receiver_only(federation, relay, tmp_path):
     address, service, held = relay
     a, b, c = federation["site-a"], federation["site-b"], federation["site-c"]
@@ -70,7 +80,7 @@ def test_the_relay_holds_only_ciphertext_and_gives_it_to_its_receiver_only(feder
     payload.write_bytes(os.urandom(300_000))
     t = _transfer()
     sealed, size, sha = relaying.seal(a, "run-1", t, payload, b.cert, tmp_path / "out")
-    sent = relaying.put(address, a, "run-1", t, sealed, counter := [0])
+    sent = relaying.put(address, a, "run-1", t, sealed, counter := [0], grant=_grant(federation, "run-1", t))
     assert sent.receipt.stored_bytes == size and sent.receipt.sha256 == sha and counter[0] > size
     # What the relay holds shares no 64-byte window with the model (it cannot read it).
     plain = payload.read_bytes()
@@ -100,7 +110,8 @@ def test_the_relay_refuses_a_sender_that_is_not_the_caller_and_plaintext(federat
                                  tmp_path / "out")
     # site-c sends an envelope whose header says site-a: refused before any byte is kept.
     with pytest.raises(grpc.RpcError) as err:
-        relaying.put(address, federation["site-c"], "run-1", _transfer(), sealed, [0])
+        relaying.put(address, federation["site-c"], "run-1", _transfer(), sealed, [0],
+                     grant=_grant(federation, "run-1", _transfer()))
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     with pytest.raises(relaying.RelayUnavailable, match="mutual TLS"):
         relaying.seal(wire.INSECURE, "run-1", _transfer(), payload, b"", tmp_path / "out2")
@@ -116,11 +127,12 @@ def test_a_broken_upload_and_a_broken_download_resume_through_the_relay(federati
     # The sender's stream is cut after its first chunk: the relay keeps those bytes ...
     chunks = iter([0])
     with pytest.raises(Exception):
-        relaying.put(address, a, "run-2", t, sealed, [0], cancelled=lambda: next(chunks, 1) == 1)
+        relaying.put(address, a, "run-2", t, sealed, [0], cancelled=lambda: next(chunks, 1) == 1,
+                     grant=_grant(federation, "run-2", t))
     dest = service.path("run-2", common_pb2.CHAIN_HOP, 1, "site-b")
     assert partial_path(dest, sha).stat().st_size == wire.CHUNK_BYTES
     # ... and the next attempt sends only the rest.
-    sent = relaying.put(address, a, "run-2", t, sealed, [0])
+    sent = relaying.put(address, a, "run-2", t, sealed, [0], grant=_grant(federation, "run-2", t))
     assert sent.resumed_from == wire.CHUNK_BYTES and sent.receipt.stored_bytes == size
     # A download that broke after 1 MiB carries on from there.
     key = relay_pb2.RelayKey(run_id="run-2", purpose=common_pb2.CHAIN_HOP, index=1, receiver="site-b")
@@ -283,3 +295,39 @@ def test_coordinator_relay_says_what_it_needs(federation, tmp_path):
     site = pki.enroll("site-z", pki_dir, tmp_path / "site-z")
     r = runner.invoke(app, ["relay", "--listen", "127.0.0.1:0", "--dir", str(tmp_path / "r"), "--tls", str(site)])
     assert r.exit_code == 2 and "coordinator's identity" in r.output
+
+
+def test_through_the_operators_relay_senders_present_the_coordinators_grants(three_sites, tmp_path):
+    """``coordinator serve --relay HOST:PORT`` with ``coordinator relay`` there (issue 28): the
+    sender of each relayed transfer asks the coordinator for a grant and the relay takes the
+    envelope with it; the run finishes with every relayed transfer done."""
+    import threading
+
+    from bench.common import deploy_script
+    from fedrelay.coordinator.relay import serve_relay
+
+    local_trial = deploy_script("local_trial")
+    relay = f"127.0.0.1:{local_trial.free_ports(1)[0]}"
+    sites = three_sites[:2]  # the shortest chain: its one hop goes through the relay
+    last = sites[-1].name
+    stop, ready, stored = threading.Event(), threading.Event(), []
+    with local_trial.LocalTrial(tmp_path, sites, coordinator_args=["--relay", relay],
+                                outbound_only=[last]) as trial:
+        thread = threading.Thread(target=serve_relay, args=(relay, tmp_path / "own-relay"), daemon=True, kwargs=dict(
+            transport=wire.Transport.from_dir(trial.pki / "coordinator"), stop=stop, ready=ready,
+            on_stored=stored.append))
+        thread.start()
+        try:
+            assert ready.wait(30)
+            res = trial.cli("start-chain", "--seed", "4", "--wait", "--json", "--order", "given", "--peers",
+                            ",".join(d.name for d in sites), *CHAIN, capture_output=True, text=True, timeout=600)
+            assert res.returncode == 0, res.stderr[-3000:]
+            run = json.loads(res.stdout)
+            relayed = [h for h in run["hops"] + run["final_transfers"] if h["route"] == "relayed"]
+            assert relayed and {h["receiver"] for h in relayed} == {last}
+            assert all(h["status"] == "done" and h["relay"] == relay for h in relayed)
+            assert stored  # the operator's relay held them (with the coordinator's grants)
+            assert not [p for p in (tmp_path / "own-relay").rglob("*.sealed")]  # and discarded them once fetched
+        finally:
+            stop.set()
+            thread.join(10)

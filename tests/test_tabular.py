@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fedrelay import tasks
-from fedrelay.coordinator.planner import PeerInfo, plan_chain
+from fedrelay.coordinator.plan import PeerInfo, choose_sites
 from fedrelay.coordinator.split import split_dataset
 from fedrelay.coordinator.split_tabular import load_breast_cancer, split_breast_cancer
 from fedrelay.peer.worker import Worker
@@ -279,7 +279,7 @@ def test_sites_describe_and_the_plan_pins_the_federation_scaling(bc_sites):
         offer = Offer(name="tabular-csv", version=installed.version, sha256=installed.sha256,
                       models=tuple(answer["models"]), summary=DataSummary.from_dict(answer["summary"]))
         peers.append(PeerInfo(name=folder.name, address="", offers={"tabular-csv": Offer.from_pb(offer.to_pb())}))
-    plan = plan_chain(peers, seed=0, task="tabular-csv")
+    plan = choose_sites(peers, seed=0, task="tabular-csv")
     assert plan.class_index == ["benign", "malignant"] and plan.model.model == "mlp"
     assert plan.model.task_sha256 == installed.sha256
     rows = []

@@ -290,7 +290,8 @@ def answer_tunnel(tunnel, answers: dict, stop: threading.Event) -> threading.Thr
             except queue.Empty:
                 continue
             reply = cpb.ControlReply()
-            reply.CopyFrom(answers[req.method])
+            # A method not in ``answers`` (e.g. CheckPolicy) is one an older daemon lacks.
+            reply.CopyFrom(answers.get(req.method, cpb.ControlReply(code=grpc.StatusCode.UNIMPLEMENTED.value[0])))
             reply.id = req.id
             tunnel.deliver(reply)
 

@@ -37,7 +37,7 @@ def client(service):
 
     from fedrelay.coordinator.web import create_app
 
-    with TestClient(create_app(service)) as c:
+    with TestClient(create_app(service), base_url="http://localhost") as c:
         yield c
 
 

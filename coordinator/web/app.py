@@ -30,8 +30,11 @@ from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Respon
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from fedrelay import limits
+from fedrelay.coordinator.http_limits import HostCheck, HttpLimits, allowed_hosts
 from fedrelay.coordinator.ledger import TERMINAL
 from fedrelay.coordinator.web import views
+from fedrelay.coordinator.web.cache import PageCache
 
 log = logging.getLogger("fedrelay.coordinator.web")
 
@@ -75,11 +78,18 @@ class _Wakeup:
         self.event.clear()
 
 
-def create_app(service, stopping: threading.Event | None = None) -> Starlette:
+def create_app(service, stopping: threading.Event | None = None, hosts: frozenset[str] | None = None) -> Starlette:
     """The page's ASGI app over a ``CoordinatorService`` (its ``summary()`` and ``ledger``).
-    ``stopping``, once set, ends every open event stream."""
+    ``stopping``, once set, ends every open event stream. ``hosts``: the names a request's
+    ``Host:`` may carry besides IP literals (``http_limits.allowed_hosts``; default: the
+    localhost names); any other is answered 400 (DNS rebinding)."""
     ledger = service.ledger
     stopping = stopping or threading.Event()
+    hub = service.events
+    cache = PageCache(lambda run_id: views.run_view(service, run_id),
+                      lambda run_id: (hub.last_seq(run_id), hub.ended(run_id)))
+    # The run list (polled every 3 s by each reader of the index page): rebuilt on a new event.
+    run_list = PageCache(lambda _: views.run_list(ledger), lambda _: ledger.last_event_seq(), size=1, stamp=False)
 
     def page(name: str) -> Response:
         return FileResponse(STATIC / name, media_type="text/html", headers=HEADERS)
@@ -94,14 +104,14 @@ def create_app(service, stopping: threading.Event | None = None) -> Starlette:
         return page("run.html")
 
     def api_runs(request: Request) -> Response:
-        return JSONResponse(views.run_list(ledger), headers=HEADERS)
+        return Response(run_list.get(""), media_type="application/json", headers=HEADERS)
 
     def api_run(request: Request) -> Response:
         run_id = request.path_params["run_id"]
-        view = views.run_view(service, run_id)
-        if view is None:
+        body = cache.get(run_id)  # built once per change of the run (web/cache.py)
+        if body is None:
             return JSONResponse({"error": f"unknown run {run_id!r}"}, status_code=404, headers=HEADERS)
-        return JSONResponse(view, headers=HEADERS)
+        return Response(body, media_type="application/json", headers=HEADERS)
 
     async def events(request: Request) -> Response:
         run_id = request.path_params["run_id"]
@@ -130,7 +140,10 @@ def create_app(service, stopping: threading.Event | None = None) -> Starlette:
             return JSONResponse({"error": "not found"}, status_code=404, headers=HEADERS)
         return _not_found(f"nothing at {request.url.path}")
 
-    return Starlette(routes=routes, exception_handlers={404: not_found})
+    app = Starlette(routes=routes, exception_handlers={404: not_found})
+    app.state.page_cache = cache
+    app.add_middleware(HostCheck, names=hosts if hosts is not None else allowed_hosts("localhost"))
+    return app
 
 
 async def _stream(service, run_id: str, seq: int, stopping: threading.Event):
@@ -211,25 +224,33 @@ class WebPage:
         self._sock.close()
 
 
-def start_web(address: str, service) -> WebPage:
+def start_web(address: str, service, *, hosts: list[str] | tuple[str, ...] = (),
+              limits_: HttpLimits | None = None) -> WebPage:
     """Serve the live run page of ``service``'s ledger on ``address`` (see
     :func:`parse_web_address`) in a daemon thread; returns once it accepts connections.
+    ``hosts``: host names a request's ``Host:`` may carry besides the listen host, the
+    localhost names and IP literals (``coordinator serve --web-host``); ``limits_``: the
+    listener's bounds (``http_limits.HttpLimits``; the defaults when None).
     Warns (log) when the address is not loopback: the page has no authentication. Raises
-    ``ValueError`` for a malformed address, ``RuntimeError`` if it cannot bind."""
+    ``ValueError`` for a malformed address or host name, ``RuntimeError`` if it cannot bind."""
     import uvicorn
 
     host, port = parse_web_address(address)
+    names = allowed_hosts(host, hosts)
+    options = (limits_ or HttpLimits()).uvicorn_options()
     try:
         family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(sockaddr)
-        sock.listen(64)
+        sock.listen(options["backlog"])
     except OSError as exc:
         raise RuntimeError(f"--web {address}: cannot listen there ({exc.strerror or exc})") from None
     stopping = threading.Event()
-    config = uvicorn.Config(create_app(service, stopping), log_config=None, log_level="warning", access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=2)
+    limits.quiet_logs()  # no line or traceback per connection under a flood
+    config = uvicorn.Config(create_app(service, stopping, names), log_config=None, log_level="warning",
+                            access_log=False, lifespan="off", timeout_graceful_shutdown=2, server_header=False,
+                            **options)
     server = uvicorn.Server(config)
 
     def run() -> None:
@@ -241,6 +262,7 @@ def start_web(address: str, service) -> WebPage:
     thread = threading.Thread(target=run, name="web-page", daemon=True)
     thread.start()
     page = WebPage(server, thread, sock, stopping)
+    page.protocol = options["http"]  # its ``counts``: connections refused, heads timed out
     deadline = time.monotonic() + 30
     while not server.started and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.02)

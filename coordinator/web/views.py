@@ -12,14 +12,13 @@ import json
 import time
 from typing import Any
 
+from fedrelay import purpose as purposes
 from fedrelay.coordinator.client import summary_dict
 
 #: A site's reported state (peer/node.py) -> its state on the page.
 PAGE_STATE = {"assigned": "waiting", "receiving": "receiving", "training": "training", "sending": "sending",
               "distributing": "sending", "done": "done", "failed": "failed"}
 STAGE_WORDS = {"warmup": "warm-up", "pool": "pool model", "fedseq": "fedseq"}
-#: The summary's plan purposes -> the ledger's (the page's keys use the ledger's words).
-LEDGER_PURPOSE = {"hop": "chain", "upload": "upload", "final": "final"}
 RECENT_EVENTS = 60
 
 
@@ -66,7 +65,7 @@ def transfers(run: dict) -> list[dict[str, Any]]:
                 "status": h["status"] if h else "planned", "route": (h or {}).get("route") or None}
 
     for t in run["plan"]:
-        purpose = LEDGER_PURPOSE.get(t["purpose"], t["purpose"])
+        purpose = purposes.to_ledger(t["purpose"]) if t["purpose"] in purposes.WORDS else t["purpose"]  # the page's keys use the ledger's words
         key = transfer_key(purpose, t["index"], t["receiver"])
         seen.add(key)
         rows.append(row(purpose, t["index"], t["round"], t["sender"], t["receiver"], reported.get(key, (0, None))[1]))

@@ -32,7 +32,8 @@ install -m 0755 deploy/docker/healthcheck.sh /usr/local/bin/fedrelay-healthcheck
 cd /var/lib/fedrelay
 U="setpriv --reuid 10001 --regid 10001 --clear-groups env HOME=/var/lib/fedrelay PATH=/usr/local/bin:/usr/bin:/bin"
 $U coordinator init-ca --out pki --host coordinator >/dev/null
-$U coordinator enroll site-00 --ca pki --out kit --kit --host 127.0.0.1 --port 50171 --coordinator 127.0.0.1:50170
+$U peer init --name site-00 --tls kit --host 127.0.0.1 >/dev/null   # the site's own key and request
+$U coordinator enroll --csr kit/site-00.csr --ca pki --out kit --kit --port 50171 --coordinator 127.0.0.1:50170
 $U /usr/local/fr/bin/python -c '
 from PIL import Image
 import os

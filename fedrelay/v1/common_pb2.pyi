@@ -102,7 +102,7 @@ class PlannedTransfer(_message.Message):
     def __init__(self, purpose: _Optional[_Union[Purpose, str]] = ..., index: _Optional[int] = ..., round: _Optional[int] = ..., sender: _Optional[str] = ..., receiver: _Optional[str] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
-    __slots__ = ("run_id", "hop", "sender", "total_bytes", "sha256", "purpose", "offset", "receiver")
+    __slots__ = ("run_id", "hop", "sender", "total_bytes", "sha256", "purpose", "offset", "receiver", "relay_grant")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     HOP_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class TransferHeader(_message.Message):
     PURPOSE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    RELAY_GRANT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     hop: int
     sender: str
@@ -119,7 +120,16 @@ class TransferHeader(_message.Message):
     purpose: Purpose
     offset: int
     receiver: str
-    def __init__(self, run_id: _Optional[str] = ..., hop: _Optional[int] = ..., sender: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., purpose: _Optional[_Union[Purpose, str]] = ..., offset: _Optional[int] = ..., receiver: _Optional[str] = ...) -> None: ...
+    relay_grant: RelayGrant
+    def __init__(self, run_id: _Optional[str] = ..., hop: _Optional[int] = ..., sender: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., purpose: _Optional[_Union[Purpose, str]] = ..., offset: _Optional[int] = ..., receiver: _Optional[str] = ..., relay_grant: _Optional[_Union[RelayGrant, _Mapping]] = ...) -> None: ...
+
+class RelayGrant(_message.Message):
+    __slots__ = ("body", "signature")
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    body: bytes
+    signature: bytes
+    def __init__(self, body: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ModelChunk(_message.Message):
     __slots__ = ("header", "data")

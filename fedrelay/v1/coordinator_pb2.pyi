@@ -59,14 +59,18 @@ class RegisterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskOffer, _Mapping]]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., instance: _Optional[str] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("version", "heartbeat_seconds", "relay")
+    __slots__ = ("version", "heartbeat_seconds", "relay", "crl_number", "revoked_sites")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
+    CRL_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_SITES_FIELD_NUMBER: _ClassVar[int]
     version: str
     heartbeat_seconds: int
     relay: str
-    def __init__(self, version: _Optional[str] = ..., heartbeat_seconds: _Optional[int] = ..., relay: _Optional[str] = ...) -> None: ...
+    crl_number: int
+    revoked_sites: int
+    def __init__(self, version: _Optional[str] = ..., heartbeat_seconds: _Optional[int] = ..., relay: _Optional[str] = ..., crl_number: _Optional[int] = ..., revoked_sites: _Optional[int] = ...) -> None: ...
 
 class ControlRequest(_message.Message):
     __slots__ = ("id", "method", "request", "timeout")
@@ -386,7 +390,7 @@ class FinalResult(_message.Message):
     def __init__(self, sha256: _Optional[str] = ..., accuracy: _Optional[float] = ..., per_site: _Optional[_Mapping[str, SiteAccuracy]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RunSummary(_message.Message):
-    __slots__ = ("run_id", "strategy", "order", "model_bytes", "hops", "final", "status", "params", "seed", "arch", "class_index", "warnings", "error", "created", "ended", "final_transfers", "insecure", "skipped", "contributors", "rounds", "plan", "final_site", "planned_hops", "uploads", "planned_uploads", "aggregator", "upload_bytes", "live", "cancelled_by", "cancel_reason", "task", "task_version", "task_sha256", "model_spec_json")
+    __slots__ = ("run_id", "strategy", "order", "model_bytes", "hops", "final", "status", "params", "seed", "arch", "class_index", "warnings", "error", "created", "ended", "final_transfers", "insecure", "skipped", "contributors", "rounds", "plan", "final_site", "planned_hops", "uploads", "planned_uploads", "aggregator", "upload_bytes", "live", "cancelled_by", "cancel_reason", "task", "task_version", "task_sha256", "model_spec_json", "revoked", "started_by", "refused_by", "refusal", "refused_by_policy")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
@@ -421,6 +425,11 @@ class RunSummary(_message.Message):
     TASK_VERSION_FIELD_NUMBER: _ClassVar[int]
     TASK_SHA256_FIELD_NUMBER: _ClassVar[int]
     MODEL_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
+    STARTED_BY_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_BY_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_BY_POLICY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     strategy: str
     order: _containers.RepeatedScalarFieldContainer[str]
@@ -455,7 +464,12 @@ class RunSummary(_message.Message):
     task_version: str
     task_sha256: str
     model_spec_json: str
-    def __init__(self, run_id: _Optional[str] = ..., strategy: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., model_bytes: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., final: _Optional[_Union[FinalResult, _Mapping]] = ..., status: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., seed: _Optional[int] = ..., arch: _Optional[str] = ..., class_index: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., created: _Optional[float] = ..., ended: _Optional[float] = ..., final_transfers: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., insecure: _Optional[bool] = ..., skipped: _Optional[_Iterable[str]] = ..., contributors: _Optional[_Iterable[str]] = ..., rounds: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[_common_pb2.PlannedTransfer, _Mapping]]] = ..., final_site: _Optional[str] = ..., planned_hops: _Optional[int] = ..., uploads: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., planned_uploads: _Optional[int] = ..., aggregator: _Optional[str] = ..., upload_bytes: _Optional[int] = ..., live: _Optional[_Iterable[_Union[SiteLive, _Mapping]]] = ..., cancelled_by: _Optional[str] = ..., cancel_reason: _Optional[str] = ..., task: _Optional[str] = ..., task_version: _Optional[str] = ..., task_sha256: _Optional[str] = ..., model_spec_json: _Optional[str] = ...) -> None: ...
+    revoked: _containers.RepeatedCompositeFieldContainer[CrlEntry]
+    started_by: str
+    refused_by: str
+    refusal: str
+    refused_by_policy: bool
+    def __init__(self, run_id: _Optional[str] = ..., strategy: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., model_bytes: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., final: _Optional[_Union[FinalResult, _Mapping]] = ..., status: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., seed: _Optional[int] = ..., arch: _Optional[str] = ..., class_index: _Optional[_Iterable[str]] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., created: _Optional[float] = ..., ended: _Optional[float] = ..., final_transfers: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., insecure: _Optional[bool] = ..., skipped: _Optional[_Iterable[str]] = ..., contributors: _Optional[_Iterable[str]] = ..., rounds: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[_common_pb2.PlannedTransfer, _Mapping]]] = ..., final_site: _Optional[str] = ..., planned_hops: _Optional[int] = ..., uploads: _Optional[_Iterable[_Union[HopRecord, _Mapping]]] = ..., planned_uploads: _Optional[int] = ..., aggregator: _Optional[str] = ..., upload_bytes: _Optional[int] = ..., live: _Optional[_Iterable[_Union[SiteLive, _Mapping]]] = ..., cancelled_by: _Optional[str] = ..., cancel_reason: _Optional[str] = ..., task: _Optional[str] = ..., task_version: _Optional[str] = ..., task_sha256: _Optional[str] = ..., model_spec_json: _Optional[str] = ..., revoked: _Optional[_Iterable[_Union[CrlEntry, _Mapping]]] = ..., started_by: _Optional[str] = ..., refused_by: _Optional[str] = ..., refusal: _Optional[str] = ..., refused_by_policy: _Optional[bool] = ...) -> None: ...
 
 class SiteLive(_message.Message):
     __slots__ = ("site", "state", "detail", "activity", "stage", "model", "models", "epoch", "epochs", "updated", "line", "age_seconds")
@@ -560,7 +574,7 @@ class ListPeersRequest(_message.Message):
     def __init__(self, after: _Optional[str] = ...) -> None: ...
 
 class PeerRecord(_message.Message):
-    __slots__ = ("name", "address", "tasks", "device", "last_seen", "live", "age_seconds", "peer_timeout", "outbound_only", "connected", "classes_omitted")
+    __slots__ = ("name", "address", "tasks", "device", "last_seen", "live", "age_seconds", "peer_timeout", "outbound_only", "connected", "classes_omitted", "revocation")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
@@ -572,6 +586,7 @@ class PeerRecord(_message.Message):
     OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     CLASSES_OMITTED_FIELD_NUMBER: _ClassVar[int]
+    REVOCATION_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     tasks: _containers.RepeatedCompositeFieldContainer[TaskOffer]
@@ -583,7 +598,8 @@ class PeerRecord(_message.Message):
     outbound_only: bool
     connected: bool
     classes_omitted: int
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskOffer, _Mapping]]] = ..., device: _Optional[str] = ..., last_seen: _Optional[float] = ..., live: _Optional[bool] = ..., age_seconds: _Optional[float] = ..., peer_timeout: _Optional[float] = ..., outbound_only: _Optional[bool] = ..., connected: _Optional[bool] = ..., classes_omitted: _Optional[int] = ...) -> None: ...
+    revocation: CrlEntry
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskOffer, _Mapping]]] = ..., device: _Optional[str] = ..., last_seen: _Optional[float] = ..., live: _Optional[bool] = ..., age_seconds: _Optional[float] = ..., peer_timeout: _Optional[float] = ..., outbound_only: _Optional[bool] = ..., connected: _Optional[bool] = ..., classes_omitted: _Optional[int] = ..., revocation: _Optional[_Union[CrlEntry, _Mapping]] = ...) -> None: ...
 
 class ListPeersReply(_message.Message):
     __slots__ = ("peers", "next_after")
@@ -610,3 +626,73 @@ class RunSeal(_message.Message):
     plans: _containers.RepeatedScalarFieldContainer[str]
     sealed: float
     def __init__(self, run_id: _Optional[str] = ..., events: _Optional[int] = ..., last_seq: _Optional[int] = ..., head: _Optional[str] = ..., run_json: _Optional[str] = ..., plans: _Optional[_Iterable[str]] = ..., sealed: _Optional[float] = ...) -> None: ...
+
+class RelayGrantRequest(_message.Message):
+    __slots__ = ("run_id", "purpose", "index", "receiver")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PURPOSE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    purpose: _common_pb2.Purpose
+    index: int
+    receiver: str
+    def __init__(self, run_id: _Optional[str] = ..., purpose: _Optional[_Union[_common_pb2.Purpose, str]] = ..., index: _Optional[int] = ..., receiver: _Optional[str] = ...) -> None: ...
+
+class CrlEntry(_message.Message):
+    __slots__ = ("name", "serial", "revoked_at", "revoked_by", "reason", "reinstated")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SERIAL_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_AT_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_BY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REINSTATED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    serial: str
+    revoked_at: float
+    revoked_by: str
+    reason: str
+    reinstated: bool
+    def __init__(self, name: _Optional[str] = ..., serial: _Optional[str] = ..., revoked_at: _Optional[float] = ..., revoked_by: _Optional[str] = ..., reason: _Optional[str] = ..., reinstated: _Optional[bool] = ...) -> None: ...
+
+class RevocationRequest(_message.Message):
+    __slots__ = ("name", "reason", "crl", "serials")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CRL_FIELD_NUMBER: _ClassVar[int]
+    SERIALS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    reason: str
+    crl: bytes
+    serials: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., reason: _Optional[str] = ..., crl: _Optional[bytes] = ..., serials: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RevocationReply(_message.Message):
+    __slots__ = ("name", "revoked_by", "revoked_at", "runs", "crl_number")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_BY_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_AT_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    CRL_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    revoked_by: str
+    revoked_at: float
+    runs: _containers.RepeatedScalarFieldContainer[str]
+    crl_number: int
+    def __init__(self, name: _Optional[str] = ..., revoked_by: _Optional[str] = ..., revoked_at: _Optional[float] = ..., runs: _Optional[_Iterable[str]] = ..., crl_number: _Optional[int] = ...) -> None: ...
+
+class CrlRequest(_message.Message):
+    __slots__ = ("have",)
+    HAVE_FIELD_NUMBER: _ClassVar[int]
+    have: int
+    def __init__(self, have: _Optional[int] = ...) -> None: ...
+
+class CrlReply(_message.Message):
+    __slots__ = ("crl", "number", "entries")
+    CRL_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    crl: bytes
+    number: int
+    entries: _containers.RepeatedCompositeFieldContainer[CrlEntry]
+    def __init__(self, crl: _Optional[bytes] = ..., number: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[CrlEntry, _Mapping]]] = ...) -> None: ...

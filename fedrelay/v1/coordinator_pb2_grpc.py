@@ -71,6 +71,11 @@ class CoordinatorStub:
                 request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ResolveSiteRequest.SerializeToString,
                 response_deserializer=fedrelay_dot_v1_dot_common__pb2.SiteRef.FromString,
                 _registered_method=True)
+        self.GrantRelay = channel.unary_unary(
+                '/fedrelay.v1.Coordinator/GrantRelay',
+                request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.RelayGrantRequest.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_common__pb2.RelayGrant.FromString,
+                _registered_method=True)
         self.Connect = channel.stream_stream(
                 '/fedrelay.v1.Coordinator/Connect',
                 request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ControlReply.SerializeToString,
@@ -120,6 +125,16 @@ class CoordinatorStub:
                 '/fedrelay.v1.Coordinator/ForgetPeer',
                 request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerRequest.SerializeToString,
                 response_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerReply.FromString,
+                _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/fedrelay.v1.Coordinator/Revoke',
+                request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.RevocationRequest.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.RevocationReply.FromString,
+                _registered_method=True)
+        self.GetCrl = channel.unary_unary(
+                '/fedrelay.v1.Coordinator/GetCrl',
+                request_serializer=fedrelay_dot_v1_dot_coordinator__pb2.CrlRequest.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.CrlReply.FromString,
                 _registered_method=True)
 
 
@@ -173,6 +188,14 @@ class CoordinatorServicer:
     def ResolveSite(self, request, context):
         """Where a site is now (its latest registration): a sender whose receiver stopped answering
         asks, in case the receiver came back on another address. Sites and the operator may ask.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GrantRelay(self, request, context):
+        """A planned sender asks leave to send a transfer through the operator's own relay: a
+        RelayGrant it presents in the envelope's TransferHeader (only for a running run's plan).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -252,6 +275,26 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Revoke(self, request, context):
+        """Revoke a site (`coordinator revoke`): the operator sends the CA-signed revocation list that
+        holds the site's certificate serials; the coordinator checks it against the CA, records who
+        revoked whom, when and why in the ledger (and in every running run of the site), serves it
+        from then on (GetCrl), refuses the site's calls and cancels those in flight, and routes
+        running runs around the site. Operator only. INVALID_ARGUMENT for a list that is not the
+        CA's, older than the one held, or without the serials named.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCrl(self, request, context):
+        """The newest revocation list the coordinator holds (empty crl: none yet), with the names of
+        the revoked sites. Any authenticated caller; RegisterReply.crl_number says when to ask.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -289,6 +332,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ResolveSite,
                     request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.ResolveSiteRequest.FromString,
                     response_serializer=fedrelay_dot_v1_dot_common__pb2.SiteRef.SerializeToString,
+            ),
+            'GrantRelay': grpc.unary_unary_rpc_method_handler(
+                    servicer.GrantRelay,
+                    request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.RelayGrantRequest.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_common__pb2.RelayGrant.SerializeToString,
             ),
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
@@ -339,6 +387,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ForgetPeer,
                     request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerRequest.FromString,
                     response_serializer=fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerReply.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.RevocationRequest.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_coordinator__pb2.RevocationReply.SerializeToString,
+            ),
+            'GetCrl': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCrl,
+                    request_deserializer=fedrelay_dot_v1_dot_coordinator__pb2.CrlRequest.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_coordinator__pb2.CrlReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -530,6 +588,33 @@ class Coordinator:
             '/fedrelay.v1.Coordinator/ResolveSite',
             fedrelay_dot_v1_dot_coordinator__pb2.ResolveSiteRequest.SerializeToString,
             fedrelay_dot_v1_dot_common__pb2.SiteRef.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GrantRelay(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Coordinator/GrantRelay',
+            fedrelay_dot_v1_dot_coordinator__pb2.RelayGrantRequest.SerializeToString,
+            fedrelay_dot_v1_dot_common__pb2.RelayGrant.FromString,
             options,
             channel_credentials,
             insecure,
@@ -800,6 +885,60 @@ class Coordinator:
             '/fedrelay.v1.Coordinator/ForgetPeer',
             fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerRequest.SerializeToString,
             fedrelay_dot_v1_dot_coordinator__pb2.ForgetPeerReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Coordinator/Revoke',
+            fedrelay_dot_v1_dot_coordinator__pb2.RevocationRequest.SerializeToString,
+            fedrelay_dot_v1_dot_coordinator__pb2.RevocationReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCrl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Coordinator/GetCrl',
+            fedrelay_dot_v1_dot_coordinator__pb2.CrlRequest.SerializeToString,
+            fedrelay_dot_v1_dot_coordinator__pb2.CrlReply.FromString,
             options,
             channel_credentials,
             insecure,

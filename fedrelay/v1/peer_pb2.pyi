@@ -7,6 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RelayQuotaRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class RelayQuotaReply(_message.Message):
+    __slots__ = ("payload_cap_bytes",)
+    PAYLOAD_CAP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    payload_cap_bytes: int
+    def __init__(self, payload_cap_bytes: _Optional[int] = ...) -> None: ...
+
+class PolicyVerdict(_message.Message):
+    __slots__ = ("run_id", "has_policy")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_POLICY_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    has_policy: bool
+    def __init__(self, run_id: _Optional[str] = ..., has_policy: _Optional[bool] = ...) -> None: ...
+
 class RelayNotice(_message.Message):
     __slots__ = ("run_id", "purpose", "index", "sender", "relay", "sealed_bytes", "sealed_sha256")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -76,7 +96,7 @@ class TransferOffsetReply(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("run_id", "position", "chain_length", "seed", "params", "model", "class_index", "site", "order", "route_version", "rounds", "transfers", "peers", "visits", "aggregator")
+    __slots__ = ("run_id", "position", "chain_length", "seed", "params", "model", "class_index", "site", "order", "route_version", "rounds", "transfers", "peers", "visits", "aggregator", "operator")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     CHAIN_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +112,7 @@ class Assignment(_message.Message):
     PEERS_FIELD_NUMBER: _ClassVar[int]
     VISITS_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_FIELD_NUMBER: _ClassVar[int]
+    OPERATOR_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     position: int
     chain_length: int
@@ -107,7 +128,8 @@ class Assignment(_message.Message):
     peers: _containers.RepeatedCompositeFieldContainer[_common_pb2.SiteRef]
     visits: _containers.RepeatedScalarFieldContainer[int]
     aggregator: str
-    def __init__(self, run_id: _Optional[str] = ..., position: _Optional[int] = ..., chain_length: _Optional[int] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., model: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., class_index: _Optional[_Iterable[str]] = ..., site: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., route_version: _Optional[int] = ..., rounds: _Optional[int] = ..., transfers: _Optional[_Iterable[_Union[_common_pb2.PlannedTransfer, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[_common_pb2.SiteRef, _Mapping]]] = ..., visits: _Optional[_Iterable[int]] = ..., aggregator: _Optional[str] = ...) -> None: ...
+    operator: str
+    def __init__(self, run_id: _Optional[str] = ..., position: _Optional[int] = ..., chain_length: _Optional[int] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.TrainingParams, _Mapping]] = ..., model: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., class_index: _Optional[_Iterable[str]] = ..., site: _Optional[str] = ..., order: _Optional[_Iterable[str]] = ..., route_version: _Optional[int] = ..., rounds: _Optional[int] = ..., transfers: _Optional[_Iterable[_Union[_common_pb2.PlannedTransfer, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[_common_pb2.SiteRef, _Mapping]]] = ..., visits: _Optional[_Iterable[int]] = ..., aggregator: _Optional[str] = ..., operator: _Optional[str] = ...) -> None: ...
 
 class RerouteRequest(_message.Message):
     __slots__ = ("run_id", "skipped", "route_version", "transfers", "peers", "visits")

@@ -85,6 +85,16 @@ class PeerStub:
                 request_serializer=fedrelay_dot_v1_dot_peer__pb2.RelayNotice.SerializeToString,
                 response_deserializer=fedrelay_dot_v1_dot_peer__pb2.RelayReadyReply.FromString,
                 _registered_method=True)
+        self.RelayQuota = channel.unary_unary(
+                '/fedrelay.v1.Peer/RelayQuota',
+                request_serializer=fedrelay_dot_v1_dot_peer__pb2.RelayQuotaRequest.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_peer__pb2.RelayQuotaReply.FromString,
+                _registered_method=True)
+        self.CheckPolicy = channel.unary_unary(
+                '/fedrelay.v1.Peer/CheckPolicy',
+                request_serializer=fedrelay_dot_v1_dot_peer__pb2.Assignment.SerializeToString,
+                response_deserializer=fedrelay_dot_v1_dot_peer__pb2.PolicyVerdict.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -175,6 +185,25 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RelayQuota(self, request, context):
+        """The coordinator asks the largest payload this site accepts in a run (the relay stores no
+        larger envelope for it). Only from the coordinator; may take seconds the first time (the
+        site asks a worker for the run's payload schemas).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckPolicy(self, request, context):
+        """Before it assigns any site of a new run, the coordinator asks each site whether its own
+        policy (peer/policy.py; docs/site-policy.md) accepts the assignment it would send: nothing
+        is kept or started. A refusal is PERMISSION_DENIED worded "refused by this site's policy: ...",
+        as Assign's would be. Only from the coordinator.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -227,6 +256,16 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.RelayReady,
                     request_deserializer=fedrelay_dot_v1_dot_peer__pb2.RelayNotice.FromString,
                     response_serializer=fedrelay_dot_v1_dot_peer__pb2.RelayReadyReply.SerializeToString,
+            ),
+            'RelayQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.RelayQuota,
+                    request_deserializer=fedrelay_dot_v1_dot_peer__pb2.RelayQuotaRequest.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_peer__pb2.RelayQuotaReply.SerializeToString,
+            ),
+            'CheckPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckPolicy,
+                    request_deserializer=fedrelay_dot_v1_dot_peer__pb2.Assignment.FromString,
+                    response_serializer=fedrelay_dot_v1_dot_peer__pb2.PolicyVerdict.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -499,6 +538,60 @@ class Peer:
             '/fedrelay.v1.Peer/RelayReady',
             fedrelay_dot_v1_dot_peer__pb2.RelayNotice.SerializeToString,
             fedrelay_dot_v1_dot_peer__pb2.RelayReadyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RelayQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Peer/RelayQuota',
+            fedrelay_dot_v1_dot_peer__pb2.RelayQuotaRequest.SerializeToString,
+            fedrelay_dot_v1_dot_peer__pb2.RelayQuotaReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrelay.v1.Peer/CheckPolicy',
+            fedrelay_dot_v1_dot_peer__pb2.Assignment.SerializeToString,
+            fedrelay_dot_v1_dot_peer__pb2.PolicyVerdict.FromString,
             options,
             channel_credentials,
             insecure,

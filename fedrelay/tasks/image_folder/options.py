@@ -82,7 +82,7 @@ def read_options(root: Path) -> SiteOptions:
         with path.open("rb") as fp:
             doc = tomllib.load(fp)
     except tomllib.TOMLDecodeError as exc:
-        raise DataError(f"{path} is not valid TOML: {exc}; fix the file (see README, 'A site's data folder')") from None
+        raise DataError(f"{path} is not valid TOML: {exc}; fix the file (see docs/how-to/data-folders.md)") from None
     except UnicodeDecodeError:
         raise DataError(f"{path} is not UTF-8 text; save it as UTF-8 TOML") from None
     except OSError as exc:
