@@ -743,8 +743,8 @@ def _export_metrics(summary: dict, rows: list[dict], mlflow_uri: str | None, mlf
             out = export.export_tensorboard(summary, rows, tensorboard)
             err_console.print(f"wrote TensorBoard events of run {safe(summary['run_id'])} to {safe(str(out))} "
                               f"(tensorboard --logdir {safe(str(tensorboard))})", highlight=False, soft_wrap=True)
-    except export.ExportError as exc:
-        fail(str(exc))
+    except export.ExportError as exc:  # the export (the work asked for) failed: a missing package, a store's refusal
+        fail(str(exc), exits.FAILED)
     if summary.get("status") == "running":
         err_console.print("[bold yellow]warning:[/] the run is still running: the export holds its epochs so far "
                           "and no final metrics; export it again when it has ended", highlight=False)
