@@ -13,7 +13,7 @@ CHAIN_ARGS ?= --models-per-site 5 --local-epochs 2 --warmup-epochs 2
 BC_SITES ?= 3
 BC_CHAIN_ARGS ?= --models-per-site 3 --local-epochs 5 --warmup-epochs 5 --lr 0.01 --batch-size 32
 
-.PHONY: setup demo demo-breast-cancer test docs bench bench-reduced bench-few-shot bench-parallel proto clean
+.PHONY: setup demo demo-breast-cancer test test-fast docs bench bench-reduced bench-few-shot bench-parallel proto clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,10 @@ demo-breast-cancer: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The unit tier alone (no processes; about a minute): tests marked neither integration nor system.
+test-fast: setup
+	FEDRELAY_TEST_TIER=unit $(PY) -m pytest -q -m "not integration and not system"
 
 # The documentation site (docs/, mkdocs.yml) in site/; warnings are errors. The reference pages
 # are generated from the code and the figures from bench/results.json (docs/_hooks/generate.py).

@@ -19,6 +19,29 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("FEDRELAY_FORK_WORKERS", "1")
 
 
+# Tiers: a test marked neither ``integration`` nor ``system`` is a unit test. Under
+# FEDRELAY_TEST_TIER=unit (``make test-fast``) a unit test that starts a process fails, naming the
+# marker it needs, so the fast tier stays fast and says so when a test outgrows it.
+TIER_ENV = "FEDRELAY_TEST_TIER"
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    if os.environ.get(TIER_ENV) != "unit" or any(request.node.get_closest_marker(m) for m in ("integration", "system")):
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.integration "
+                             "(or system), or keep it in-process")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    yield
+
+
 @pytest.fixture(scope="session")
 def idx_source(tmp_path_factory) -> Path:
     """A folder of tiny synthetic Fashion-MNIST-format IDX files (600 train, 200 test)."""

@@ -31,6 +31,8 @@ from fedrelay.coordinator.signatures import Signatures
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2
 from test_security import ORDER, coordinator, cstub, ids  # noqa: F401 - pytest fixtures
 
+pytestmark = pytest.mark.integration
+
 PARAMS = dict(strategy="fedelmy", models_per_site=1, local_epochs=1, warmup_epochs=1, alpha=1.0, beta=1.0, lr=1e-3,
               batch_size=32, weight_decay=0.0, selection="best-val")
 

@@ -4,6 +4,9 @@ The figures they print are not checked against targets here: that is what bench/
 from __future__ import annotations
 
 import json
+import pytest
+
+pytestmark = pytest.mark.system
 
 
 def test_transfer_study_smoke(tmp_path):

@@ -28,6 +28,8 @@ import pytest
 
 from bench.common import deploy_script
 
+pytestmark = pytest.mark.system
+
 local_trial = deploy_script("local_trial")
 
 NAME, PACKAGE = "lab-values", "lab_values"

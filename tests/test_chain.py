@@ -14,6 +14,8 @@ from conftest import image_offer_pbs
 
 from bench.common import deploy_script
 
+pytestmark = pytest.mark.integration
+
 local_trial = deploy_script("local_trial")
 
 CHAIN = ["--models-per-site", "2", "--local-epochs", "2", "--warmup-epochs", "2", "--batch-size", "32"]

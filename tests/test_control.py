@@ -22,6 +22,8 @@ from bench.common import deploy_script
 from conftest import image_offers
 from fedrelay.coordinator.ledger import TERMINAL, Ledger
 
+pytestmark = pytest.mark.integration
+
 local_trial = deploy_script("local_trial")
 
 # Long enough that the first site is still training when it is stopped (~70 images per site).

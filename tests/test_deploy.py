@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMD = ROOT / "deploy" / "systemd"
 DOCKER = ROOT / "deploy" / "docker"

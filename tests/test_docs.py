@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parent.parent
 
 MISSING = [name for name, module in (("mkdocs", "mkdocs"), ("mkdocs-material", "material"),

@@ -14,6 +14,8 @@ import pytest
 
 from fedrelay.coordinator import export
 
+pytestmark = pytest.mark.system
+
 ROWS = [
     {"site": "site-a", "stage": "warmup", "model": 0, "epoch": 1, "epochs": 1, "train_loss": 1.5,
      "val_accuracy": 0.25, "seconds": 1.0, "time": 1000.0},

@@ -180,6 +180,7 @@ def test_dicom_values_monochrome1_signed_and_colour(tmp_path):
     assert x.dtype == torch.uint8 and x[0, :, 0, 0].tolist() == [200, 10, 20]
 
 
+@pytest.mark.integration
 def test_dicom_describe_reads_headers_only_and_without_torch(tmp_path):
     """describe (scan_site) reads no pixel data: a file whose pixel data are truncated passes the
     scan, in an interpreter without torch, and load names it."""

@@ -21,6 +21,8 @@ from fedrelay.v1 import peer_pb2, peer_pb2_grpc
 
 from bench.common import deploy_script
 
+pytestmark = pytest.mark.integration
+
 free_port = deploy_script("local_trial").free_port
 
 

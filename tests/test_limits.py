@@ -362,6 +362,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.integration
 def test_idle_connections_of_one_client_do_not_starve_the_operator():
     """300 idle HTTP/2 connections to a coordinator started with a soft limit of 200 open files:
     the operator's ListPeers is still answered (the daemon raised its limit; each listener takes

@@ -26,6 +26,8 @@ from fedrelay.coordinator.client import OperatorClient
 from fedrelay.health import probe
 from fedrelay.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 
+pytestmark = pytest.mark.integration
+
 BIN = Path(sys.executable).parent
 PARAMS = dict(strategy="fedelmy", models_per_site=1, local_epochs=1, warmup_epochs=1, alpha=1.0, beta=1.0, lr=1e-3,
               batch_size=32, weight_decay=0.0, selection="best-val")

@@ -12,6 +12,8 @@ import pytest
 
 from bench.common import deploy_script
 
+pytestmark = pytest.mark.system
+
 netns_trial = deploy_script("netns_trial")
 
 OK, WHY = netns_trial.netns_available()

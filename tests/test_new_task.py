@@ -15,6 +15,8 @@ from typer.testing import CliRunner
 
 from fedrelay.cli.fedrelay import app
 
+pytestmark = pytest.mark.system
+
 REPO = Path(__file__).resolve().parent.parent
 
 

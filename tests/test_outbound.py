@@ -17,6 +17,8 @@ from fedrelay.peer import relaying
 from fedrelay.peer.transfer import TransferError, partial_path
 from fedrelay.v1 import common_pb2, relay_pb2
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory):

@@ -27,6 +27,8 @@ from fedrelay.coordinator import pki
 from fedrelay.peer import policy
 from fedrelay.v1 import peer_pb2
 
+pytestmark = pytest.mark.integration
+
 PARAMS = dict(strategy="fedelmy", models_per_site=1, local_epochs=1, warmup_epochs=1, alpha=1.0, beta=1.0, lr=1e-3,
               batch_size=32, weight_decay=0.0, selection="best-val")
 

@@ -15,6 +15,8 @@ import pytest
 from bench.common import deploy_script
 from conftest import write_fashion_like
 
+pytestmark = pytest.mark.system
+
 local_trial = deploy_script("local_trial")
 
 # Slow enough (a few seconds per site) to be caught in the middle of training.

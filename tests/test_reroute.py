@@ -11,6 +11,8 @@ import pytest
 from bench.common import deploy_script
 from conftest import write_fashion_like
 
+pytestmark = pytest.mark.system
+
 local_trial = deploy_script("local_trial")
 
 CHAIN = ["--models-per-site", "2", "--local-epochs", "2", "--warmup-epochs", "1", "--batch-size", "32"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.scale import WriteCounter, measure
 from conftest import image_offer_pbs, image_offers
 from fedrelay.coordinator.ledger import Ledger
@@ -21,6 +23,7 @@ class Context:
         raise AssertionError(f"{code}: {message}")
 
 
+@pytest.mark.integration
 def test_sqlite_writes_per_hop_do_not_grow_with_the_number_of_sites(tmp_path):
     small, large = (measure(n, 0.0, tmp_path / f"n{n}") for n in (3, 30))
     assert small["evaluated"] == 3 and large["evaluated"] == 30

@@ -430,6 +430,7 @@ def test_site_dir_names_widen_past_100():
     assert sp.site_dir_name(5, 101) == "site-005"
 
 
+@pytest.mark.integration
 def test_write_sites_parallel_path(tmp_path, monkeypatch):
     """The multi-process writer (used for the real 70k images) writes the same files."""
     monkeypatch.setattr(sp, "_CHUNK", 40)

@@ -18,6 +18,8 @@ import pytest
 from fedrelay.tasks.image_folder import spec as image_spec
 from bench.common import deploy_script
 
+pytestmark = pytest.mark.integration
+
 local_trial = deploy_script("local_trial")
 
 # S = 1, E = 2, Ew = 1 on ~70 images per site: seconds per site.

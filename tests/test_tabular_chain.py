@@ -13,6 +13,8 @@ import pytest
 
 from bench.common import deploy_script
 
+pytestmark = pytest.mark.integration
+
 local_trial = deploy_script("local_trial")
 
 # Small and quick; the demo's own arguments (Makefile BC_CHAIN_ARGS) train longer.

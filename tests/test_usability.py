@@ -13,6 +13,8 @@ from typer.testing import CliRunner
 
 from fedrelay.cli import coordinator as coord_cli, peer as peer_cli
 
+pytestmark = pytest.mark.integration
+
 BIN = Path(sys.executable).parent
 runner = CliRunner()
 

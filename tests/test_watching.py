@@ -22,6 +22,8 @@ from fedrelay.coordinator.live import SiteNow, apply
 from fedrelay.coordinator.service import CoordinatorService
 from fedrelay.v1 import coordinator_pb2 as cpb
 
+pytestmark = pytest.mark.integration
+
 # -- the bookkeeping, without daemons --------------------------------------------------------------
 
 

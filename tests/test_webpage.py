@@ -18,6 +18,8 @@ from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.plan import chain_plan
 from fedrelay.coordinator.service import CoordinatorService
 
+pytestmark = pytest.mark.integration
+
 ORDER = ["site-a", "site-b", "site-c"]
 M = 1000
 

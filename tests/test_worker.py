@@ -15,6 +15,8 @@ import pytest
 from fedrelay import payload, wire
 from fedrelay.peer.slots import HostSlots
 
+pytestmark = pytest.mark.integration
+
 
 def test_payload_checks_without_torch(tmp_path):
     """A fresh interpreter (with the daemon-side modules scan, slots, workers imported) checks good, NaN, wrong-shape, renamed and garbage payloads with
