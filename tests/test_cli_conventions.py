@@ -3,7 +3,8 @@ files, HOST:PORT options, messages naming the flag, no silent defaults (issue #2
 
 Every command is found from the typer apps (never listed here): each is walked with a bad value
 on the command line and in its environment variable, in-process; the few cases that need a
-process of their own (gRPC's C core writes straight to the process's stderr) run one."""
+process of their own (gRPC's C core writes straight to the process's stderr; `peer serve --check`
+reads the data folder in a worker) run one and are marked integration."""
 
 from __future__ import annotations
 
@@ -245,6 +246,7 @@ def test_both_daemons_read_a_config_file_and_fedrelay_variables(tmp_path, monkey
     assert res.exit_code == exits.USAGE and "unknown key 'peer_timout'" in json.loads(res.stdout)["error"]
 
 
+@pytest.mark.integration
 def test_coordinator_serve_with_a_bad_listen_address_leaves_nothing_behind(tmp_path):
     """No gRPC C-core line, no ledger file: a malformed address is refused while the command line
     is parsed, a taken port before the ledger is opened."""
@@ -265,6 +267,7 @@ def test_coordinator_serve_with_a_bad_listen_address_leaves_nothing_behind(tmp_p
     assert res.exit_code == exits.USAGE and "--peer-timeout must be > 0" in res.output and not db.exists()
 
 
+@pytest.mark.integration
 def test_an_unreachable_daemon_gets_one_clear_line_and_no_c_core_line():
     """As the console scripts run (gRPC's C core writes to the process's stderr): each group's
     networked commands against a closed port exit 3 with one error line."""
@@ -277,6 +280,7 @@ def test_an_unreachable_daemon_gets_one_clear_line_and_no_c_core_line():
         assert not C_CORE_LINE.search(res.stderr + res.stdout) and "Traceback" not in res.stderr, res.stderr
 
 
+@pytest.mark.integration
 def test_peer_serve_at_a_loopback_address_warns_or_refuses(tmp_path):
     from fedrelay.peer.reachability import judge
 
