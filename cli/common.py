@@ -169,13 +169,14 @@ def make_app(help: str, *, env_prefix: str) -> typer.Typer:
 def address_callback(ctx, param, value):
     """Check an option's ``HOST:PORT`` value as it is parsed (``fedrelay.names.check_address``):
     a malformed one is a usage error naming the option, e.g. ``-c notanaddress`` says the port is
-    missing. Port 0 (any free port) is allowed for listening addresses (``--listen``)."""
+    missing. Port 0 (any free port) is allowed for listening addresses (``--listen``,
+    ``--metrics-listen``, ``--operator-listen``, ``--web``)."""
     if value is None or value == "":
         return value
     values = value if isinstance(value, (list, tuple)) else [value]
     flag = max(param.opts, key=len)
     for v in values:
-        problem = address_problem(v, allow_port_0=flag in ("--listen", "--metrics-listen", "--web"))
+        problem = address_problem(v, allow_port_0=flag.endswith("listen") or flag == "--web")
         if problem:
             raise typer.BadParameter(problem, ctx=ctx, param=param)
     return value
