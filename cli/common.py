@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
+
+from fedrelay.cli import exits
 
 # No emoji codes: ":x:" in a site's text stays text (markup is escaped with fedrelay.text.safe).
 console = Console(emoji=False)
@@ -71,22 +75,176 @@ def stop_on_sigterm() -> None:
 def setup_logging(verbose: bool, prefix: str = "") -> None:
     """Log to stderr, one line per record (``fedrelay.text.OneLineFormatter``: text from other
     parties cannot start a line of its own or send control sequences), each with the date, the
-    local time and its offset from UTC (``2026-11-23 09:12:01+0100 [coordinator] INFO ...``);
-    debug lines too when ``verbose``."""
+    local time and its offset from UTC, ISO 8601 / RFC 3339 (``2026-11-23 09:12:01+01:00
+    [coordinator] INFO ...``); debug lines too when ``verbose``."""
     from fedrelay.text import OneLineFormatter
 
+    class Formatter(OneLineFormatter):
+        def formatTime(self, record, datefmt=None):  # noqa: N802 (logging's name)
+            from datetime import datetime
+
+            return datetime.fromtimestamp(record.created).astimezone().isoformat(sep=" ", timespec="seconds")
+
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(OneLineFormatter(f"%(asctime)s {prefix}%(levelname)s %(message)s",
-                                          datefmt="%Y-%m-%d %H:%M:%S%z"))
+    handler.setFormatter(Formatter(f"%(asctime)s {prefix}%(levelname)s %(message)s"))
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
 
 
-def fail(message: str, code: int = 1) -> None:
-    """Print ``error: MESSAGE`` on stderr and exit with ``code``. ``message`` is plain text (it
+def fail(message: str, code: int = exits.USAGE) -> None:
+    """Print ``error: MESSAGE`` on stderr and exit with ``code`` (``fedrelay.cli.exits``; by
+    default :data:`~fedrelay.cli.exits.USAGE`, a bad value). Under ``--json`` the error is also one
+    JSON object on stdout: ``{"error": MESSAGE, "code": CODE}``. ``message`` is plain text (it
     often quotes a coordinator's or a site's words): shown as it is, never read as markup."""
     from fedrelay.text import safe
 
+    if json_mode():
+        print(json.dumps({"error": message, "code": code}), flush=True)
     err_console.print(f"[bold red]error:[/] {safe(message)}", highlight=False)
+    raise typer.Exit(code)
+
+
+_ARGV_JSON = [False]  # --json on the command line being run (Group.main), for errors before it is parsed
+
+
+def json_mode() -> bool:
+    """Whether the command being run was given ``--json`` (its ``as_json`` parameter is set, or,
+    while its options are still being read, e.g. by ``--config``, its command line holds it)."""
+    from typer._click.globals import get_current_context
+
+    if _ARGV_JSON[0]:
+        return True
+    ctx = get_current_context(silent=True)
+    while ctx is not None:
+        if ctx.params.get("as_json"):
+            return True
+        ctx = ctx.parent
+    return False
+
+
+def _argv_wants_json(args) -> bool:
+    """``--json`` on a command line (before a ``--``), for errors raised while it is parsed."""
+    for a in args:
+        if a == "--":
+            return False
+        if a == "--json":
+            return True
+    return False
+
+
+class Group(TyperGroup):
+    """The command group of ``peer``, ``coordinator`` and ``fedrelay``: a usage error (unknown
+    option, missing or malformed value) exits :data:`~fedrelay.cli.exits.USAGE` as click does,
+    and is also one JSON object on stdout when the command line holds ``--json``."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        from typer._click import exceptions as click
+
+        argv = list(sys.argv[1:] if args is None else args)
+        _ARGV_JSON[0] = _argv_wants_json(argv)
+        if not standalone_mode or not _ARGV_JSON[0]:
+            return super().main(argv, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(argv, prog_name, complete_var, False, **extra)
+        except click.ClickException as exc:
+            print(json.dumps({"error": exc.format_message(), "code": exc.exit_code}), flush=True)
+            from fedrelay.text import safe
+
+            err_console.print(f"[bold red]error:[/] {safe(exc.format_message())}", highlight=False)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            sys.exit(exits.FAILED)
+        sys.exit(rv if isinstance(rv, int) else exits.OK)
+
+
+def make_app(help: str, *, env_prefix: str) -> typer.Typer:
+    """A command group with fedrelay's conventions (docs/cli-conventions.md): ``-h``, usage errors
+    as JSON under ``--json`` (:class:`Group`), and every option readable from an environment
+    variable ``ENV_PREFIX_COMMAND_OPTION`` (click's ``auto_envvar_prefix``; options with a
+    variable of their own, e.g. ``FEDRELAY_COORDINATOR``, keep it)."""
+    return typer.Typer(help=help, no_args_is_help=True, add_completion=False, cls=Group,
+                       context_settings={**CONTEXT_SETTINGS, "auto_envvar_prefix": env_prefix},
+                       pretty_exceptions_show_locals=False)
+
+
+def address_callback(ctx, param, value):
+    """Check an option's ``HOST:PORT`` value as it is parsed (``fedrelay.names.check_address``):
+    a malformed one is a usage error naming the option, e.g. ``-c notanaddress`` says the port is
+    missing. Port 0 (any free port) is allowed for listening addresses (``--listen``,
+    ``--metrics-listen``, ``--operator-listen``, ``--web``)."""
+    if value is None or value == "":
+        return value
+    values = value if isinstance(value, (list, tuple)) else [value]
+    flag = max(param.opts, key=len)
+    for v in values:
+        problem = address_problem(v, allow_port_0=flag.endswith("listen") or flag == "--web")
+        if problem:
+            raise typer.BadParameter(problem, ctx=ctx, param=param)
+    return value
+
+
+def web_callback(ctx, param, value):
+    """``--web HOST:PORT`` like ``--metrics-listen``; a bare ``PORT`` (the old form) still works,
+    as ``127.0.0.1:PORT``, with a deprecation warning."""
+    if value is not None and value.strip().isdigit():
+        err_console.print(f"[bold yellow]warning:[/] --web {value.strip()}: a bare PORT is deprecated; write "
+                          f"--web 127.0.0.1:{value.strip()} (HOST:PORT, like --metrics-listen)", highlight=False)
+        value = f"127.0.0.1:{value.strip()}"
+    return address_callback(ctx, param, value)
+
+
+def json_option(help: str = "Print the result as JSON on stdout (errors too: {\"error\": ..., \"code\": ...})."):
+    """The ``--json`` option every command that prints data takes (parameter ``as_json``)."""
+    return typer.Option(False, "--json", help=help)
+
+
+def config_option(command: str):
+    """The ``--config FILE`` option (eager): a TOML file of the command's options (keys: the long
+    option names), read by :func:`load_config_callback`; command line and environment override it."""
+    return typer.Option(None, "--config", is_eager=True, callback=load_config_callback, dir_okay=False,
+                        help=f"A TOML file of {command} options (keys: the long option names, e.g. "
+                             "state-dir = \"/var/lib/fedrelay\"); options given on the command line or in "
+                             "FEDRELAY_* variables override it (docs/cli-conventions.md).")
+
+
+def address_problem(value: str, *, allow_port_0: bool = False) -> str | None:
+    """What is wrong with ``value`` as ``HOST:PORT`` (None: nothing): says when the port is
+    missing, not a number or out of range, or the host is malformed."""
+    from fedrelay.names import InvalidName, check_address
+
+    host, sep, port = value.rpartition(":")
+    if not sep or not port or host.endswith(":") and not host.startswith("["):
+        return f"{value!r} has no port: write HOST:PORT, e.g. {value.rstrip(':') or 'localhost'}:50070"
+    if not port.isascii() or not port.isdigit():
+        return f"{value!r}: the port {port!r} is not a number (write HOST:PORT)"
+    if not 0 <= int(port) <= 65535 or (int(port) == 0 and not allow_port_0):
+        return f"{value!r}: the port must be 1-65535" + (" (0: any free port)" if allow_port_0 else "")
+    if not host:
+        return f"{value!r} has no host: write HOST:PORT, e.g. 127.0.0.1:{port}"
+    try:
+        check_address(f"{host}:{int(port) or 1}")  # port 0 (any free port) passed the check above
+    except InvalidName:
+        return (f"{value!r}: the host must be a DNS name, an IPv4 address or an [IPv6] address in brackets "
+                "(write HOST:PORT)")
+    return None
+
+
+def report_health(what: str, address: str, result, as_json: bool) -> None:
+    """Print a health probe's outcome (``fedrelay.health.ProbeResult``) as one line, or under
+    ``--json`` as ``{"address", "status", "serving", "detail", "code"}``, and exit: 0 SERVING, 1
+    another answer (NOT_SERVING, ...), 3 no answer, 4 refused (``fedrelay.cli.exits``)."""
+    from fedrelay.text import safe
+
+    if result.serving:
+        code = exits.OK
+    elif result.status in ("UNREACHABLE", "ERROR"):
+        code = exits.for_rpc_error(result.grpc_code, result.line)
+    else:
+        code = exits.FAILED
+    if as_json:
+        print(json.dumps({"address": address, "status": result.status, "serving": result.serving,
+                          "detail": result.line, "code": code}))
+    else:
+        console.print(f"{what} {safe(address)}: {safe(result.line)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -186,6 +344,12 @@ def config_defaults(ctx, path: Path, *, lists: tuple[str, ...] = ()) -> dict:
                  + ", ".join(sorted({n.replace('_', '-') for n in by_key})))
         if p.name in lists and isinstance(value, list) and all(isinstance(v, str) for v in value):
             value = ",".join(value)
+        if getattr(p, "multiple", False):
+            value = [value] if isinstance(value, str) else value
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                fail(f"--config {path}: key {key!r} must be a string or an array of strings, got {value!r}")
+            out[p.name] = value
+            continue
         if not _toml_type_ok(p, value):
             fail(f"--config {path}: key {key!r} must be {_type_name(p)}, got {value!r}")
         if _choices(p) and value not in _choices(p):

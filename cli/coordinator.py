@@ -15,15 +15,17 @@ from rich.table import Table
 
 from fedrelay import params as run_params, privacy
 from fedrelay.text import safe, safe_tree
-from fedrelay.cli.common import (CONTEXT_SETTINGS, ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECURE_HELP, TLS_HELP,
-                                 console, err_console, fail, load_config_callback, setup_logging, stop_on_sigterm,
-                                 transport_from, version_option)
+from fedrelay.cli import exits
+from fedrelay.cli.common import (ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECURE_HELP, TLS_HELP, address_callback,
+                                 config_option, console, err_console, fail, json_option, load_config_callback,
+                                 make_app, setup_logging, stop_on_sigterm, transport_from, version_option,
+                                 web_callback)
 from fedrelay.coordinator.plan import ORDERS
 from fedrelay import scoring, tasks as task_registry
 from fedrelay.registry import STRATEGIES
 
-app = typer.Typer(help="fedrelay coordinator: plans chains, assigns roles, keeps the ledger.",
-                  no_args_is_help=True, add_completion=False, context_settings=CONTEXT_SETTINGS)
+app = make_app("fedrelay coordinator: plans chains, assigns roles, keeps the ledger.",
+               env_prefix="FEDRELAY_COORDINATOR")
 
 
 @app.callback()
@@ -31,7 +33,7 @@ def main(version: bool = version_option()) -> None:
     """fedrelay coordinator: plans chains, assigns roles, keeps the ledger."""
 
 
-COORD = typer.Option("127.0.0.1:50070", "--coordinator", "-c", envvar=ENV_COORDINATOR,
+COORD = typer.Option("127.0.0.1:50070", "--coordinator", "-c", envvar=ENV_COORDINATOR, callback=address_callback,
                      help="HOST:PORT of the coordinator.")
 INSECURE = typer.Option(False, "--insecure", envvar=ENV_INSECURE, help=INSECURE_HELP)
 TLS = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " Operator commands: PKI/operator.",
@@ -56,20 +58,22 @@ def _rpc_fail(exc: grpc.RpcError, address: str) -> None:
 
     details = exc.details() or ""
     tls_words = any(w in details for w in ("ssl", "SSL", "TLS", "Tls", "verif", "handshake"))
+    code = exits.for_rpc_error(exc.code(), details)
     hint = transport_mismatch(exc, address, secure=_secure[0] if _secure else tls_words, what="coordinator")
-    if hint:
-        fail(hint)
+    if hint:  # --tls against a plaintext daemon or --insecure against a TLS one: the flag is wrong
+        fail(hint, exits.USAGE)
     if exc.code() == grpc.StatusCode.UNAVAILABLE and any(w in details for w in ("ssl", "SSL", "TLS", "Tls", "verif", "handshake")):
         fail(f"TLS with the coordinator at {address} failed ({details}); check --tls (same CA? an insecure "
-             "coordinator?)")
+             "coordinator?)", exits.REFUSED)
     if exc.code() == grpc.StatusCode.UNAVAILABLE:
-        fail(f"coordinator at {address} is not reachable ({exc.details()}); is `coordinator serve` running?")
-    fail(exc.details() or exc.code().name)
+        fail(f"coordinator at {address} is not reachable ({exc.details()}); is `coordinator serve` running?", code)
+    fail(exc.details() or exc.code().name, code)
 
 
 @app.command()
 def serve(
-    listen: str = typer.Option("127.0.0.1:50070", "--listen", help="HOST:PORT to listen on."),
+    config: Path = config_option("coordinator serve"),
+    listen: str = typer.Option("127.0.0.1:50070", "--listen", callback=address_callback, help="HOST:PORT to listen on."),
     db: Path = typer.Option(Path("fedrelay-ledger.sqlite"), "--db", help="SQLite ledger file."),
     tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " Here: PKI/coordinator.",
                              file_okay=False),
@@ -77,43 +81,53 @@ def serve(
     peer_timeout: float = typer.Option(120.0, "--peer-timeout",
                                        help="Seconds a site of a running chain may go without a heartbeat "
                                             "before the chain is routed around it."),
-    web: str = typer.Option(None, "--web", help="PORT or HOST:PORT: serve the live run page there (read-only, no "
-                            "authentication; a bare PORT listens on 127.0.0.1). Off by default."),
-    operator_listen: str = typer.Option(None, "--operator-listen", help="A second HOST:PORT for the operator's "
+    web: str = typer.Option(None, "--web", callback=web_callback, help="HOST:PORT to serve the live run page on (read-only, no "
+                            "authentication; like --metrics-listen) \\[default: off]. A bare PORT still works (deprecated: "
+                            "127.0.0.1:PORT)."),
+    operator_listen: str = typer.Option(None, "--operator-listen", callback=address_callback,
+                                        help="A second HOST:PORT for the operator's "
                                         "commands (e.g. 127.0.0.1:50071), whose connections the sites' cannot "
                                         "crowd out \\[default: off]."),
     web_host: list[str] = typer.Option([], "--web-host", help="A host name the live run page may be reached by "
                                        "(its Host: header), besides IP addresses, localhost and the --web host; "
                                        "repeat for several. Any other name is refused (DNS rebinding)."),
-    metrics_listen: str = typer.Option(None, "--metrics-listen", help="HOST:PORT to serve Prometheus metrics on "
+    metrics_listen: str = typer.Option(None, "--metrics-listen", callback=address_callback, help="HOST:PORT to serve Prometheus metrics on "
                                        "(plain HTTP, /metrics; unauthenticated: bind it where only your "
                                        "monitoring reaches) \\[default: off]."),
     relay_dir: Path = typer.Option(None, "--relay-dir", file_okay=False,
                                    help="Where the coordinator's relay keeps sealed payloads for sites that cannot "
                                         "be reached directly (TLS only) \\[default: the folder 'relay' beside --db]."),
-    relay: str = typer.Option("", "--relay", help="HOST:PORT of the operator's own relay (`coordinator relay`), "
+    relay: str = typer.Option("", "--relay", callback=address_callback, help="HOST:PORT of the operator's own relay (`coordinator relay`), "
                               "told to every site; the coordinator then relays nothing itself."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages too."),
 ) -> None:
     """Run the coordinator (ledger: SQLite at --db)."""
+    import math
+
+    if not (math.isfinite(peer_timeout) and peer_timeout > 0):
+        fail(f"--peer-timeout must be > 0 seconds, got {peer_timeout:g}")  # before the ledger file is created
     transport = transport_from(tls, insecure)
     setup_logging(verbose, prefix="[coordinator] ")
     stop_on_sigterm()
+    from fedrelay.coordinator.ledger import LedgerError
     from fedrelay.coordinator.service import serve as run_service
 
     try:
         run_service(listen, db, transport=transport, peer_timeout=peer_timeout, web=web, web_hosts=web_host,
                     operator_listen=operator_listen,
                     metrics_listen=metrics_listen, relay_dir=relay_dir, relay=relay)
-    except (RuntimeError, ValueError) as exc:
+    except (ValueError, LedgerError) as exc:  # LedgerError: --db is a folder, another file, not writable
         fail(str(exc))
+    except RuntimeError as exc:
+        fail(str(exc), exits.FAILED)
     except KeyboardInterrupt:
         pass
 
 
 @app.command("relay")
 def relay_command(
-    listen: str = typer.Option("0.0.0.0:50072", "--listen", help="HOST:PORT to listen on."),
+    config: Path = config_option("coordinator relay"),
+    listen: str = typer.Option("0.0.0.0:50072", "--listen", callback=address_callback, help="HOST:PORT to listen on."),
     folder: Path = typer.Option(Path("fedrelay-relay"), "--dir", file_okay=False,
                                 help="Where the sealed payloads are kept until their receiver fetches them."),
     tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " Here: PKI/coordinator (sites dial "
@@ -146,8 +160,10 @@ def relay_command(
         bounds = RelayLimits(lifetime=keep_hours * 3600.0, identity_bytes=int(sender_gib * (1 << 30)),
                              identity_envelopes=sender_envelopes)
         serve_relay(listen, folder, transport=transport, limits=bounds, crl=crl)
-    except (RuntimeError, ValueError) as exc:
+    except ValueError as exc:
         fail(str(exc))
+    except RuntimeError as exc:
+        fail(str(exc), exits.FAILED)
     except KeyboardInterrupt:
         pass
 
@@ -272,7 +288,7 @@ def watch_view(client, run_id: str, address: str, as_json: bool) -> None:
     trains in all (``planned_epochs``, from the run's summary at the coordinator), a line per
     transfer; then the run's summary (``--json``: the summary as JSON on stdout, the progress on
     stderr). A run that has already ended gets its summary at once. Exits 1 unless the run
-    finished, 130 on Ctrl-C (the run goes on)."""
+    finished, 130 on Ctrl-C (the run goes on); ``fedrelay.cli.exits``."""
     from fedrelay.coordinator.client import planned_epochs
 
     out = err_console if as_json else console
@@ -286,13 +302,13 @@ def watch_view(client, run_id: str, address: str, as_json: bool) -> None:
         _rpc_fail(exc, address)
     except KeyboardInterrupt:
         out.print(f"stopped watching; the run goes on: coordinator watch {safe(run_id)}", highlight=False)
-        raise typer.Exit(130)
+        raise typer.Exit(exits.INTERRUPTED)
     if as_json:
         print(json.dumps(summary, indent=1))
     else:
         render_summary(summary)
     if summary["status"] != "finished":
-        raise typer.Exit(1)
+        raise typer.Exit(exits.FAILED)
 
 
 def _header(s: dict, out) -> None:
@@ -533,6 +549,7 @@ def stop(
 def forget_peer(
     name: str = typer.Argument(..., help="The registered site to remove (`coordinator peers` lists them)."),
     coordinator: str = COORD,
+    as_json: bool = json_option('Print {"name", "address"} of the forgotten peer as JSON.'),
     tls: Path = TLS,
     insecure: bool = INSECURE,
 ) -> None:
@@ -544,6 +561,9 @@ def forget_peer(
             reply = client.forget_peer(name)
         except grpc.RpcError as exc:
             _rpc_fail(exc, coordinator)
+    if as_json:
+        print(json.dumps({"name": reply.name, "address": reply.address}))
+        return
     console.print(f"forgot peer {safe(reply.name)} (registered at {safe(reply.address or 'no address')}); its "
                   "daemon's heartbeats are refused from now on; a daemon started there afterwards registers anew",
                   highlight=False)
@@ -678,7 +698,7 @@ def metrics(ctx: typer.Context,
             mlflow: bool = typer.Option(False, "--mlflow", help="Also export the run's curves and final metrics "
                                         "to MLflow, into --mlflow-uri \\[default: ./mlflow.db, what `mlflow ui` "
                                         "reads there]. Exporting a run again replaces its earlier export."),
-            mlflow_uri: str = typer.Option(None, "--mlflow-uri", metavar="URI", envvar="MLFLOW_TRACKING_URI",
+            mlflow_uri: str = typer.Option(None, "--mlflow-uri", metavar="URI", envvar=["FEDRELAY_COORDINATOR_METRICS_MLFLOW_URI", "MLFLOW_TRACKING_URI"],
                                            help="Where --mlflow exports to (implies --mlflow when typed): a "
                                            "tracking server (http://HOST:PORT), a .db file or database URI, or a "
                                            "folder (MLflow's file store)."),
@@ -742,8 +762,8 @@ def _export_metrics(summary: dict, rows: list[dict], mlflow_uri: str | None, mlf
             out = export.export_tensorboard(summary, rows, tensorboard)
             err_console.print(f"wrote TensorBoard events of run {safe(summary['run_id'])} to {safe(str(out))} "
                               f"(tensorboard --logdir {safe(str(tensorboard))})", highlight=False, soft_wrap=True)
-    except export.ExportError as exc:
-        fail(str(exc))
+    except export.ExportError as exc:  # the export (the work asked for) failed: a missing package, a store's refusal
+        fail(str(exc), exits.FAILED)
     if summary.get("status") == "running":
         err_console.print("[bold yellow]warning:[/] the run is still running: the export holds its epochs so far "
                           "and no final metrics; export it again when it has ended", highlight=False)
@@ -766,9 +786,11 @@ def _metrics_table(run_id: str, rows: list[dict]) -> Table:
 
 @app.command("fetch-model")
 def fetch_model(run_id: str = typer.Argument(..., help="The run's id (`coordinator runs` lists them)."),
-                out: Path = typer.Option(..., "-o", "--out", help="Where to write the safetensors file; an existing "
+                out: Path = typer.Option(..., "--out", "-o", help="Where to write the safetensors file; an existing "
                                          "folder: FOLDER/<run id>.safetensors."),
-                coordinator: str = COORD, tls: Path = TLS, insecure: bool = INSECURE) -> None:
+                coordinator: str = COORD,
+                as_json: bool = json_option('Print {"run_id", "path", "bytes", "sha256"} as JSON.'),
+                tls: Path = TLS, insecure: bool = INSECURE) -> None:
     """Download a finished run's final model (safetensors), verified against its SHA-256, with
     its architecture, input shape and class names in the file's metadata (fedrelay.load_model)."""
     if out.is_dir():
@@ -779,9 +801,12 @@ def fetch_model(run_id: str = typer.Argument(..., help="The run's id (`coordinat
         except grpc.RpcError as exc:
             _rpc_fail(exc, coordinator)
         except ValueError as exc:
-            fail(str(exc))
+            fail(str(exc), exits.FAILED)
         except OSError as exc:
-            fail(f"cannot write {out}: {exc.strerror or exc}")
+            fail(f"cannot write {out}: {exc.strerror or exc}", exits.FAILED)
+    if as_json:
+        print(json.dumps({"run_id": run_id, "path": str(out), "bytes": size, "sha256": sha}))
+        return
     console.print(f"wrote {safe(out)}: the final model ({size:,} bytes, sha256 {safe(sha)} in the ledger) with fedrelay's "
                   "metadata; load it with fedrelay.load_model", highlight=False)
 
@@ -791,15 +816,17 @@ def health(coordinator: str = COORD,
            tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS, file_okay=False, help=TLS_HELP + " The health service sits behind "
                                     "mutual TLS like every call: PKI/coordinator or PKI/operator."),
            insecure: bool = INSECURE,
-           timeout: float = typer.Option(5.0, "--timeout", help="Seconds to wait for the answer.")) -> None:
-    """Probe the coordinator's gRPC health service: prints one line, exits 0 when SERVING, else 1."""
+           timeout: float = typer.Option(5.0, "--timeout", min=0.0, help="Seconds to wait for the answer."),
+           as_json: bool = json_option('Print {"address", "status", "serving", "detail", "code"} as JSON.')) -> None:
+    """Probe the coordinator's gRPC health service: prints one line; exits 0 when SERVING, 1 for
+    another answer, 3 when nothing answers, 4 when it refuses the caller."""
     transport = transport_from(tls, insecure)
     from fedrelay import wire
-    from fedrelay.health import probe
+    from fedrelay.cli.common import report_health
+    from fedrelay.health import probe_result
 
-    ok, line = probe(transport, coordinator, expect=wire.COORDINATOR_IDENTITY, timeout=timeout)
-    console.print(f"coordinator {safe(coordinator)}: {safe(line)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(0 if ok else 1)
+    report_health("coordinator", coordinator,
+                  probe_result(transport, coordinator, expect=wire.COORDINATOR_IDENTITY, timeout=timeout), as_json)
 
 
 AUDIT_SHOWN = 10  # problems listed after the first (the rest are counted)
@@ -817,12 +844,12 @@ def audit(
     export: Path = typer.Option(None, "--export", dir_okay=False, help="Write the run's audit bundle (its records, "
                                 "signatures, certificates, plan and hash chain) to this JSON file; verified too when "
                                 "--ca is given."),
-    as_json: bool = typer.Option(False, "--json", help="Print the verdict as JSON."),
+    as_json: bool = json_option("Print the verdict as JSON."),
 ) -> None:
     """Verify a run's ledger records with nothing but the CA certificate: the events' hash chain,
     the sites' signatures on every report, receipt and evaluation, the plan they were made under,
     every hops/receipts/evaluations row, and the coordinator's seal. Names the first record that
-    does not verify. Exit 0: verified; 1: something does not verify; 3: a plaintext run (its
+    does not verify. Exit 0: verified; 1: something does not verify; 5: a plaintext run (its
     records are unsigned: consistent, but nothing proves who wrote them)."""
     from fedrelay.coordinator.audit import AuditError, bundle_from_ledger, load_bundle, load_ca_file, verify, write_bundle
 
@@ -838,7 +865,7 @@ def audit(
             try:
                 write_bundle(doc, export)
             except OSError as exc:
-                fail(f"cannot write {export}: {exc.strerror or exc}")
+                fail(f"cannot write {export}: {exc.strerror or exc}", exits.FAILED)
             signed = sum(1 for r in doc["records"] if r["signature"])
             (err_console if as_json else console).print(
                 f"wrote the audit bundle of run {doc['run_id']} to {export} ({len(doc['events'])} events, "
@@ -866,7 +893,7 @@ def audit(
         console.print(f"[bold yellow]run {report.run_id} is unsigned[/]: it ran in plaintext (--insecure), so its "
                       f"records carry no signatures and nothing proves who wrote them. Consistency only: "
                       f"{report.summary()}", highlight=False, soft_wrap=True)
-    raise typer.Exit({"verified": 0, "failed": 1, "unsigned": 3}[report.verdict])
+    raise typer.Exit({"verified": exits.OK, "failed": exits.FAILED, "unsigned": exits.UNSIGNED}[report.verdict])
 
 
 @app.command()
@@ -878,6 +905,8 @@ def revoke(
     serial: list[str] = typer.Option(None, "--serial", help="Revoke this certificate serial (hex; repeatable) "
                                      "\\[default: every certificate PKI/ca/issued holds for NAME]."),
     coordinator: str = COORD,
+    as_json: bool = json_option('Print {"name", "serials", "revoked_by", "revoked_at", "crl_number", "runs"} as '
+                                'JSON (serials in hex, revoked_at in unix seconds).'),
     tls: Path = TLS,
     insecure: bool = INSECURE,
 ) -> None:
@@ -915,6 +944,10 @@ def revoke(
             err_console.print(f"[yellow]the revocation list {number} is signed ({crl_path(ca)}) but was not "
                               "published:[/]", highlight=False)
             _rpc_fail(exc, coordinator)
+    if as_json:
+        print(json.dumps({"name": name, "serials": [f"{s:x}" for s in serials], "revoked_by": reply.revoked_by,
+                          "revoked_at": reply.revoked_at, "crl_number": reply.crl_number, "runs": list(reply.runs)}))
+        return
     runs = f"; running run(s) routed around it: {', '.join(reply.runs)}" if reply.runs else ""
     console.print(f"revoked {safe(name)} (certificate(s) {', '.join(f'{s:x}' for s in serials)}) by "
                   f"{safe(reply.revoked_by)} at {_local_time(reply.revoked_at)}; revocation list {reply.crl_number} "
@@ -924,16 +957,22 @@ def revoke(
 
 @app.command("init-ca")
 def init_ca(
-    out: Path = typer.Option(..., "--out", help="PKI folder to create: ca/, coordinator/, operator/."),
+    out: Path = typer.Option(..., "--out", "-o", help="PKI folder to create: ca/, coordinator/, operator/."),
     host: list[str] = HOSTS,
+    as_json: bool = json_option('Print {"ca", "coordinator", "operator"} (the folders written) as JSON.'),
 ) -> None:
     """Create the federation's CA, the coordinator's identity (OUT/coordinator) and the operator's (OUT/operator)."""
     from fedrelay.coordinator.pki import DEFAULT_HOSTS, PKIError, init_ca as do_init
 
     try:
         do_init(out, hosts=host or DEFAULT_HOSTS)
-    except (PKIError, OSError) as exc:
+    except PKIError as exc:
         fail(str(exc))
+    except OSError as exc:
+        fail(str(exc), exits.FAILED)
+    if as_json:
+        print(json.dumps({k: str(out / k) for k in ("ca", "coordinator", "operator")}))
+        return
     console.print(f"CA in {out / 'ca'} (keep ca-key.pem private); identities: {out / 'coordinator'} "
                   f"(coordinator serve --tls), {out / 'operator'} (operator commands --tls)", highlight=False)
 
@@ -943,7 +982,7 @@ def enroll(
     name: str = typer.Argument(None, help="The site's name: its identity, and what it passes as `peer serve --name` "
                                "(with --csr: optional, the request must name it)."),
     ca: Path = typer.Option(..., "--ca", help="The PKI folder made by init-ca."),
-    out: Path = typer.Option(..., "--out", help="Folder to write cert.pem and ca.pem to (without --csr, for local "
+    out: Path = typer.Option(..., "--out", "-o", help="Folder to write cert.pem and ca.pem to (without --csr, for local "
                              "trials: key.pem too)."),
     csr: Path = typer.Option(None, "--csr", dir_okay=False, help="The site's certificate signing request (NAME.csr "
                              "from `peer init` at the site): signed with the CA; the site's key stays at the site."),
@@ -956,7 +995,7 @@ def enroll(
     kit: bool = typer.Option(False, "--kit", help="Also write a site kit into --out: peer.env, the systemd unit, "
                              "start-peer.sh and a README.md with ports, install steps and checks (needs --csr: a "
                              "kit holds no private key)."),
-    kit_coordinator: str = typer.Option(None, "--coordinator", help="--kit: the coordinator's HOST:PORT, written "
+    kit_coordinator: str = typer.Option(None, "--coordinator", "-c", callback=address_callback, help="--kit: the coordinator's HOST:PORT, written "
                                         "into peer.env \\[default: a placeholder to edit]."),
     kit_outbound: bool = typer.Option(False, "--outbound-only", help="--kit: a site that accepts no inbound "
                                       "connection (its peer.env sets FEDRELAY_OUTBOUND_ONLY=1; its models come "
@@ -966,6 +1005,7 @@ def enroll(
     operator: bool = typer.Option(False, "--operator", help="Enroll a further operator NAME instead of a site: "
                                   "its certificate names operator.NAME, which may start and stop runs (the ledger "
                                   "records which operator did; a site's policy may accept only some operators)."),
+    as_json: bool = json_option('Print {"name", "out", "kit"} as JSON.'),
 ) -> None:
     """Sign a site's certificate request (--csr, from `peer init` at the site) and write its
     certificate and the CA's (give them back to the site: `peer install-cert`); with --kit, the
@@ -1048,8 +1088,16 @@ def enroll(
         if kit:
             write_kit(out, name, hosts=kit_hosts, coordinator=kit_coordinator, port=kit_port,
                       outbound_only=kit_outbound)
-    except (PKIError, OSError, ValueError) as exc:
+    except (PKIError, ValueError) as exc:
         fail(str(exc))
+    except OSError as exc:
+        fail(str(exc), exits.FAILED)
+    if as_json:
+        print(json.dumps({"name": name, "out": str(out), "kit": kit, "operator": operator}))
+        if kit and kit_coordinator is None:
+            err_console.print("[bold yellow]warning:[/] no --coordinator: peer.env holds a placeholder "
+                              "coordinator address to edit", highlight=False)
+        return
     if csr is not None:
         from fedrelay.identity import request_fingerprint
 
@@ -1098,28 +1146,40 @@ def _check_own_key(key_path: Path, cert_pem: bytes) -> None:
 def split_dataset(
     name: str = typer.Argument(..., help="Dataset: fashion-mnist (image folders) | breast-cancer (tabular-csv "
                                "folders from scikit-learn's Wisconsin Diagnostic Breast Cancer data; no download)."),
-    sites: int = typer.Option(10, "--sites", help="N: number of sites."),
+    sites: int = typer.Option(10, "--sites", min=1, help="N: number of sites (>= 1)."),
     dirichlet: float = typer.Option(None, "--dirichlet", help="Dirichlet concentration of the label skew "
                                     "\\[default: 0.5 for fashion-mnist; none for breast-cancer: every site gets "
                                     "the overall mix of diagnoses]."),
     seed: int = typer.Option(0, "--seed", help="Fixes the Dirichlet draws, the shares and the subsampling."),
-    out: Path = typer.Option(..., "--out", help="Folder for site-00 ... site-(N-1)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder for site-00 ... site-(N-1)."),
     source: Path = typer.Option(None, "--source", help="fashion-mnist: folder with the IDX files \\[default: "
                                 "Debian's dataset-fashion-mnist]."),
     max_train_per_site: int = typer.Option(None, "--max-train-per-site", help="fashion-mnist: subsample each "
                                            "site's train images."),
+    as_json: bool = json_option("Print the split's summary (per site: samples per class) as JSON."),
 ) -> None:
     """Write N site folders for a trial: label-skewed image folders (fashion-mnist), or hospitals'
     train.csv/test.csv tables (breast-cancer, for --task tabular-csv)."""
+    import math
+
     from fedrelay.coordinator.split import DatasetNotFound, split_dataset as do_split
 
+    if dirichlet is not None and not (math.isfinite(dirichlet) and dirichlet > 0):
+        fail(f"--dirichlet must be a finite number > 0 (the concentration of the label skew), got {dirichlet:g}")
+    if max_train_per_site is not None and max_train_per_site < 1:
+        fail(f"--max-train-per-site must be at least 1, got {max_train_per_site}")
     try:
         summary = do_split(name, sites=sites, dirichlet=dirichlet, seed=seed, out=out, source=source,
                            max_train_per_site=max_train_per_site)
     except DatasetNotFound as exc:
-        fail(str(exc), code=2)
-    except (ValueError, OSError) as exc:
+        fail(str(exc), exits.USAGE)
+    except ValueError as exc:
         fail(str(exc))
+    except OSError as exc:
+        fail(str(exc), exits.FAILED)
+    if as_json:
+        print(json.dumps({"sites": sites, "out": str(out), **summary}, indent=1, default=str))
+        return
     console.print(f"wrote {sites} sites under {out}", highlight=False)
     if summary.get("name") == "breast-cancer":
         for s in summary["per_site"]:

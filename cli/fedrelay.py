@@ -6,10 +6,11 @@ from pathlib import Path
 
 import typer
 
-from fedrelay.cli.common import CONTEXT_SETTINGS, console, fail, version_option
+from fedrelay.cli import exits
+from fedrelay.cli.common import console, fail, json_option, make_app, version_option
 
-app = typer.Typer(help="fedrelay: write and check the task (model, data, metrics) a federation runs.",
-                  no_args_is_help=True, add_completion=False, context_settings=CONTEXT_SETTINGS)
+app = make_app("fedrelay: write and check the task (model, data, metrics) a federation runs.",
+               env_prefix="FEDRELAY")
 
 
 @app.callback()
@@ -23,6 +24,7 @@ def new_task(
                                "takes (ASCII letters, digits, '-', '_', '.'), e.g. lab-values."),
     out: Path = typer.Option(None, "--out", "-o", help="The package's folder; must not exist or be empty "
                              "\\[default: ./NAME]."),
+    as_json: bool = json_option('Print {"name", "out", "package", "class"} as JSON.'),
 ) -> None:
     """Write a task package NAME that sites pip-install and run as is; adapt it to your data and model.
 
@@ -35,8 +37,13 @@ def new_task(
     except ValueError as exc:
         fail(str(exc))
     except OSError as exc:
-        fail(f"cannot write {out or name}: {exc}")
+        fail(f"cannot write {out or name}: {exc}", exits.FAILED)
     where = made.out
+    if as_json:
+        import json
+
+        print(json.dumps({"name": made.name, "out": str(where), "package": made.package, "class": made.cls}))
+        return
     console.print(f"wrote the task package [bold]{made.name}[/] in {where} (Python package {made.package}, "
                   f"class {made.cls})", highlight=False, soft_wrap=True)
     console.print(f"next:\n"

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import typer
 
-from fedrelay.cli.common import (CONTEXT_SETTINGS, ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECURE_HELP, TLS_HELP,
-                                 fail, setup_logging, stop_on_sigterm, transport_from, version_option)
+from fedrelay.cli import exits
+from fedrelay.cli.common import (ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECURE_HELP, TLS_HELP, address_callback,
+                                 config_option, err_console, fail, json_option, make_app, setup_logging,
+                                 stop_on_sigterm, transport_from, version_option)
 
-app = typer.Typer(help="fedrelay peer: one daemon per site (institution).", no_args_is_help=True,
-                  add_completion=False, context_settings=CONTEXT_SETTINGS)
+app = make_app("fedrelay peer: one daemon per site (institution).", env_prefix="FEDRELAY_PEER")
 
 INSECURE = typer.Option(False, "--insecure", envvar=ENV_INSECURE, help=INSECURE_HELP)
 
@@ -22,14 +23,20 @@ def main(version: bool = version_option()) -> None:
 
 @app.command()
 def serve(
-    data: Path = typer.Option(..., "--data", help="Site folder: train/<class>/*.png|jpg and test/<class>/*."),
-    name: str = typer.Option(..., "--name", help="This site's name (unique in the federation)."),
-    listen: str = typer.Option("127.0.0.1:0", "--listen", help="HOST:PORT to listen on (port 0: any free port)."),
-    coordinator: str = typer.Option("127.0.0.1:50070", "--coordinator", envvar=ENV_COORDINATOR,
+    ctx: typer.Context,
+    config: Path = config_option("peer serve"),
+    data: Path = typer.Option(..., "--data", envvar="FEDRELAY_DATA", help="Site folder: train/<class>/*.png|jpg and test/<class>/*."),
+    name: str = typer.Option(..., "--name", envvar="FEDRELAY_NAME", help="This site's name (unique in the federation)."),
+    listen: str = typer.Option("127.0.0.1:0", "--listen", envvar="FEDRELAY_LISTEN", callback=address_callback,
+                               help="HOST:PORT to listen on (port 0: any free port). The default reaches only "
+                                    "this host: a warning, refused when the coordinator is elsewhere; pass "
+                                    "--listen 0.0.0.0:PORT --advertise HOST:PORT for a federation across hosts."),
+    coordinator: str = typer.Option("127.0.0.1:50070", "--coordinator", "-c", envvar=ENV_COORDINATOR,
+                                    callback=address_callback,
                                     help="HOST:PORT of the coordinator."),
-    state_dir: Path = typer.Option(None, "--state-dir", help="Where runs and models are kept \\[default: ./.fedrelay/<name>]."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda:N"),
-    advertise: str = typer.Option(None, "--advertise", help="HOST:PORT other sites use to reach this peer \\[default: the listen address]."),
+    state_dir: Path = typer.Option(None, "--state-dir", envvar="FEDRELAY_STATE_DIR", help="Where runs and models are kept \\[default: ./.fedrelay/<name>]."),
+    device: str = typer.Option("auto", "--device", envvar="FEDRELAY_DEVICE", help="auto | cpu | cuda:N"),
+    advertise: str = typer.Option(None, "--advertise", envvar="FEDRELAY_ADVERTISE", callback=address_callback, help="HOST:PORT other sites use to reach this peer \\[default: the listen address]."),
     tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS,
                              help=TLS_HELP + " Here: the folder `peer init` wrote the site's key to.", file_okay=False),
     insecure: bool = INSECURE,
@@ -41,7 +48,7 @@ def serve(
     weights_dir: Path = typer.Option(None, "--weights-dir", file_okay=False,
                                      help="Initial-weights files this site holds (start-chain --init file finds "
                                           "them by SHA-256) \\[default: <state-dir>/weights]."),
-    metrics_listen: str = typer.Option(None, "--metrics-listen", help="HOST:PORT to serve Prometheus metrics on "
+    metrics_listen: str = typer.Option(None, "--metrics-listen", callback=address_callback, help="HOST:PORT to serve Prometheus metrics on "
                                        "(plain HTTP, /metrics; unauthenticated: bind it where only your "
                                        "monitoring reaches) \\[default: off]."),
     worker_slots: int = typer.Option(3, "--worker-slots", min=1, max=64,
@@ -79,6 +86,9 @@ def serve(
 ) -> None:
     """Serve a site: receive models from the predecessor, train the model pool, send to the successor."""
     transport = transport_from(tls, insecure)
+    source = ctx.get_parameter_source("listen")
+    _judge_address(listen, advertise or None, coordinator, outbound_only,
+                   chosen=getattr(source, "name", "DEFAULT") != "DEFAULT")
     if crl is not None:  # said before anything starts (--check too): a list that is not this CA's
         from fedrelay import revocation
 
@@ -105,10 +115,29 @@ def serve(
                    weights_dir=weights_dir, metrics_listen=metrics_listen, worker_slots=worker_slots,
                    outbound_only=outbound_only, relay_after=relay_after, fork_workers=fork_workers,
                    tasks=task or None, crl=crl, policy=policy)
-    except (DataError, ValueError, RuntimeError) as exc:
+    except (DataError, ValueError) as exc:
         fail(str(exc))
+    except RuntimeError as exc:
+        fail(str(exc), exits.FAILED)
     except KeyboardInterrupt:
         pass
+
+
+def _judge_address(listen: str, advertise: str | None, coordinator: str, outbound_only: bool, *,
+                   chosen: bool) -> None:
+    """Refuse an address other sites cannot reach when the coordinator is elsewhere; warn when
+    only sites on this host can reach it, unless ``chosen`` (--listen given on the command line,
+    in FEDRELAY_LISTEN: a trial on one host that knows it) (``fedrelay.peer.reachability``)."""
+    from fedrelay.peer.reachability import judge
+
+    verdict = judge(listen=listen, advertise=advertise, coordinator=coordinator, outbound_only=outbound_only,
+                    chosen=chosen)
+    if verdict.problem:
+        fail(verdict.problem)
+    from fedrelay.text import safe
+
+    for w in verdict.warnings:
+        err_console.print(f"[bold yellow]warning:[/] {safe(w)}", highlight=False)
 
 
 def _check_serve(data, name, listen, coordinator, state_dir, device, advertise, transport, stall_timeout,
@@ -131,7 +160,14 @@ def _check_serve(data, name, listen, coordinator, state_dir, device, advertise, 
                                 tasks=tasks)
     except ValueError as exc:
         fail(str(exc))
-    reach = f"dialled at {r.address}" if r.address else "connects out only (models through the relay)"
+    from fedrelay.peer.reachability import is_loopback
+
+    reach = "connects out only (models through the relay)"
+    if r.address:
+        host, _, port = r.address.rpartition(":")
+        reach = f"dialled at {host}:{'<a free port chosen at start>' if port == '0' else port}"
+        if is_loopback(host):
+            reach += " (from this host only)"
     console.print(f"ok: site {name}, {'; '.join(r.lines())}, device {r.device}, {reach}, "
                   f"coordinator {coordinator}, state dir {state_dir}, "
                   f"{'site policy ' + str(policy or Path(state_dir) / 'policy.toml') if site_policy else 'no site policy'}",
@@ -140,11 +176,13 @@ def _check_serve(data, name, listen, coordinator, state_dir, device, advertise, 
 
 @app.command()
 def status(
-    peer: str = typer.Option(..., "--peer", help="HOST:PORT of a peer daemon."),
+    peer: str = typer.Option(..., "--peer", callback=address_callback, help="HOST:PORT of a peer daemon."),
     tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " A peer answers the coordinator's identity "
                              "(PKI/coordinator) and its own site's (the folder `coordinator enroll NAME` wrote, "
                              "which the daemon uses); other sites are refused.", file_okay=False),
     insecure: bool = INSECURE,
+    as_json: bool = json_option("Print the daemon's state as one JSON object: name, address, device, version, "
+                                "coordinator link, runs (run_id, state, detail)."),
 ) -> None:
     """Ask a peer daemon for its state and runs."""
     transport = transport_from(tls, insecure)
@@ -160,8 +198,18 @@ def status(
         with transport.channel(peer, expect=_own_site(transport)) as ch:
             st = peer_pb2_grpc.PeerStub(ch).GetStatus(peer_pb2.StatusRequest(), timeout=wire.CONTROL_TIMEOUT)
     except grpc.RpcError as exc:
-        fail(wire.transport_mismatch(exc, peer, transport.secure, what="peer")
-             or f"peer at {peer}: {wire.status_message(exc)}")
+        hint = wire.transport_mismatch(exc, peer, transport.secure, what="peer")
+        fail(hint or f"peer at {peer}: {wire.status_message(exc)}",
+             exits.USAGE if hint else exits.for_rpc_error(exc.code(), exc.details() or ""))
+    if as_json:
+        import json
+
+        print(json.dumps({"name": st.name, "address": st.address, "device": st.device, "version": st.version,
+                          "coordinator": st.coordinator, "last_registered": st.last_registered or None,
+                          "registration_error": st.registration_error, "started": st.started or None,
+                          "runs": [{"run_id": r.run_id, "state": r.state, "detail": r.detail} for r in st.runs]},
+                         indent=1))
+        return
     # Every string here may quote another party (a run's end reason, a failure's details): text,
     # never markup or control (fedrelay.text.safe).
     console.print(f"peer [bold]{safe(st.name)}[/] at {safe(st.address)}, device {safe(st.device)}, "
@@ -203,22 +251,21 @@ def _own_site(transport) -> str | None:
 
 @app.command()
 def health(
-    peer: str = typer.Option(..., "--peer", help="HOST:PORT of a peer daemon."),
+    peer: str = typer.Option(..., "--peer", callback=address_callback, help="HOST:PORT of a peer daemon."),
     tls: Path = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " The health service sits behind mutual TLS like "
                              "every call: the site's own folder (then the daemon's certificate must name that "
                              "site) or PKI/coordinator.", file_okay=False),
     insecure: bool = INSECURE,
-    timeout: float = typer.Option(5.0, "--timeout", help="Seconds to wait for the answer."),
+    timeout: float = typer.Option(5.0, "--timeout", min=0.0, help="Seconds to wait for the answer."),
+    as_json: bool = json_option('Print {"address", "status", "serving", "detail", "code"} as JSON.'),
 ) -> None:
-    """Probe a peer daemon's gRPC health service: prints one line, exits 0 when SERVING, else 1."""
+    """Probe a peer daemon's gRPC health service: prints one line; exits 0 when SERVING, 1 for
+    another answer, 3 when nothing answers, 4 when it refuses the caller."""
     transport = transport_from(tls, insecure)
-    from fedrelay.cli.common import console
-    from fedrelay.health import probe
-    from fedrelay.text import safe
+    from fedrelay.cli.common import report_health
+    from fedrelay.health import probe_result
 
-    ok, line = probe(transport, peer, expect=_own_site(transport), timeout=timeout)
-    console.print(f"peer {safe(peer)}: {safe(line)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(0 if ok else 1)
+    report_health("peer", peer, probe_result(transport, peer, expect=_own_site(transport), timeout=timeout), as_json)
 
 
 @app.command()
@@ -233,6 +280,7 @@ def init(
                                    "goes in the certificate's SAN) \\[default: localhost, 127.0.0.1, ::1]."),
     force: bool = typer.Option(False, "--force", help="Replace a key the folder already holds (its certificate "
                                "stops working: the operator must sign the new request)."),
+    as_json: bool = json_option('Print {"name", "key", "request", "request_sha256"} as JSON.'),
 ) -> None:
     """Make this site's private key and a certificate signing request, here at the site: send the
     request (NAME.csr) to the operator (`coordinator enroll --csr`), then put the cert.pem and
@@ -248,6 +296,12 @@ def init(
     from fedrelay.identity import load_csr, request_fingerprint
 
     digest = request_fingerprint(load_csr(request.read_bytes()))
+    if as_json:
+        import json
+
+        print(json.dumps({"name": name, "key": str(folder / "key.pem"), "request": str(request),
+                          "request_sha256": digest}))
+        return
     console.print(f"site {name}: private key {folder / 'key.pem'} (mode 0600; it never leaves this host), "
                   f"request {request}", highlight=False, soft_wrap=True)
     console.print(f"request SHA-256 {digest} (read it to the operator over another channel: `enroll --csr` "
@@ -263,6 +317,7 @@ def install_cert(
     source: Path = typer.Argument(..., help="The folder the operator returned (cert.pem and ca.pem from "
                                   "`coordinator enroll --csr`; a site kit folder)."),
     tls: Path = typer.Option(..., "--tls", file_okay=False, help="The folder `peer init` wrote the key to."),
+    as_json: bool = json_option('Print {"site", "tls"} (the identity installed and its folder) as JSON.'),
 ) -> None:
     """Check that the operator's certificate is for this site's key and from the CA, and put
     cert.pem and ca.pem beside the key: the folder is then `peer serve --tls`."""
@@ -275,6 +330,11 @@ def install_cert(
         t = Transport.from_dir(tls)
     except (IdentityError, TransportError, OSError) as exc:
         fail(str(exc))
+    if as_json:
+        import json
+
+        print(json.dumps({"site": t.identity, "tls": str(tls)}))
+        return
     console.print(f"site {t.identity}: certificate installed in {tls}; serve with `peer serve --tls {tls} ...`",
                   highlight=False, soft_wrap=True)
 
@@ -286,6 +346,7 @@ def prune(
     older_than: float = typer.Option(..., "--older-than", help="Remove the runs that ended more than DAYS days "
                                      "ago (0: every ended run).", metavar="DAYS"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would be removed."),
+    as_json: bool = json_option("Print the ended runs found as a JSON list (run_id, status, bytes, pruned)."),
 ) -> None:
     """Delete the files of ended runs (finished, failed, cancelled) older than --older-than days
     from a peer's state dir; never a running run's. Works while the daemon runs or not."""
@@ -295,8 +356,16 @@ def prune(
 
     try:
         found = do_prune(state_dir, older_than, dry_run=dry_run)
-    except (ValueError, OSError) as exc:
+    except ValueError as exc:
         fail(str(exc))
+    except OSError as exc:
+        fail(str(exc), exits.FAILED)
+    if as_json:
+        import json
+
+        print(json.dumps([{"run_id": r.run_id, "status": r.status, "bytes": r.bytes, "pruned": r.pruned}
+                          for r in found], indent=1))
+        return
     gone = [r for r in found if r.pruned]
     verb = "would remove" if dry_run else "removed"
     for r in gone:

@@ -1427,6 +1427,7 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
                          f"not {wire.COORDINATOR_IDENTITY!r} (use PKI/coordinator from `coordinator init-ca`)")
     if relay:
         names.check_address(relay, "--relay")
+    wire.check_bindable(listen)  # before the ledger file is created
     if operator_listen:
         try:
             wire.split_hostport(operator_listen)

@@ -370,6 +370,26 @@ class LocalTrial:
         self.stop()
 
 
+def chain_args_problem(chain_args: list[str]) -> str | None:
+    """What is wrong with the options after ``--`` for ``coordinator start-chain`` (None: nothing),
+    found by start-chain's own parser before any process starts: an unknown option, or a
+    strategy, order, selection... that is not one of its choices (the message lists them)."""
+    import typer.main
+    from typer._click import exceptions
+
+    from fedrelay.cli.coordinator import app
+
+    command = typer.main.get_command(app).commands["start-chain"]
+    args = [*chain_args, *([] if any(a == "--seed" or a.startswith("--seed=") for a in chain_args) else ["--seed", "0"])]
+    try:
+        command.make_context("start-chain", args, resilient_parsing=False)
+    except exceptions.ClickException as exc:
+        return f"coordinator start-chain {' '.join(chain_args)}: {exc.format_message()}"
+    except exceptions.Exit:
+        return None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     chain_args: list[str] = []
@@ -397,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--insecure", action="store_true",
                     help="plaintext gRPC everywhere instead of mutual TLS with a PKI made in <workdir>/pki")
     args = ap.parse_args(argv)
+    problem = chain_args_problem(chain_args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
     sites_dir = args.workdir / "sites"
     if args.dataset == "fashion-mnist":

@@ -48,7 +48,24 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_trial import LocalTrial, _tool, ensure_fashion_mnist, guarded  # noqa: E402
+from local_trial import LocalTrial, _tool, chain_args_problem, ensure_fashion_mnist, guarded  # noqa: E402
+
+#: The fault scenarios ``--faults`` takes, each run on its own after the undisturbed runs.
+SCENARIOS = ("kill-peer", "link-down", "kill-coordinator", "cut-transfer", "firewall")
+
+
+def scenarios(text: str) -> str:
+    """``--faults``: comma-separated names of :data:`SCENARIOS`; an unknown one (e.g. a misspelt
+    ``firewalled``) is refused with the list, instead of running an undisturbed chain under its
+    name."""
+    names = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in names if f not in SCENARIOS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown scenario(s) {', '.join(map(repr, bad))}; choose from "
+                                         f"{', '.join(SCENARIOS)}")
+    if not names:
+        raise argparse.ArgumentTypeError(f"name at least one scenario: {', '.join(SCENARIOS)}")
+    return ",".join(names)
 
 PORT = 50070
 
@@ -334,10 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=Path("netns-trial"))
     ap.add_argument("--source", type=Path, default=None, help="Fashion-MNIST IDX folder")
     ap.add_argument("--max-train-per-site", type=int, default=2000)
-    ap.add_argument("--faults", default="kill-peer,link-down,kill-coordinator,cut-transfer"
+    ap.add_argument("--faults", type=scenarios, default="kill-peer,link-down,kill-coordinator,cut-transfer"
                     + (",firewall" if shutil.which("nft") else ""),
-                    help="comma-separated scenarios, each run separately after an undisturbed run (default: all; "
-                         "firewall only where nft is installed)")
+                    help=f"comma-separated scenarios of {', '.join(SCENARIOS)}, each run separately after an "
+                         "undisturbed run (default: all; firewall only where nft is installed)")
     ap.add_argument("--link-down-seconds", type=float, default=20.0)
     ap.add_argument("--cut-rate", default="80mbit", help="cut-transfer: the last site's link rate (tc syntax)")
     ap.add_argument("--cut-seconds", type=float, default=8.0, help="cut-transfer: seconds the link stays down")
@@ -350,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", type=Path, default=Path(__file__).resolve().parent / "FAULTS.md")
     args = ap.parse_args(argv)
     chain_args = chain_args or ["--models-per-site", "3", "--local-epochs", "2", "--warmup-epochs", "1"]
+    problem = chain_args_problem(chain_args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
     ok, why = netns_available()
     if not ok:

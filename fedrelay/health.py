@@ -10,6 +10,8 @@ coordinator). :func:`probe` is what ``peer health`` and ``coordinator health`` c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -43,6 +45,38 @@ class Health:
         self.servicer.enter_graceful_shutdown()
 
 
+@dataclass(frozen=True)
+class ProbeResult:
+    """A health probe's outcome: ``status`` is the daemon's answer (``SERVING``, ``NOT_SERVING``,
+    ``UNKNOWN``, ``SERVICE_UNKNOWN``), or ``UNREACHABLE`` (no connection: UNAVAILABLE)
+    or ``ERROR`` (the call failed otherwise; ``grpc_code`` names its gRPC status, e.g.
+    ``PERMISSION_DENIED``); ``line`` is the one-line description :func:`probe` returns."""
+
+    status: str
+    line: str
+    grpc_code: str = ""
+
+    @property
+    def serving(self) -> bool:
+        return self.status == "SERVING"
+
+
+def probe_result(transport: wire.Transport, address: str, *, service: str = "", expect: str | None = None,
+                 timeout: float = 5.0) -> ProbeResult:
+    """:func:`probe`, with the outcome's kind kept apart (:class:`ProbeResult`). Never raises
+    for a failed call."""
+    with transport.channel(address, expect=expect) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                              timeout=timeout)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            what = "UNREACHABLE" if code == grpc.StatusCode.UNAVAILABLE else "ERROR"
+            return ProbeResult(what, f"{what} ({wire.status_message(exc)})", getattr(code, "name", str(code)))
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return ProbeResult(name, name)
+
+
 def probe(transport: wire.Transport, address: str, *, service: str = "", expect: str | None = None,
           timeout: float = 5.0) -> tuple[bool, str]:
     """Ask the daemon at ``address`` (``HOST:PORT``) for the health of ``service`` ("" = the
@@ -51,11 +85,5 @@ def probe(transport: wire.Transport, address: str, *, service: str = "", expect:
 
     Returns (True only when it answers SERVING, a one-line description: the status name, or
     ``UNREACHABLE`` / the gRPC status of a failed call). Never raises for a failed call."""
-    with transport.channel(address, expect=expect) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                              timeout=timeout)
-        except grpc.RpcError as exc:
-            what = "UNREACHABLE" if exc.code() == grpc.StatusCode.UNAVAILABLE else "ERROR"
-            return False, f"{what} ({wire.status_message(exc)})"
-    return reply.status == SERVING, health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    r = probe_result(transport, address, service=service, expect=expect, timeout=timeout)
+    return r.serving, r.line

@@ -244,6 +244,7 @@ def make_server(listen: str, transport: Transport = INSECURE, guard=None, *, als
     from fedrelay import limits
 
     guard = guard if guard is not None else Guard()
+    check_bindable(listen)
     # Connections are bounded per listener and by the open-files limit (fedrelay/limits.py).
     open_files = limits.raise_open_files()
     connections = max_connections if max_connections is not None else limits.max_connections(open_files)
@@ -265,6 +266,35 @@ def make_server(listen: str, transport: Transport = INSECURE, guard=None, *, als
     port = ports[0]
     server.also_ports = ports[1:]
     return server, port
+
+
+def check_bindable(listen: str) -> None:
+    """Raise ``RuntimeError`` (``cannot listen on LISTEN: ...``) when ``listen`` (``HOST:PORT``)
+    is malformed, its host does not resolve, or its port is taken or not ours to bind, checked
+    with a plain socket before gRPC tries: gRPC's C core would log its own line on stderr first,
+    and a daemon would have opened its files. Port 0 (any free port) is not checked. A port taken
+    between this check and gRPC's bind still fails, in gRPC's words."""
+    import socket
+
+    try:
+        host, port = split_hostport(listen)
+    except ValueError:
+        raise RuntimeError(f"cannot listen on {listen!r}: expected HOST:PORT") from None
+    if port == 0:
+        return
+    if not 0 < port <= 65535:
+        raise RuntimeError(f"cannot listen on {listen}: the port must be 1-65535")
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise RuntimeError(f"cannot listen on {listen}: the host {host!r} does not resolve ({exc})") from None
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(sockaddr)
+            except OSError as exc:
+                raise RuntimeError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
 
 
 def split_hostport(address: str) -> tuple[str, int]:

@@ -315,9 +315,9 @@ def test_the_untouched_ledger_verifies_and_so_does_its_bundle(finished, tmp_path
         f"evaluations row of {doc['evaluations'][0]['site']}" in res.output, res.output
     # Without --ca a signed run cannot be verified: said clearly, no traceback.
     res = runner.invoke(coordinator_app, ["audit", run_id, "--db", str(finished["db"])])
-    assert res.exit_code == 1 and "pass --ca" in res.output and "Traceback" not in res.output
+    assert res.exit_code == 2 and "pass --ca" in res.output and "Traceback" not in res.output
     res = runner.invoke(coordinator_app, ["audit", "no-such-run", "--db", str(finished["db"]), "--ca", str(ca)])
-    assert res.exit_code == 1 and "unknown run" in res.output
+    assert res.exit_code == 2 and "unknown run" in res.output
 
 
 def FLIP(column: str) -> str:
@@ -521,5 +521,5 @@ def test_a_malformed_bundle_gets_a_clear_message(tmp_path):
                                                    "receipts": [], "evaluations": []}))):
         (tmp_path / name).write_text(text)
         res = runner.invoke(coordinator_app, ["audit", "--bundle", str(tmp_path / name)])
-        assert res.exit_code == 1 and "error:" in res.output, (name, res.output, res.exception)
+        assert res.exit_code == 2 and "error:" in res.output, (name, res.output, res.exception)
         assert isinstance(res.exception, SystemExit) and "Traceback" not in res.output

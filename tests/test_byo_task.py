@@ -269,10 +269,10 @@ def test_a_task_a_site_lacks_or_cannot_read_is_refused_at_start(world):
     names the site, the task and the cause."""
     before = run_ids(world)
     res = cli(world, "start-chain", "--seed", "5", "--wait", *RUN[:-2], "--task", "wrong-outputs")
-    assert res.returncode == 1
+    assert res.returncode == 2
     assert "task 'wrong-outputs' is not installed at site-02" in flat(res.stderr), res.stderr
     res = cli(world, "start-chain", "--seed", "5", "--wait", *BAD_RUN, "--task", "loader-raises")
-    assert res.returncode == 1
+    assert res.returncode == 2
     assert "task 'loader-raises' cannot read the data of site-00: RuntimeError: the lab export is truncated" \
         in flat(res.stderr), res.stderr
     assert "Traceback" not in res.stderr

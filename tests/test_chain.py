@@ -120,12 +120,12 @@ def trial_watch(trial, run_id):
 
 def test_bad_requests_get_clear_errors(trial):
     res = trial.cli("start-chain", "--seed", "1", "--peers", "site-00,nowhere", capture_output=True, text=True, timeout=60)
-    assert res.returncode == 1 and "nowhere" in res.stderr and "not registered" in res.stderr
+    assert res.returncode == 2 and "nowhere" in res.stderr and "not registered" in res.stderr
     res = trial.cli("start-chain", "--seed", "1", "--strategy", "fedprox", capture_output=True, text=True, timeout=60)
     # A usage error (exit 2) naming the choices, from the registry; no traceback.
     assert res.returncode == 2 and "fedprox" in res.stderr and "fedelmy" in res.stderr and "Traceback" not in res.stderr
     res = trial.cli("show", "no-such-run", capture_output=True, text=True, timeout=60)
-    assert res.returncode == 1 and "unknown run" in res.stderr
+    assert res.returncode == 2 and "unknown run" in res.stderr
 
 
 def test_unreachable_peer_is_named_and_no_run_starts(trial):

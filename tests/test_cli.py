@@ -22,20 +22,20 @@ def test_networked_commands_need_tls_or_insecure(tmp_path):
                  ("peer", "serve", "--data", str(tmp_path), "--name", "a"),
                  ("peer", "status", "--peer", "127.0.0.1:9")):
         res = run(*argv)
-        assert res.returncode == 1
+        assert res.returncode == 2
         assert "--tls" in res.stderr and "--insecure" in res.stderr and "Traceback" not in res.stderr
     res = run("coordinator", "runs", "--tls", str(tmp_path), "--insecure")
-    assert res.returncode == 1 and "not both" in res.stderr
+    assert res.returncode == 2 and "not both" in res.stderr
 
 
 def test_tls_folder_errors_are_clear(tmp_path):
     res = run("coordinator", "runs", "--tls", str(tmp_path), "--coordinator", "127.0.0.1:9")
-    assert res.returncode == 1 and "key.pem" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "key.pem" in res.stderr and "Traceback" not in res.stderr
     (tmp_path / "key.pem").write_text("junk")
     (tmp_path / "cert.pem").write_text("junk")
     (tmp_path / "ca.pem").write_text("junk")
     res = run("coordinator", "runs", "--tls", str(tmp_path), "--coordinator", "127.0.0.1:9")
-    assert res.returncode == 1 and "PEM" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "PEM" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_init_ca_and_enroll_write_private_keys_0600(tmp_path):
@@ -58,33 +58,33 @@ def test_init_ca_and_enroll_write_private_keys_0600(tmp_path):
     # Reserved role names and names that are not DNS labels are refused; an existing CA is kept.
     for bad in ("coordinator", "operator", "Site_3"):
         res = run("coordinator", "enroll", bad, "--ca", str(pki), "--out", str(tmp_path / "x"))
-        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     res = run("coordinator", "init-ca", "--out", str(pki))
-    assert res.returncode == 1 and "already" in res.stderr
+    assert res.returncode == 2 and "already" in res.stderr
     # --tls with the wrong identity for the daemon is a clear error before anything is served.
     res = run("peer", "serve", "--data", str(tmp_path), "--name", "site-4", "--tls", str(tmp_path / "site-3.pki"))
-    assert res.returncode == 1 and "site-3" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert res.returncode == 2 and "site-3" in res.stderr and "Traceback" not in res.stderr, res.stderr
     res = run("coordinator", "serve", "--tls", str(pki / "operator"), "--db", str(tmp_path / "l.sqlite"))
-    assert res.returncode == 1 and "operator" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert res.returncode == 2 and "operator" in res.stderr and "Traceback" not in res.stderr, res.stderr
 
 
 def test_missing_data_folder_is_a_clear_error(tmp_path):
     res = run("peer", "serve", "--data", str(tmp_path / "nowhere"), "--name", "a", "--insecure",
               "--coordinator", "127.0.0.1:9")
-    assert res.returncode == 1
+    assert res.returncode == 2
     assert "nowhere" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_empty_site_is_a_clear_error(tmp_path):
     (tmp_path / "train" / "cat").mkdir(parents=True)
     res = run("peer", "serve", "--data", str(tmp_path), "--name", "a", "--insecure", "--coordinator", "127.0.0.1:9")
-    assert res.returncode == 1
+    assert res.returncode == 2
     assert "no training images" in res.stderr.lower() and "Traceback" not in res.stderr
 
 
 def test_unreachable_coordinator_is_a_clear_error():
     res = run("coordinator", "runs", "--coordinator", "127.0.0.1:9", "--insecure")
-    assert res.returncode == 1
+    assert res.returncode == 3
     assert "not reachable" in res.stderr and "Traceback" not in res.stderr
 
 
@@ -96,7 +96,7 @@ def test_bad_chain_parameters_are_refused_before_the_coordinator_is_called():
                          (("--strategy", "ofasd", "--init", "per-site"), "one initial model"),
                          (("--strategy", "maecho", "--maecho-tau", "0"), "--maecho-tau must be between")):
         res = run("coordinator", "start-chain", "--seed", "1", *flags, "--coordinator", "127.0.0.1:9", "--insecure")
-        assert res.returncode == 1 and words in res.stderr and "Traceback" not in res.stderr
+        assert res.returncode == 2 and words in res.stderr and "Traceback" not in res.stderr
         assert "not reachable" not in res.stderr
     # A choice outside the registry is a usage error (exit 2) that lists the choices.
     res = run("coordinator", "start-chain", "--seed", "1", "--strategy", "fedprox", "--coordinator", "127.0.0.1:9",

@@ -277,9 +277,9 @@ def test_prune_removes_only_ended_runs_older_than_the_limit(tmp_path):
     assert not any(f.exists() for f in gone) and all(f.exists() for f in (recent, running, done_no_notice))
     assert f"removed 3 run(s), {removed_bytes:,} bytes; kept 3" in real.output
     bad = cli.invoke(app, ["prune", "--state-dir", str(tmp_path / "nothing"), "--older-than", "1"])
-    assert bad.exit_code == 1 and "not a peer's state dir" in bad.output
+    assert bad.exit_code == 2 and "not a peer's state dir" in bad.output
     neg = cli.invoke(app, [*args[:-1], "-1"])
-    assert neg.exit_code == 1 and ">= 0 days" in neg.output
+    assert neg.exit_code == 2 and ">= 0 days" in neg.output
 
 
 def test_a_run_pruned_while_the_daemon_runs_leaves_its_status(three_sites, tmp_path):

@@ -123,13 +123,13 @@ def kit(tmp_path_factory):
                                  "--host", "site-00.example.org"])
     assert r.exit_code == 0, r.output
     no_csr = runner.invoke(app, ["enroll", "site-00", "--ca", str(tmp / "pki"), "--out", str(tmp / "kit"), "--kit"])
-    assert no_csr.exit_code == 1 and "--kit needs --csr" in no_csr.output
+    assert no_csr.exit_code == 2 and "--kit needs --csr" in no_csr.output
     csr = str(tmp / "site-tls" / "site-00.csr")
     r = runner.invoke(app, ["enroll", "--csr", csr, "--ca", str(tmp / "pki"), "--out", str(tmp / "kit"), "--kit",
                             "--coordinator", "coord.example.org:50070"])
     assert r.exit_code == 0, r.output
     again = runner.invoke(app, ["enroll", "--csr", csr, "--ca", str(tmp / "pki"), "--out", str(tmp / "kit"), "--kit"])
-    assert again.exit_code == 1 and "--force" in again.output
+    assert again.exit_code == 2 and "--force" in again.output
     r = runner.invoke(peer_app, ["install-cert", str(tmp / "kit"), "--tls", str(tmp / "site-tls")])
     assert r.exit_code == 0, r.output
     return tmp / "kit"
@@ -176,7 +176,7 @@ def test_kit_env_starts_peer_check_under_systemd_rules(kit, three_sites, tmp_pat
                                                                          "FEDRELAY_DEVICE=auto   # auto | cpu"))
     bad = {**_edited(bad, three_sites[0], tmp_path / "state", tls), "FEDRELAY_DEVICE": bad["FEDRELAY_DEVICE"]}
     r = runner.invoke(app, exec_start((kit / "fedrelay-peer.service").read_text(), bad)[1:] + ["--check"])
-    assert r.exit_code == 1 and "--device must be auto, cpu or cuda:N" in r.output
+    assert r.exit_code == 2 and "--device must be auto, cpu or cuda:N" in r.output
 
     env_file = tmp_path / "peer.env"
     env_file.write_text("\n".join(f"{k}={v}" for k, v in env.items()) + "\n")
@@ -213,7 +213,7 @@ def test_outbound_only_kit_opens_no_inbound_port_and_passes_check(three_sites, t
     assert "connects out only" in r.output
     r = runner.invoke(coord, ["enroll", "site-01", "--ca", str(tmp_path / "pki"), "--out", str(tmp_path / "x"),
                               "--outbound-only"])
-    assert r.exit_code == 1 and "only go with --kit" in r.output
+    assert r.exit_code == 2 and "only go with --kit" in r.output
 
 
 def test_example_env_passes_check(three_sites, tmp_path):

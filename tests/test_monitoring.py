@@ -228,7 +228,7 @@ def test_health_goes_not_serving_on_shutdown_and_the_coordinator_logs_it(tmp_pat
         assert not ok and line.startswith("UNREACHABLE")
         res = subprocess.run([str(BIN / "coordinator"), "health", "--coordinator", address, "--insecure",
                               "--timeout", "2"], capture_output=True, text=True, timeout=60)
-        assert res.returncode == 1 and res.stdout.startswith(f"coordinator {address}: UNREACHABLE"), res.stdout
+        assert res.returncode == 3 and res.stdout.startswith(f"coordinator {address}: UNREACHABLE"), res.stdout
         assert "coordinator shutting down" in handler.lines
     finally:
         logger.removeHandler(handler)

@@ -221,7 +221,7 @@ def test_outbound_only_needs_tls_and_no_advertised_address(three_sites, tmp_path
     base = [peer, "serve", "--data", str(three_sites[0]), "--name", "site-00", "--outbound-only", "--check",
             "--state-dir", str(tmp_path / "state")]
     res = subprocess.run([*base, "--insecure"], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 1 and "needs mutual TLS" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "needs mutual TLS" in res.stderr and "Traceback" not in res.stderr
 
 
 # -- the control stream's two ends, without a network ------------------------------------------------
@@ -291,12 +291,12 @@ def test_coordinator_relay_says_what_it_needs(federation, tmp_path):
 
     runner = CliRunner()
     r = runner.invoke(app, ["relay", "--listen", "127.0.0.1:0", "--dir", str(tmp_path)], env={"FEDRELAY_TLS": None})
-    assert r.exit_code == 1 and "needs --tls" in r.output and "Traceback" not in r.output
+    assert r.exit_code == 2 and "needs --tls" in r.output and "Traceback" not in r.output
     pki_dir = tmp_path / "pki"
     pki.init_ca(pki_dir)
     site = pki.enroll("site-z", pki_dir, tmp_path / "site-z")
     r = runner.invoke(app, ["relay", "--listen", "127.0.0.1:0", "--dir", str(tmp_path / "r"), "--tls", str(site)])
-    assert r.exit_code == 1 and "coordinator's identity" in r.output
+    assert r.exit_code == 2 and "coordinator's identity" in r.output
 
 
 def test_through_the_operators_relay_senders_present_the_coordinators_grants(three_sites, tmp_path):

@@ -77,9 +77,9 @@ def test_the_key_stays_at_the_site(enrolled):
 def test_init_never_replaces_a_key_silently(enrolled):
     _, site_tls = enrolled
     r = runner.invoke(peer_app, ["init", "--name", "site-a", "--tls", str(site_tls)])
-    assert r.exit_code == 1 and "--force" in said(r)
+    assert r.exit_code == 2 and "--force" in said(r)
     r = runner.invoke(peer_app, ["init", "--name", "Bad_Name", "--tls", str(site_tls.parent / "x")])
-    assert r.exit_code == 1 and "--name" in said(r) and "Traceback" not in r.output
+    assert r.exit_code == 2 and "--name" in said(r) and "Traceback" not in r.output
 
 
 def _csr(key, name: str) -> bytes:
@@ -107,7 +107,7 @@ def test_bad_requests_are_refused_clearly(enrolled, tmp_path):
     }
     for what, (pem, words) in cases.items():
         r = enroll(pem)
-        assert r.exit_code == 1 and words in said(r) and "Traceback" not in r.output, (what, r.output)
+        assert r.exit_code == 2 and words in said(r) and "Traceback" not in r.output, (what, r.output)
     # A request altered after it was signed (another public key swapped in) does not verify.
     good = (site_tls / "site-a.csr").read_bytes()
     der = x509.load_pem_x509_csr(good).public_bytes(serialization.Encoding.DER)
@@ -115,14 +115,14 @@ def test_bad_requests_are_refused_clearly(enrolled, tmp_path):
     old_pub, new_pub = _pub(x509.load_pem_x509_csr(good)), other.public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     r = enroll(der.replace(old_pub, new_pub))
-    assert r.exit_code == 1 and "does not verify" in said(r)
+    assert r.exit_code == 2 and "does not verify" in said(r)
     r = enroll(good, "site-b")
-    assert r.exit_code == 1 and "is for 'site-a', not 'site-b'" in said(r)
+    assert r.exit_code == 2 and "is for 'site-a', not 'site-b'" in said(r)
     # A certificate for another key is not installed beside the site's key.
     other_dir = tmp_path / "other"
     pki.enroll("site-a", root / "pki", other_dir)
     r = runner.invoke(peer_app, ["install-cert", str(other_dir), "--tls", str(site_tls)])
-    assert r.exit_code == 1 and "not for the key" in said(r)
+    assert r.exit_code == 2 and "not for the key" in said(r)
 
 
 def test_site_made_identity_speaks_tls_and_signs_reports(enrolled, tmp_path):

@@ -169,11 +169,11 @@ def test_a_dead_site_is_not_waited_for_and_the_ledger_says_who_is_missing(trial)
 
 def test_bad_star_requests_get_clear_errors(trial):
     res = start(trial, 1, "--strategy", "fedavg", "--aggregator", "nowhere", ok=False)
-    assert res.returncode == 1 and "--aggregator 'nowhere' is not one of the run's sites" in res.stderr
+    assert res.returncode == 2 and "--aggregator 'nowhere' is not one of the run's sites" in res.stderr
     res = start(trial, 1, "--strategy", "fedelmy", "--aggregator", trial.names[0], ok=False)
-    assert res.returncode == 1 and "only the parallel methods" in res.stderr
+    assert res.returncode == 2 and "only the parallel methods" in res.stderr
     res = start(trial, 1, "--strategy", "maecho", "--rounds", "2", ok=False)
-    assert res.returncode == 1 and "one round" in res.stderr
+    assert res.returncode == 2 and "one round" in res.stderr
 
 
 def star_assignment(run_id: str, site: str, strategy: str = "maecho", **params):

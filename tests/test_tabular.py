@@ -306,4 +306,4 @@ def test_split_dataset_cli_breast_cancer(tmp_path):
     assert json.loads((tmp_path / "bc" / "split.json").read_text())["seed"] == 2
     res = CliRunner().invoke(app, ["split-dataset", "breast-cancer", "--sites", "3", "--out", str(tmp_path / "x"),
                                    "--max-train-per-site", "5"])
-    assert res.exit_code == 1 and "--max-train-per-site" in res.output and "Traceback" not in res.output
+    assert res.exit_code == 2 and "--max-train-per-site" in res.output and "Traceback" not in res.output

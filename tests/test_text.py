@@ -133,7 +133,7 @@ def test_a_sites_words_are_shown_as_text_by_the_operators_commands(coordinator, 
 def test_an_error_message_quoting_a_value_is_shown_as_text(coordinator):
     result = coordinator_cli("show", "x[/]", "--coordinator", coordinator, "--insecure")
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "run_id must be" in result.output and "x[/]" in result.output
 
 

@@ -103,7 +103,7 @@ def test_out_of_range_numbers_get_a_message_naming_the_option(args, message):
     if "--seed" in args:
         argv[1:3] = []
     res = invoke(coord_cli.app, *argv)
-    assert res.exit_code == 1 and message in flat(res.output), res.output
+    assert res.exit_code == 2 and message in flat(res.output), res.output
 
 
 def test_every_field_is_checked_against_its_wire_type():
@@ -149,7 +149,7 @@ def test_config_file_sets_options_and_the_command_line_overrides_it(tmp_path, mo
                           ('seed = \n', "not valid TOML")):
         cfg.write_text(text)
         res = invoke(coord_cli.app, "start-chain", "--config", str(cfg), "--insecure")
-        assert res.exit_code == 1 and message in flat(res.output) and str(cfg) in flat(res.output), res.output
+        assert res.exit_code == 2 and message in flat(res.output) and str(cfg) in flat(res.output), res.output
 
 
 def test_environment_variables_for_tls_and_insecure(tmp_path):
@@ -158,10 +158,10 @@ def test_environment_variables_for_tls_and_insecure(tmp_path):
     assert "FEDRELAY_TLS" in flat(invoke(peer_cli.app, "serve", "-h").output)
     # FEDRELAY_TLS is used as --tls (here an empty folder: the error names its missing key.pem).
     res = invoke(coord_cli.app, "runs", "-c", "127.0.0.1:9", env={"FEDRELAY_TLS": str(tmp_path)})
-    assert res.exit_code == 1 and "key.pem" in res.output
+    assert res.exit_code == 2 and "key.pem" in res.output
     # --tls typed on the command line wins over FEDRELAY_INSECURE in the environment, and back.
     res = invoke(coord_cli.app, "runs", "-c", "127.0.0.1:9", "--tls", str(tmp_path), env={"FEDRELAY_INSECURE": "1"})
-    assert res.exit_code == 1 and "key.pem" in res.output and "not both" not in res.output
+    assert res.exit_code == 2 and "key.pem" in res.output and "not both" not in res.output
     res = invoke(coord_cli.app, "runs", "-c", "127.0.0.1:9", "--insecure", env={"FEDRELAY_TLS": str(tmp_path)})
     assert "not both" not in res.output and "key.pem" not in res.output
 
@@ -173,7 +173,7 @@ def test_enroll_refuses_to_overwrite_an_identity(tmp_path):
     assert invoke(coord_cli.app, "enroll", "site-a", "--ca", str(pki), "--out", str(out)).exit_code == 0
     key = (out / "key.pem").read_bytes()
     res = invoke(coord_cli.app, "enroll", "site-a", "--ca", str(pki), "--out", str(out))
-    assert res.exit_code == 1 and "--force" in flat(res.output) and (out / "key.pem").read_bytes() == key
+    assert res.exit_code == 2 and "--force" in flat(res.output) and (out / "key.pem").read_bytes() == key
     assert invoke(coord_cli.app, "enroll", "site-a", "--ca", str(pki), "--out", str(out), "--force").exit_code == 0
     assert (out / "key.pem").read_bytes() != key
 
@@ -205,7 +205,7 @@ def test_coordinator_ledger_that_cannot_be_opened_is_a_clear_error(tmp_path):
             Ledger(db)
     assert junk.read_text().startswith("these are not")  # nothing lost
     res = run("coordinator", "serve", "--insecure", "--listen", "127.0.0.1:0", "--db", str(junk), timeout=60)
-    assert res.returncode == 1 and "not an SQLite database" in flat(res.stderr) and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "not an SQLite database" in flat(res.stderr) and "Traceback" not in res.stderr
 
 
 def test_read_only_state_dir_is_refused_at_start(tmp_path):
@@ -249,16 +249,16 @@ def test_tls_and_plaintext_mismatch_is_named(tmp_path):
     try:
         assert wire.speaks_tls(servers["tls"]) is True and wire.speaks_tls(servers["plain"]) is False
         res = invoke(coord_cli.app, "runs", "-c", servers["tls"], "--insecure")
-        assert res.exit_code == 1 and f"the coordinator at {servers['tls']} speaks TLS" in flat(res.output)
+        assert res.exit_code == 2 and f"the coordinator at {servers['tls']} speaks TLS" in flat(res.output)
         assert "--tls DIR" in flat(res.output)
         res = invoke(coord_cli.app, "runs", "-c", servers["plain"], "--tls", str(tmp_path / "pki" / "operator"))
-        assert res.exit_code == 1 and f"the coordinator at {servers['plain']} speaks plaintext" in flat(res.output)
+        assert res.exit_code == 2 and f"the coordinator at {servers['plain']} speaks plaintext" in flat(res.output)
         assert "pass --insecure" in flat(res.output)
         res = invoke(peer_cli.app, "status", "--peer", servers["tls"], "--insecure")  # any TLS server will do
-        assert res.exit_code == 1 and "speaks TLS" in flat(res.output)
+        assert res.exit_code == 2 and "speaks TLS" in flat(res.output)
         # Nothing listening: still "not reachable".
         res = invoke(coord_cli.app, "runs", "-c", "127.0.0.1:9", "--insecure")
-        assert res.exit_code == 1 and "not reachable" in flat(res.output)
+        assert res.exit_code == 3 and "not reachable" in flat(res.output)
     finally:
         stop.set()
         for t in threads:

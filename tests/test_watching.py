@@ -185,7 +185,7 @@ def test_watching_an_ended_run_prints_its_summary_at_once(capsys):
 
     with pytest.raises(typer.Exit) as ended:
         watch_view(Nothing(), "r9", "x:1", as_json=False)
-    assert ended.value.exit_code == 1 and "unknown run 'r9'" in capsys.readouterr().err
+    assert ended.value.exit_code == 2 and "unknown run 'r9'" in capsys.readouterr().err
 
 
 def test_follow_reconnects_from_the_last_event_seen():
@@ -287,7 +287,7 @@ def test_watch_show_metrics_runs_and_peers_of_a_real_run(trial):
     assert {(r["site"], r["model"], r["epoch"]) for r in table} == {(order[1], str(m), str(e)) for m in (1, 2)
                                                                       for e in (1, 2)}
     res = trial.cli("metrics", run_id, "--site", "nowhere", capture_output=True, text=True, timeout=60)
-    assert res.returncode == 1 and "nowhere" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "nowhere" in res.stderr and "Traceback" not in res.stderr
     # Only the operator may read them.
     from fedrelay import wire
 
