@@ -31,8 +31,11 @@ demo-breast-cancer: setup
 	$(PY) deploy/local_trial.py --dataset breast-cancer --sites $(BC_SITES) --seed $(SEED) \
 		--workdir demo-breast-cancer -- --task tabular-csv $(BC_CHAIN_ARGS)
 
+# Three pytest-xdist processes, each taking whole files (a file's module fixtures start their daemons
+# once), the system trials first (tests/conftest.py): most of a test's time is waiting on daemons.
+TEST_PROCESSES ?= 3
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
 
 # The unit tier alone (no processes; about a minute): tests marked neither integration nor system.
 test-fast: setup

@@ -99,7 +99,7 @@ def fail(message: str, code: int = exits.USAGE) -> None:
 
     if json_mode():
         print(json.dumps({"error": message, "code": code}), flush=True)
-    err_console.print(f"[bold red]error:[/] {safe(message)}", highlight=False)
+    err_console.print(f"[bold red]error:[/] {safe(message)}", highlight=False, soft_wrap=True)  # paths stay whole
     raise typer.Exit(code)
 
 

@@ -18,6 +18,15 @@ REPO = Path(__file__).resolve().parent.parent
 # WorkerProcess without fork) and by bench/ and `make demo`.
 os.environ.setdefault("FEDRELAY_FORK_WORKERS", "1")
 
+# `make test` runs the suite in several pytest-xdist processes (most of a test's time is waiting on
+# daemons, not computing). Each gets worker slots of its own (peer/slots.py), so that one test's
+# daemons never wait for the slots another test's daemons hold.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import tempfile
+
+    os.environ.setdefault("FEDRELAY_WORKER_SLOTS_DIR",
+                          tempfile.mkdtemp(prefix=f"fedrelay-test-slots-{os.environ['PYTEST_XDIST_WORKER']}-"))
+
 
 # Tiers: a test marked neither ``integration`` nor ``system`` is a unit test. Under
 # FEDRELAY_TEST_TIER=unit (``make test-fast``) a unit test that starts a process fails, naming the
@@ -77,3 +86,19 @@ def image_offer_pbs(classes: dict[str, tuple[int, int]] | None = None, shape=(1,
     from fedrelay.tasks.offers import Offer
 
     return [Offer.from_dict(d).to_pb() for d in image_offers(classes, shape)]
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slowest tiers first: with ``make test``'s ``--dist loadfile`` every file goes whole to
+    one xdist process in this order, so the minutes-long system trials start at once, side by
+    side, and the short tests fill the processes around them (stable within a tier)."""
+    def tier(item) -> int:
+        if item.get_closest_marker("system"):
+            return 0
+        return 1 if item.get_closest_marker("integration") else 2
+
+    first = {}
+    for item in items:  # a file's rank: its slowest tier, so that a file's tests stay together
+        key = item.nodeid.split("::")[0]
+        first[key] = min(first.get(key, 2), tier(item))
+    items.sort(key=lambda item: first[item.nodeid.split("::")[0]])
