@@ -282,7 +282,7 @@ def run_references(dirs: list[Path], cfg: Config, seed: int, methods: list[str])
     import torch
 
     from fedrelay.peer.training import train_val_split
-    from fedrelay.peer.models import build_model
+    from fedrelay.models import build_model
     from fedrelay.tasks.image_folder import spec as image_spec
     from fedrelay.peer.training import TrainConfig, derive_seed, evaluate, run_site
 

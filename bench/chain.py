@@ -146,7 +146,7 @@ def baseline_rss(training_step: bool = False, batch_size: int = 128) -> int:
     code = "import fedrelay.peer.daemon, fedrelay.peer.training, torch, torchvision, grpc\n"
     if training_step:
         code += (
-            "from fedrelay.peer.models import build_model\n"
+            "from fedrelay.models import build_model\n"
             "from fedrelay.tasks.image_folder import spec as image_spec\n"
             "import torch.nn.functional as F\n"
             "m = build_model(image_spec('cnn', 1, (28, 28), 10)); opt = torch.optim.Adam(m.parameters())\n"

@@ -89,7 +89,7 @@ def evaluate_payload(data: bytes, spec, sites: dict, class_index: list[str]) -> 
     """site -> (correct, total) of a safetensors model on each site's test split, the way a
     daemon evaluates a final model (peer/node.py ``PeerNode.evaluate``)."""
     from fedrelay import wire
-    from fedrelay.peer.models import build_model
+    from fedrelay.models import build_model
     from fedrelay.peer.training import evaluate
 
     model = build_model(spec)

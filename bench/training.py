@@ -46,7 +46,7 @@ def plain_loop(spec, train, epochs: int, batch_size: int, lr: float, weight_deca
     import torch
     from torch.nn import functional as F
 
-    from fedrelay.peer.models import build_model
+    from fedrelay.models import build_model
 
     torch.manual_seed(seed)
     model = build_model(spec).to(device)
@@ -103,7 +103,7 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from fedrelay.peer.models import build_model
+    from fedrelay.models import build_model
 
     from fedrelay.tasks.image_folder import spec as image_spec
     from fedrelay.peer.strategies.fedelmy import train_pool

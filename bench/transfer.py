@@ -104,7 +104,7 @@ def main(argv=None) -> dict:
 
     from fedrelay import wire
     from fedrelay.coordinator.plan import chain_plan
-    from fedrelay.peer.models import build_model
+    from fedrelay.models import build_model
     from fedrelay.tasks.image_folder import spec as image_spec
     from fedrelay.peer.transfer import send_model
     from fedrelay.v1 import common_pb2, peer_pb2, peer_pb2_grpc

@@ -154,7 +154,7 @@ def load_model(path: str | Path, device: str = "cpu", *, verify: bool = True):
     import torch
 
     from fedrelay import wire
-    from fedrelay.peer.models import build_model
+    from fedrelay.models import build_model
     from fedrelay.task import ModelSpec, canonical_json
 
     path = Path(path)

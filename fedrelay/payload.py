@@ -4,7 +4,7 @@ torch can refuse a bad model before keeping it.
 
 A schema is ``{tensor name: (shape, dtype)}`` with ``shape`` a tuple of ints and ``dtype`` the
 safetensors dtype string (``"F32"``, ``"I64"`` ...), e.g. what :func:`schema_from_torch` makes
-from a torch signature (``peer.models.expected_signature``) in a process that has torch, written
+from a torch signature (``fedrelay.models.expected_signature``) in a process that has torch, written
 to JSON with :func:`dump_schema` and read back with :func:`load_schema`.
 
 The checks and their messages are those of ``peer.models.check_state``: the same tensor names,

@@ -34,7 +34,7 @@ import importlib
 from dataclasses import dataclass
 
 
-ARCHS = ("cnn", "resnet18", "cnn-gn")  # the model zoo (fedrelay/peer/models.py builds them)
+ARCHS = ("cnn", "resnet18", "cnn-gn")  # the model zoo (fedrelay/tasks/image_folder/models.py builds them)
 
 
 CHAIN, STAR = "chain", "star"

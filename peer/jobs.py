@@ -70,7 +70,7 @@ def schema(req: dict, data=None, device: str = "cpu", emit: Emit | None = None) 
     """The payload schemas of a run (see the module docstring). Raises ``ValueError`` for a
     spec the model zoo cannot build."""
     from fedrelay import registry
-    from fedrelay.peer.models import expected_signature
+    from fedrelay.models import expected_signature
 
     spec = spec_from(req["spec"])
     model = expected_signature(spec)
@@ -99,7 +99,7 @@ def initial_state(req: dict, spec):
     a chain's first site keeps the draw it always made, so chain runs keep their digests).
     Raises ``ValueError``."""
     from fedrelay import wire
-    from fedrelay.peer.models import build_seeded, check_state
+    from fedrelay.models import build_seeded, check_state
 
     init = req.get("initial") or {}
     if init.get("kind") == "file":
@@ -216,7 +216,7 @@ def aggregate(req: dict, data, device: str, emit: Emit | None = None) -> dict:
     """
     from fedrelay import registry, wire
     from fedrelay.peer.aggregators import Context, Upload, split_payload
-    from fedrelay.peer.models import check_state
+    from fedrelay.models import check_state
     from fedrelay.peer.training import derive_seed
 
     spec, cfg = spec_from(req["spec"]), _config(req)
@@ -244,7 +244,7 @@ def evaluate(req: dict, data, device: str, emit: Emit | None = None) -> dict:
     import torch
 
     from fedrelay import scoring, tasks
-    from fedrelay.peer.models import build_model
+    from fedrelay.models import build_model
     from fedrelay.peer.training import check_outputs
 
     started = time.time()

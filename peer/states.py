@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from .models import ModelSpec, build_model, state_signature
+from fedrelay.models import ModelSpec, build_model, state_signature
 
 __all__ = ["State", "average_states", "clone_state", "check_signature", "build_loaded", "param_names", "flatten"]
 
@@ -75,7 +75,7 @@ def clone_state(state: Mapping[str, Tensor]) -> State:
 
 def check_signature(state: Mapping[str, Tensor], expected: dict, what: str) -> None:
     """Raise ``ValueError`` (naming ``what``) unless ``state`` has the names, shapes and dtypes
-    of ``expected`` (a :func:`~fedrelay.peer.models.state_signature`)."""
+    of ``expected`` (a :func:`~fedrelay.models.state_signature`)."""
     try:
         got = state_signature(state)
     except TypeError as exc:

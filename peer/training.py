@@ -58,7 +58,7 @@ from fedrelay import params, registry, tasks
 from fedrelay.task import Task
 
 from . import privacy as dp
-from .models import ModelSpec, build_seeded, expected_signature
+from fedrelay.models import ModelSpec, build_seeded, expected_signature
 from .states import State, build_loaded, check_signature, clone_state
 
 __all__ = [

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from fedrelay.peer.aggregators import EXTRA, METHODS, Context, Upload, join_payload, split_payload
 from fedrelay.peer.aggregators import maecho, mean, ofasd
-from fedrelay.peer.models import build_model, expected_signature, state_signature
+from fedrelay.models import build_model, expected_signature, state_signature
 from fedrelay.tasks.image_folder import spec as image_spec
 from fedrelay.peer.states import average_states, build_loaded, clone_state
 from fedrelay.peer.training import TrainConfig

@@ -40,7 +40,7 @@ def test_deterministic_kernels_are_switched_on_for_cuda_only(monkeypatch):
 
 TRAIN_TWICE = """
 import hashlib, sys, torch
-from fedrelay.peer.models import ModelSpec
+from fedrelay.models import ModelSpec
 from fedrelay.tasks.image_folder import spec as image_spec
 from fedrelay.peer.training import TrainConfig, run_site, use_deterministic_kernels
 use_deterministic_kernels("cuda:0")

@@ -21,7 +21,7 @@ from fedrelay.coordinator import pki
 from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.service import CoordinatorService
 from fedrelay.tasks.image_folder.data import load_site
-from fedrelay.peer.models import ModelSpec, build_model
+from fedrelay.models import ModelSpec, build_model
 from fedrelay.tasks.image_folder import spec as image_spec
 from conftest import image_offer_pbs
 from fedrelay.peer.node import PeerNode

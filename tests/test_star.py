@@ -108,7 +108,7 @@ def test_each_parallel_method_runs_through_the_daemons(trial, strategy, extra):
 
 def test_initial_weights_file_named_by_its_digest(trial, tmp_path):
     from fedrelay import wire
-    from fedrelay.peer.models import build_seeded
+    from fedrelay.models import build_seeded
 
     # The trial's images: 1 x 28 x 28, 10 classes (conftest).
     state = build_seeded(image_spec("cnn", 1, (28, 28), 10), 1234).state_dict()
@@ -217,7 +217,7 @@ def test_an_upload_without_the_aggregators_extra_tensors_is_refused(three_sites,
     from fedrelay import wire
     from fedrelay.peer.aggregators import EXTRA
     from fedrelay.tasks.image_folder.data import load_site
-    from fedrelay.peer.models import build_seeded
+    from fedrelay.models import build_seeded
     from fedrelay.peer.node import PeerNode
 
     node = PeerNode("site-b", "127.0.0.1:1", load_site(three_sites[0]), tmp_path, "cpu", None, start_workers=False)

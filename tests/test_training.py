@@ -1,4 +1,4 @@
-"""Unit tests for fedrelay.peer.models, .states, .training and .strategies (CPU, tiny, < 30 s)."""
+"""Unit tests for fedrelay.models, .states, .training and .strategies (CPU, tiny, < 30 s)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedrelay.peer.models import build_model, state_signature
+from fedrelay.models import build_model, state_signature
 from fedrelay.tasks.image_folder import MODELS, ImageFolderTask, spec as image_spec
 from fedrelay.peer.states import average_states
 from fedrelay.peer.strategies.fedelmy import (
@@ -513,7 +513,7 @@ def test_run_site_rejects_bad_inputs():
 
 
 def test_expected_signature_matches_a_built_model_without_drawing_random_numbers():
-    from fedrelay.peer.models import expected_signature, state_bytes, state_signature
+    from fedrelay.models import expected_signature, state_bytes, state_signature
     from fedrelay.tasks.image_folder import spec as image_spec
 
     for spec in (image_spec("cnn", 1, (28, 28), 10), image_spec("resnet18", 3, (16, 16), 5)):
@@ -526,7 +526,7 @@ def test_expected_signature_matches_a_built_model_without_drawing_random_numbers
 
 
 def test_check_state_refuses_wrong_names_shapes_and_non_finite_values():
-    from fedrelay.peer.models import check_state
+    from fedrelay.models import check_state
     from fedrelay.tasks.image_folder import spec as image_spec
 
     spec = image_spec("cnn", 1, (8, 8), 3)

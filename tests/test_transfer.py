@@ -14,7 +14,7 @@ import torch
 from fedrelay import wire
 from fedrelay.coordinator.split import FASHION_MNIST_CLASSES
 from fedrelay.tasks.image_folder.data import load_site
-from fedrelay.peer.models import ModelSpec, build_model
+from fedrelay.models import ModelSpec, build_model
 from fedrelay.tasks.image_folder import spec as image_spec
 from fedrelay.peer.node import PeerNode
 from fedrelay.peer.servicer import PeerServicer

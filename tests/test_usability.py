@@ -317,7 +317,7 @@ def test_load_model_from_a_file_with_metadata(tmp_path):
     import torch
 
     from fedrelay import final_model, load_model, wire
-    from fedrelay.peer.models import build_model
+    from fedrelay.models import build_model
     from fedrelay.tasks.image_folder import spec as image_spec
 
     torch.manual_seed(0)

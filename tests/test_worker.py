@@ -62,7 +62,7 @@ def test_schema_from_torch_matches_the_run_model(tmp_path):
     and refuses the same state with one NaN; it survives a JSON round trip."""
     import torch
 
-    from fedrelay.peer.models import build_seeded, expected_signature, state_bytes
+    from fedrelay.models import build_seeded, expected_signature, state_bytes
 
     from fedrelay.tasks.image_folder import spec as image_spec
 
@@ -155,7 +155,7 @@ def test_worker_process_evaluates_and_a_killed_one_says_why(three_sites, tmp_pat
     import os
 
     from fedrelay.tasks.image_folder.data import load_site
-    from fedrelay.peer.models import build_seeded
+    from fedrelay.models import build_seeded
     from fedrelay.tasks.image_folder import spec as image_spec
     from fedrelay.peer.workers import WorkerDied, WorkerError, WorkerProcess
 

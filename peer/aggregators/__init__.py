@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from ..models import ModelSpec
+from fedrelay.models import ModelSpec
 from ..states import State
 from ..training import TrainConfig
 

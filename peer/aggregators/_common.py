@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ..models import ModelSpec, check_state, expected_signature
+from fedrelay.models import ModelSpec, check_state, expected_signature
 from ..states import State
 from . import Upload
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from ..models import ModelSpec
+from fedrelay.models import ModelSpec
 from ..states import State, average_states
 from . import Context, Upload
 from ._common import Schema, check_uploads

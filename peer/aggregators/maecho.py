@@ -101,7 +101,7 @@ from torch.nn import functional as F
 
 from fedrelay import tasks
 
-from ..models import ModelSpec, build_model, check_state
+from fedrelay.models import ModelSpec, build_model, check_state
 from ..states import State, build_loaded
 from ..training import check_site_data
 from . import Context, Upload

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..models import ModelSpec
+from fedrelay.models import ModelSpec
 from ..states import State, average_states
 from ..training import check_data
 from . import Context, Upload

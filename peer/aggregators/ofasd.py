@@ -71,7 +71,7 @@ from torch.nn import functional as F
 
 from fedrelay import tasks
 
-from ..models import ModelSpec, build_model, check_state
+from fedrelay.models import ModelSpec, build_model, check_state
 from ..states import State, build_loaded
 from ..training import check_site_data, derive_seed, seeded_generator
 from . import Context, Upload

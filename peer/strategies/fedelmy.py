@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from fedrelay import tasks
 from fedrelay.task import Task
 
-from ..models import ModelSpec, build_model, state_signature
+from fedrelay.models import ModelSpec, build_model, state_signature
 from ..states import State, average_states, build_loaded, check_signature, flatten, param_names
 from ..training import EpochCallback, ModelCallback, TrainConfig, check_site_data, derive_seed, fit, seeded_generator
 

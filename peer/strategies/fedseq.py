@@ -16,7 +16,7 @@ from torch import Tensor
 
 from fedrelay import tasks
 
-from ..models import ModelSpec, expected_signature
+from fedrelay.models import ModelSpec, expected_signature
 from ..states import State, build_loaded, check_signature
 from ..training import EpochCallback, ModelCallback, TrainConfig, check_site_data, derive_seed, fit, seeded_generator
 

@@ -4,7 +4,7 @@ Every model takes a float32 batch ``N x C x H x W`` with pixel values in ``[0, 1
 and returns float32 logits ``N x K`` (no softmax).  Construction draws its initial
 weights from torch's *global* RNG and never seeds it: the caller does
 ``torch.manual_seed(...)`` immediately before :func:`build` when it needs a
-reproducible initialisation (``fedrelay.peer.models.build_seeded``).
+reproducible initialisation (``fedrelay.models.build_seeded``).
 
 Architectures (:data:`MODELS`):
 
