@@ -35,7 +35,7 @@ demo-breast-cancer: setup
 # once), the system trials first (tests/conftest.py): most of a test's time is waiting on daemons.
 TEST_PROCESSES ?= 3
 test: setup
-	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder
 
 # The unit tier alone (no processes; about a minute): tests marked neither integration nor system.
 test-fast: setup

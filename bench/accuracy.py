@@ -757,7 +757,9 @@ def parse(argv):
     if args.quick:
         args.seeds, args.dirichlets, args.sites = "0", "0.5", 3
         args.S, args.E, args.warmup_epochs = 2, 1, 1
-        args.domain_shift, args.orders, args.domain_methods = True, "0,30,60,90", "fedelmy,fedseq_best_val"
+        args.domain_shift, args.orders = True, "0,30,60,90"
+        if args.domain_methods == ",".join(DOMAIN_METHODS):  # not chosen on the command line
+            args.domain_methods = "fedelmy,fedseq_best_val"
         args.target_seeds = 1
     return args
 

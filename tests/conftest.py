@@ -88,17 +88,26 @@ def image_offer_pbs(classes: dict[str, tuple[int, int]] | None = None, shape=(1,
     return [Offer.from_dict(d).to_pb() for d in image_offers(classes, shape)]
 
 
+# The files that take longest (seconds of a quiet 2-core machine, most first): started first.
+SLOWEST_FILES = ("test_reliability", "test_rounds", "test_star", "test_chain", "test_bench_accuracy", "test_privacy",
+                 "test_bench", "test_bench_few_shot", "test_watching", "test_export", "test_outbound", "test_netns",
+                 "test_byo_task", "test_new_task", "test_light_daemon", "test_reroute", "test_audit")
+
+
 def pytest_collection_modifyitems(config, items):
-    """The slowest tiers first: with ``make test``'s ``--dist loadfile`` every file goes whole to
-    one xdist process in this order, so the minutes-long system trials start at once, side by
-    side, and the short tests fill the processes around them (stable within a tier)."""
+    """The slowest files first: with ``make test``'s ``--dist loadfile --no-loadscope-reorder``
+    every file goes whole to one xdist process in this order, so the minutes-long trials start at
+    once, side by side, and the short tests fill the processes around them: first the files of
+    :data:`SLOWEST_FILES`, then the other system, integration and unit files (stable within each)."""
     def tier(item) -> int:
         if item.get_closest_marker("system"):
             return 0
         return 1 if item.get_closest_marker("integration") else 2
 
-    first = {}
-    for item in items:  # a file's rank: its slowest tier, so that a file's tests stay together
-        key = item.nodeid.split("::")[0]
-        first[key] = min(first.get(key, 2), tier(item))
-    items.sort(key=lambda item: first[item.nodeid.split("::")[0]])
+    rank = {}
+    for item in items:  # a file's rank: where SLOWEST_FILES lists it, else its slowest tier
+        path = item.nodeid.split("::")[0]
+        stem = path.rsplit("/", 1)[-1].removesuffix(".py")
+        own = (0, SLOWEST_FILES.index(stem)) if stem in SLOWEST_FILES else (1 + tier(item), 0)
+        rank[path] = min(rank.get(path, own), own)
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
