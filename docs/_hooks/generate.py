@@ -341,7 +341,7 @@ def benchmarks_markdown() -> str:
 
     sys.path.insert(0, str(ROOT))
     try:
-        from bench.common import _body_markdown
+        from bench.common import sections_markdown
     finally:
         sys.path.remove(str(ROOT))
     data = _results()
@@ -350,14 +350,7 @@ def benchmarks_markdown() -> str:
              "(the studies of `bench/` write it; see [Benchmarks](benchmarks.md)). Timings move by "
              "about ±25% between runs on shared 2-core machines; each comparison is against a "
              "reference measured in the same run.", ""]
-    for section in sorted(k for k in data if k != "meta"):
-        body = data[section]
-        lines += [f"## {section}", ""]
-        _body_markdown(body, lines)
-        for sub in body.get("subsections", []):
-            if isinstance(body.get(sub), dict):
-                lines += [f"### {section}.{sub}", ""]
-                _body_markdown(body[sub], lines)
+    lines += sections_markdown(data)
     text = "\n".join(lines) + "\n"
     return text.replace("](plots/", "](bench-plots/")
 
