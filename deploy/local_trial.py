@@ -27,6 +27,7 @@ made by the operator). ``--insecure`` runs everything in plaintext instead.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -37,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+PKI_CACHE_ENV = "FEDRELAY_TRIAL_PKI_CACHE"  # a folder keeping trials' PKIs by site names and hosts (tests)
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
 DATASETS = ("fashion-mnist", "breast-cancer")
 BIN = Path(sys.executable).parent
@@ -189,6 +191,11 @@ class LocalTrial:
         """A fresh CA and identities, through the real CLI: init-ca; per site, the site's own key
         and request (``peer init``), signed by the CA (``coordinator enroll --csr``)."""
         shutil.rmtree(self.pki, ignore_errors=True)
+        cached = self._cached_pki()
+        if cached is not None and cached.is_dir():  # the same names and hosts made before: a copy
+            shutil.copytree(cached, self.pki)
+            return
+
         def hosts(name: str) -> list[str]:
             names = dict.fromkeys(("localhost", "127.0.0.1", self.addresses[name].rsplit(":", 1)[0]))
             return [arg for h in names for arg in ("--host", h)]
@@ -208,6 +215,25 @@ class LocalTrial:
 
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:  # 100 sites: in parallel
             list(pool.map(enrol, self.names))
+        if cached is not None:
+            tmp = cached.with_name(cached.name + f".{os.getpid()}.tmp")
+            shutil.copytree(self.pki, tmp)
+            try:
+                tmp.rename(cached)
+            except OSError:  # another trial made it meanwhile
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def _cached_pki(self) -> Path | None:
+        """Where a PKI for these site names and addresses' hosts is kept between trials, when
+        ``$FEDRELAY_TRIAL_PKI_CACHE`` names a folder (the test suite sets it: every trial would
+        otherwise run the same seven CLI commands for the same three sites); None otherwise (the
+        demo makes its PKI anew, through the CLI, every time)."""
+        folder = os.environ.get(PKI_CACHE_ENV)
+        if not folder:
+            return None
+        key = json.dumps([[n, self.addresses[n].rsplit(":", 1)[0]] for n in sorted(self.names)]
+                         + [self.addresses["coordinator"].rsplit(":", 1)[0]])
+        return Path(folder) / hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)

@@ -18,12 +18,16 @@ REPO = Path(__file__).resolve().parent.parent
 # WorkerProcess without fork) and by bench/ and `make demo`.
 os.environ.setdefault("FEDRELAY_FORK_WORKERS", "1")
 
+# Trials of the same site names on loopback share one PKI made through the CLI, copied per trial
+# (deploy/local_trial.py PKI_CACHE_ENV): the CLI's PKI commands are tested in their own tests.
+import tempfile  # noqa: E402
+
+os.environ.setdefault("FEDRELAY_TRIAL_PKI_CACHE", tempfile.mkdtemp(prefix="fedrelay-test-pki-"))
+
 # `make test` runs the suite in several pytest-xdist processes (most of a test's time is waiting on
 # daemons, not computing). Each gets worker slots of its own (peer/slots.py), so that one test's
 # daemons never wait for the slots another test's daemons hold.
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    import tempfile
-
     os.environ.setdefault("FEDRELAY_WORKER_SLOTS_DIR",
                           tempfile.mkdtemp(prefix=f"fedrelay-test-slots-{os.environ['PYTEST_XDIST_WORKER']}-"))
 
