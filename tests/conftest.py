@@ -71,6 +71,27 @@ def three_sites(tmp_path_factory, idx_source) -> list[Path]:
     return sorted(p for p in out.iterdir() if p.is_dir() and p.name.startswith("site-"))
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a daemon started in this process)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_thread(target, **kw):
+    """``target(**kw, stop=, ready=)`` (a daemon's ``serve``) in a daemon thread, once ``ready``
+    is set (within 60 s): (thread, its stop event)."""
+    import threading
+
+    stop, ready = threading.Event(), threading.Event()
+    t = threading.Thread(target=target, kwargs=dict(kw, stop=stop, ready=ready), daemon=True)
+    t.start()
+    assert ready.wait(60), f"{target.__module__} did not start"
+    return t, stop
+
+
 def image_offers(classes: dict[str, tuple[int, int]] | None = None, shape=(1, 28, 28)) -> list[dict]:
     """A site's registration offers (``Offer.to_dict()``) for the default image-folder task, as the
     ledger keeps them: ``classes`` name -> (train, test) images of ``shape`` (C, H, W), with the

@@ -12,9 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import shutil
-import socket
 import sqlite3
-import threading
 import time
 from pathlib import Path
 
@@ -30,6 +28,7 @@ from fedrelay.coordinator.plan import chain_plan
 from fedrelay.coordinator.signatures import Signatures
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2
 from test_security import ORDER, coordinator, cstub, ids  # noqa: F401 - pytest fixtures
+from conftest import free_port, start_thread
 
 pytestmark = pytest.mark.integration
 
@@ -215,20 +214,6 @@ def ledger_path(ledger: Ledger) -> str:
 
 
 # -- a real run, then its ledger tampered with -----------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(target, **kw):
-    stop, ready = threading.Event(), threading.Event()
-    t = threading.Thread(target=target, kwargs=dict(kw, stop=stop, ready=ready), daemon=True)
-    t.start()
-    assert ready.wait(60), f"{target.__module__} did not start"
-    return t, stop
-
-
 @pytest.fixture(scope="module")
 def finished(three_sites, tmp_path_factory):
     """One finished 3-site run over mutual TLS (daemons in this process, stopped afterwards):
@@ -241,11 +226,11 @@ def finished(three_sites, tmp_path_factory):
     pki.init_ca(root / "pki")
     names = [d.name for d in three_sites]
     tls = {n: pki.enroll(n, root / "pki", root / f"{n}.pki") for n in names}
-    address = f"127.0.0.1:{_free_port()}"
-    daemons = [_start(serve_coordinator, listen=address, db=root / "ledger.sqlite",
+    address = f"127.0.0.1:{free_port()}"
+    daemons = [start_thread(serve_coordinator, listen=address, db=root / "ledger.sqlite",
                       transport=wire.Transport.from_dir(root / "pki" / "coordinator"))]
     for n, d in zip(names, three_sites):
-        daemons.append(_start(serve_peer, data_dir=d, name=n, listen=f"127.0.0.1:{_free_port()}", coordinator=address,
+        daemons.append(start_thread(serve_peer, data_dir=d, name=n, listen=f"127.0.0.1:{free_port()}", coordinator=address,
                               state_dir=root / "state" / n, device="cpu", transport=wire.Transport.from_dir(tls[n]),
                               fork_workers=True))
     client = OperatorClient(address, wire.Transport.from_dir(root / "pki" / "operator"))

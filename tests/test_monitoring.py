@@ -8,7 +8,6 @@ small real chain whose ledger the metrics must match."""
 from __future__ import annotations
 
 import logging
-import socket
 import subprocess
 import sys
 import threading
@@ -25,18 +24,13 @@ from fedrelay.coordinator import pki
 from fedrelay.coordinator.client import OperatorClient
 from fedrelay.health import probe
 from fedrelay.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
+from conftest import free_port, start_thread
 
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
 PARAMS = dict(strategy="fedelmy", models_per_site=1, local_epochs=1, warmup_epochs=1, alpha=1.0, beta=1.0, lr=1e-3,
               batch_size=32, weight_decay=0.0, selection="best-val")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Lines(logging.Handler):
@@ -59,14 +53,6 @@ def scrape(address: str) -> dict[tuple, float]:
 
 def value(samples: dict, name: str, **labels) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
-
-
-def start_thread(target, **kw) -> tuple[threading.Thread, threading.Event]:
-    stop, ready = threading.Event(), threading.Event()
-    t = threading.Thread(target=target, kwargs=dict(kw, stop=stop, ready=ready), daemon=True)
-    t.start()
-    assert ready.wait(60), f"{target.__module__} did not start"
-    return t, stop
 
 
 @pytest.fixture(scope="module")

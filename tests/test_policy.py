@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from fedrelay.cli.peer import app as peer_app
 from fedrelay.coordinator import pki
 from fedrelay.peer import policy
 from fedrelay.v1 import peer_pb2
+from conftest import free_port, start_thread
 
 pytestmark = pytest.mark.integration
 
@@ -129,20 +129,6 @@ def test_a_site_that_connects_out_only_answers_the_policy_check_over_its_control
 
 
 # -- through the daemons ----------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(target, **kw):
-    stop, ready = threading.Event(), threading.Event()
-    t = threading.Thread(target=target, kwargs=dict(kw, stop=stop, ready=ready), daemon=True)
-    t.start()
-    assert ready.wait(60), f"{target.__module__} did not start"
-    return t, stop
-
-
 @pytest.fixture(scope="module")
 def world(three_sites, tmp_path_factory):
     """A coordinator and three peer daemons over mutual TLS; the middle site serves with
@@ -161,11 +147,11 @@ def world(three_sites, tmp_path_factory):
     tls = {n: pki.enroll(n, root / "pki", root / f"{n}.pki") for n in names}
     rules = root / "policy.toml"
     rules.write_text('strategies = ["fedelmy"]\n')
-    address = f"127.0.0.1:{_free_port()}"
-    daemons = [_start(serve_coordinator, listen=address, db=root / "ledger.sqlite",
+    address = f"127.0.0.1:{free_port()}"
+    daemons = [start_thread(serve_coordinator, listen=address, db=root / "ledger.sqlite",
                       transport=wire.Transport.from_dir(root / "pki" / "coordinator"))]
     for n, d in zip(names, three_sites):
-        daemons.append(_start(serve_peer, data_dir=d, name=n, listen=f"127.0.0.1:{_free_port()}", coordinator=address,
+        daemons.append(start_thread(serve_peer, data_dir=d, name=n, listen=f"127.0.0.1:{free_port()}", coordinator=address,
                               state_dir=root / "state" / n, device="cpu", transport=wire.Transport.from_dir(tls[n]),
                               fork_workers=True, policy=rules if n == names[1] else None))
     ops = {"operator": OperatorClient(address, wire.Transport.from_dir(root / "pki" / "operator")),
