@@ -18,7 +18,7 @@ from fedrelay import params as run_params, privacy, wire
 from fedrelay.coordinator.live import BUSY
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2
 
-PURPOSE_NAMES = {purposes.to_wire(w): w for w in purposes.WORDS}  # plan words, by wire value
+PURPOSE_NAMES = purposes.BY_WIRE  # plan words, by wire value
 
 
 def summary_dict(s: cpb.RunSummary) -> dict:

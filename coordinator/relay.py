@@ -45,7 +45,7 @@ log = logging.getLogger("fedrelay.relay")
 
 DEFAULT_MAX_BYTES = RelayLimits.max_bytes  # 2 GiB per envelope, whatever a permit says
 # The purposes' words in envelope file names (fedrelay.purpose).
-PURPOSE_WORDS = {purposes.to_wire(w): w for w in purposes.WORDS}
+PURPOSE_WORDS = purposes.BY_WIRE
 
 
 class _Held(Exception):

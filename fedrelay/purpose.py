@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from fedrelay.v1 import common_pb2
 
-__all__ = ["HOP", "FINAL", "UPLOAD", "WORDS", "LEDGER_WORDS", "WIRE_ERROR", "to_wire", "from_wire", "to_ledger",
+__all__ = ["HOP", "FINAL", "UPLOAD", "WORDS", "LEDGER_WORDS", "BY_WIRE", "WIRE_ERROR", "to_wire", "from_wire", "to_ledger",
            "from_ledger", "ledger_of_wire", "wire_of_ledger", "said"]
 
 HOP, FINAL, UPLOAD = "hop", "final", "upload"
@@ -28,6 +28,8 @@ WORDS = (HOP, FINAL, UPLOAD)
 
 _WIRE = {HOP: common_pb2.CHAIN_HOP, FINAL: common_pb2.FINAL_MODEL, UPLOAD: common_pb2.UPLOAD}
 _FROM_WIRE = {v: k for k, v in _WIRE.items()}
+#: The word of each ``fedrelay.v1.Purpose`` value (e.g. for envelope file names and ``--json``).
+BY_WIRE = dict(_FROM_WIRE)
 _LEDGER = {HOP: "chain", FINAL: "final", UPLOAD: "upload"}
 _FROM_LEDGER = {v: k for k, v in _LEDGER.items()}
 _SAID = {HOP: "hop", FINAL: "final model", UPLOAD: "upload"}

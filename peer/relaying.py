@@ -35,7 +35,7 @@ RELAY_METHODS = ("/fedrelay.v1.Relay/Offset", "/fedrelay.v1.Relay/Put", relay_pb
 GET_METHOD = "/fedrelay.v1.Relay/Get"
 DISCARD_METHOD = "/fedrelay.v1.Relay/Discard"
 # The purposes' words in envelope file names (fedrelay.purpose).
-PURPOSE_WORDS = {purposes.to_wire(w): w for w in purposes.WORDS}
+PURPOSE_WORDS = purposes.BY_WIRE
 
 
 class RelayUnavailable(RuntimeError):
