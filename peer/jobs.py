@@ -28,11 +28,18 @@ checked against the pinned one) by ``fedrelay.tasks.resolve``. Progress goes thr
 ``emit(event)``: ``{"event": "epoch", ...}`` per finished epoch (the dict
 ``peer.training`` passes to ``on_epoch``). A job raises on failure (the worker answers it as an
 error; the daemon fails or retries the run).
+
+A fault drill (or a test) can stop a ``train`` job at a known step instead of racing its
+training: with ``FEDRELAY_HOLD_DIR`` set to a folder in the site daemon's environment, a job that
+has persisted a step (``warmup``, then ``pool-1``, ``pool-2``, ...) and finds ``hold-<step>`` in
+that folder writes ``held-<step>`` there and waits until ``hold-<step>`` is gone (see
+:func:`hold_point`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -143,6 +150,24 @@ def _on_epoch(emit: Emit | None, images: int = 0):
     return on_epoch
 
 
+HOLD_ENV = "FEDRELAY_HOLD_DIR"
+
+
+def hold_point(step: str) -> None:
+    """Wait here while ``$FEDRELAY_HOLD_DIR/hold-<step>`` exists, having written ``held-<step>``
+    beside it (a no-op when the variable is unset). ``step``: ``warmup`` or ``pool-<j>``, once
+    that step's file is persisted, so that a site killed while held resumes after it. The
+    worker ends as usual if its daemon ends it meanwhile."""
+    root = os.environ.get(HOLD_ENV)
+    if not root:
+        return
+    hold = Path(root) / f"hold-{step}"
+    if hold.exists():
+        (Path(root) / f"held-{step}").touch()
+        while hold.exists():
+            time.sleep(0.05)
+
+
 def train(req: dict, data, device: str, emit: Emit | None = None) -> dict:
     """One visit's local training, as ``peer.training.run_site`` does it, files and all.
 
@@ -184,6 +209,11 @@ def train(req: dict, data, device: str, emit: Emit | None = None) -> dict:
 
     def on_model(j: int, state) -> None:
         wire.atomic_write(pool_dir / f"model-{j}.safetensors", wire.encode_state(state))
+        hold_point(f"pool-{j}")
+
+    def on_warmup(state) -> None:
+        wire.atomic_write(folder / "warmup.safetensors", wire.encode_state(state))
+        hold_point("warmup")
 
     r, position = int(req["round"]), int(req["position"])
     seed = derive_seed(req["seed"], "site", position) if r == 1 else derive_seed(req["seed"], "site", position,
@@ -192,8 +222,7 @@ def train(req: dict, data, device: str, emit: Emit | None = None) -> dict:
     with dp.engaged(privacy.options(req["params"]), req.get("privacy_epochs", 0), dp.Book(folder / dp.BOOK)):
         send, pool = run_site(m0, spec, train_set, val, cfg, seed, device, finished=finished,
                               on_epoch=_on_epoch(emit, len(train_set[1])), on_model=on_model,
-                              on_warmup=lambda state: wire.atomic_write(folder / "warmup.safetensors",
-                                                                        wire.encode_state(state)),
+                              on_warmup=on_warmup,
                               initial=initial_state(req, spec) if m0 is None else None)
     if req.get("aggregator"):  # the upload: the model and what the aggregator needs besides
         from fedrelay.peer.aggregators import join_payload
