@@ -35,10 +35,11 @@ from multiprocessing.reduction import DupFd
 __all__ = ["ForkedProcess", "PRELOAD"]
 
 # What the template imports once, so that no worker has to: torch, torch._dynamo (which the
-# first optimiser step imports: ~1 s), and the worker's own modules.
+# first optimiser step imports: ~1 s), scikit-learn's metrics (which every evaluation imports,
+# fedrelay/scoring.py: ~1.3 s of CPU, more than a test's training job), and the worker's own modules.
 # Task modules are not preloaded: a worker imports the run's task itself, after checking its code's
 # digest (a template that had imported it would keep the code of the daemon's start).
-PRELOAD = ["torch", "torch._dynamo", "fedrelay.peer.training", "fedrelay.peer.jobs", "fedrelay.peer.worker"]
+PRELOAD = ["torch", "torch._dynamo", "sklearn.metrics", "fedrelay.peer.training", "fedrelay.peer.jobs", "fedrelay.peer.worker"]
 
 _context = None
 _context_lock = threading.Lock()
