@@ -18,6 +18,13 @@ REPO = Path(__file__).resolve().parent.parent
 # WorkerProcess without fork) and by bench/ and `make demo`.
 os.environ.setdefault("FEDRELAY_FORK_WORKERS", "1")
 
+# One intra-op thread for torch in the test processes and every daemon and worker they start
+# (they inherit the environment): `make test` runs three pytest processes on two cores, each with
+# daemons and workers of its own, and torch's default pool (a thread per core, spinning while it
+# waits for work) would only fight over the cores: measured alone, tests/test_rounds.py used 16 %
+# less CPU with one thread, for the same wall time; under the suite's load more.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Trials of the same site names on loopback share one PKI made through the CLI, copied per trial
 # (deploy/local_trial.py PKI_CACHE_ENV): the CLI's PKI commands are tested in their own tests.
 import tempfile  # noqa: E402
