@@ -47,8 +47,6 @@ DEFAULT_STALL_TIMEOUT = transfer_bounds.STALL_TIMEOUT  # seconds
 SEAL_OVERHEAD = transfer_bounds.SEAL_OVERHEAD  # bytes a sealed envelope may add to its payload (header, certificate, GCM tags)
 DEFAULT_RELAY_AFTER = 60.0  # seconds a receiver with an address may stay unreachable before the relay is used
 REROUTE_GRACE = 120.0  # seconds a final-model copy retries a refusal after a reroute (see _deliver)
-# How messages name a transfer's purpose (fedrelay.purpose.said), by its wire value.
-PURPOSE_NAMES = {purposes.to_wire(w): purposes.said(w) for w in purposes.WORDS}
 
 
 class PeerNode:
@@ -178,7 +176,7 @@ class PeerNode:
         if any(not 1 <= r <= rounds for r in visits) or list(visits) != sorted(set(visits)):
             raise ValueError(f"visits {list(visits)} are not distinct rounds in 1..{rounds}")
         for t in transfers:
-            if t.purpose not in PURPOSE_NAMES:
+            if t.purpose not in purposes.BY_WIRE:
                 raise ValueError(f"planned transfer with unknown purpose {t.purpose}")
             if self.name not in (t.sender, t.receiver) or t.sender == t.receiver:
                 raise ValueError(f"planned transfer {t.sender} -> {t.receiver} is not this site's")
@@ -363,7 +361,7 @@ class PeerNode:
             raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"no assignment for run {h.run_id!r} (yet)")
         if run.ended.is_set():
             raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"run {h.run_id} was ended by the coordinator")
-        if h.purpose not in PURPOSE_NAMES:
+        if h.purpose not in purposes.BY_WIRE:
             raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "unknown transfer purpose")
         if h.purpose == common_pb2.FINAL_MODEL and h.hop != 0:
             raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "a final-model copy has hop 0")
@@ -830,7 +828,7 @@ class PeerNode:
                 raise RunEnded(run.run_id)
             if run.assignment.route_version != version and not self._still_planned(run, t):
                 log.info("run %s: %s to %s is no longer in this site's plan; not sending it", run.run_id,
-                         PURPOSE_NAMES[t.purpose], t.receiver)
+                         purposes.said(t.purpose), t.receiver)
                 return False
             if self._revoked(to.name, run, t, deadline, delay):  # wait for the coordinator's reroute
                 continue
@@ -847,9 +845,9 @@ class PeerNode:
                 if run.ended.is_set():
                     raise RunEnded(run.run_id) from None
                 log.warning("run %s: stopped sending %s %d to %s mid-stream: its certificate was revoked", run.run_id,
-                            PURPOSE_NAMES[t.purpose], t.index, to.name)
+                            purposes.said(t.purpose), t.index, to.name)
             except (RelayUnavailable, SealError) as exc:
-                raise RuntimeError(f"cannot send {PURPOSE_NAMES[t.purpose]} {t.index} to {to.name} through the "
+                raise RuntimeError(f"cannot send {purposes.said(t.purpose)} {t.index} to {to.name} through the "
                                    f"relay: {exc}") from exc
             except relaying.NoCertificateYet as exc:  # the coordinator restarted: the receiver registers again soon
                 if time.monotonic() + delay > deadline:
@@ -976,7 +974,7 @@ class PeerNode:
                 except (grpc.RpcError, TransferError) as exc:
                     msg = wire.status_message(exc) if isinstance(exc, grpc.RpcError) else exc.message
                     log.warning("run %s: fetching %s %d from the relay at %s failed (%s); retrying in %.1f s",
-                                run.run_id, PURPOSE_NAMES[t.purpose], t.index, relay, msg, delay)
+                                run.run_id, purposes.said(t.purpose), t.index, relay, msg, delay)
                     self.stop.wait(delay)
             plain = dest.parent / f".{dest.name}.relayed.part"
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -990,7 +988,7 @@ class PeerNode:
                 plain.replace(dest)
             except (SealError, ValueError) as exc:
                 plain.unlink(missing_ok=True)
-                raise RuntimeError(f"refused the relayed {PURPOSE_NAMES[t.purpose]} {t.index} from {t.sender}: {exc}") from exc
+                raise RuntimeError(f"refused the relayed {purposes.said(t.purpose)} {t.index} from {t.sender}: {exc}") from exc
             self._kept(run, t, dest, size, sha, route="relayed", relay_wire_bytes=counter[0])
             sealed.unlink(missing_ok=True)
             try:
@@ -1049,7 +1047,7 @@ class PeerNode:
             raise RuntimeError(f"cannot deliver to {name}: its certificate was "
                                f"{self.revocations.revoked_name(name).describe()}")
         log.warning("run %s: not sending %s %d to %s: its certificate was revoked; waiting for the coordinator "
-                    "to route around it", run.run_id, PURPOSE_NAMES[t.purpose], t.index, name)
+                    "to route around it", run.run_id, purposes.said(t.purpose), t.index, name)
         self._pause(run, delay)
         if self.stop.is_set():
             raise RuntimeError("daemon stopping")
