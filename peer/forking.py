@@ -10,9 +10,10 @@ Each worker is then forked from it and starts in a few milliseconds. The templat
 and runs nothing, so no torch thread pool or CUDA context is ever forked; each worker still
 sets up its device (``prepare``) itself.
 
-The price is memory: the template holds torch's import for as long as the daemon runs, about
-680 MB resident (measured here: 368 MB anonymous, 288 MB of torch's libraries, which the kernel
-can drop and read again), where a daemon without it stays under 90 MB while idle; and one more
+The price is memory: the template holds torch's import (and scikit-learn's metrics) for as long
+as the daemon runs, about 810 MB resident (measured with scikit-learn on 2026-11-27; 680 MB
+without it: 368 MB anonymous, 288 MB of torch's libraries, which the kernel can drop and read
+again), where a daemon without it stays under 90 MB while idle; and one more
 small process, ``multiprocessing``'s resource tracker (13 MB). So it is for sites that run many
 short jobs on a host with memory to spare (test suites, rehearsals with a few sites); a 100-site
 trial on one machine leaves it off. The worker runs ``multiprocessing``'s child set-up, which
