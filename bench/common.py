@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -28,6 +29,19 @@ def deploy_script(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def study_workdir(args, prefix: str, default: Path) -> Path:
+    """A study's work folder: ``args.workdir``, else a new temporary folder named ``prefix...``
+    for a ``--quick`` smoke run, else ``default``. An ``args.results`` or ``args.plots`` left
+    None (the study has the flag, and it was not given) becomes the work folder's
+    ``results.json`` / ``plots/`` in a quick run, else bench/'s ``results.json`` / ``plots/``."""
+    work = args.workdir or (Path(tempfile.mkdtemp(prefix=prefix)) if args.quick else default)
+    if getattr(args, "results", "") is None:
+        args.results = work / "results.json" if args.quick else RESULTS_JSON
+    if getattr(args, "plots", "") is None:
+        args.plots = work / "plots" if args.quick else PLOTS
+    return work
 
 
 def tool(name: str) -> str:

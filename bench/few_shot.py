@@ -38,13 +38,12 @@ import json
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench.accuracy import (LABELS, Cache, Config, _load_sites, _pct, _stats, dir_key, log, make_split, site_dirs,
                             start_chain, write_synthetic_idx)
-from bench.common import PLOTS, REPO, RESULTS_JSON, deploy_script, meta, record
+from bench.common import REPO, RESULTS_JSON, deploy_script, meta, record, study_workdir
 from fedrelay.tasks import resolve as resolve_task
 
 METHODS = ("fedelmy", "fedseq_last_epoch", "fedseq_best_val")
@@ -614,13 +613,9 @@ def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
     started = time.monotonic()
-    work = args.workdir or (Path(tempfile.mkdtemp(prefix="fedrelay-bench-fs-")) if args.quick else DEFAULT_WORKDIR)
+    work = study_workdir(args, "fedrelay-bench-fs-", DEFAULT_WORKDIR)
     if args.quick and args.source is None:
         args.source = write_synthetic_idx(work / "idx")
-    if args.results is None:
-        args.results = work / "results.json" if args.quick else RESULTS_JSON
-    if args.plots is None:
-        args.plots = work / "plots" if args.quick else PLOTS
     cfg = Config(args)
     cache = FewShotCache(work / "cells")
     failures: list[str] = []

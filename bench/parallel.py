@@ -40,13 +40,12 @@ import json
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench.accuracy import (Cache, Config, _pct, _stats, dir_key, log, make_split, run_references, site_dirs,
                             start_chain, write_synthetic_idx)
-from bench.common import PLOTS, REPO, RESULTS_JSON, deploy_script, meta, record
+from bench.common import REPO, deploy_script, meta, record, study_workdir
 from bench.few_shot import cpu_capability
 
 CHAIN = ("fedelmy", "fedseq")
@@ -467,13 +466,9 @@ def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
     started = time.monotonic()
-    work = args.workdir or (Path(tempfile.mkdtemp(prefix="fedrelay-bench-par-")) if args.quick else DEFAULT_WORKDIR)
+    work = study_workdir(args, "fedrelay-bench-par-", DEFAULT_WORKDIR)
     if args.quick and args.source is None:
         args.source = write_synthetic_idx(work / "idx")
-    if args.results is None:
-        args.results = work / "results.json" if args.quick else RESULTS_JSON
-    if args.plots is None:
-        args.plots = work / "plots" if args.quick else PLOTS
     cfg = ParallelConfig(args)
     cache = ParallelCache(work / "cells")
     failures: list[str] = []

@@ -27,11 +27,10 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from bench.common import REPO, RESULTS_JSON, deploy_script, meta, record, tool
+from bench.common import REPO, deploy_script, meta, record, study_workdir, tool
 
 SECTION = "privacy"
 DEFAULT_WORKDIR = REPO / ".fedrelay" / "bench-privacy"
@@ -188,10 +187,7 @@ def main(argv=None) -> dict:
     if args.quick:
         args.epsilons = "4"
         args.max_train_per_site = min(args.max_train_per_site, 100)
-    work = args.workdir or (Path(tempfile.mkdtemp(prefix="fedrelay-bench-privacy-")) if args.quick
-                            else DEFAULT_WORKDIR)
-    if args.results is None:
-        args.results = work / "results.json" if args.quick else RESULTS_JSON
+    work = study_workdir(args, "fedrelay-bench-privacy-", DEFAULT_WORKDIR)
     source = args.source
     if source is None and DEBIAN_FASHION_MNIST.is_dir() and not args.quick:
         source = DEBIAN_FASHION_MNIST
