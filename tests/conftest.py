@@ -78,6 +78,18 @@ def three_sites(tmp_path_factory, idx_source) -> list[Path]:
     return sorted(p for p in out.iterdir() if p.is_dir() and p.name.startswith("site-"))
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op torch thread in this process while a module trains in-process (its workloads
+    are tiny: faster so, and immune to CPU contention); the count before is restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a daemon started in this process)."""
     import socket

@@ -20,13 +20,8 @@ from fedrelay.peer.states import average_states, build_loaded, clone_state
 from fedrelay.peer.training import TrainConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The workloads here are tiny: one intra-op thread is faster and immune to CPU contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# One intra-op torch thread while this module trains in-process (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 SPEC = image_spec("cnn", 1, (8, 8), 3)

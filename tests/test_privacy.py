@@ -12,7 +12,6 @@ import json
 import math
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from fedrelay import params, privacy
@@ -27,12 +26,8 @@ BASE = dict(strategy="fedelmy", models_per_site=2, local_epochs=1, warmup_epochs
             batch_size=8, weight_decay=0.0, selection="last-epoch")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# One intra-op torch thread while this module trains in-process (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ------------------------------------------------------------------ options
@@ -206,6 +201,7 @@ def trial(three_sites, tmp_path_factory):
         yield t
 
 
+@pytest.mark.system
 def test_a_dp_run_through_the_daemons_reports_each_sites_epsilon_and_delta(trial):
     """Two rounds: each site's ε composes both its visits (and the first site's warm-up)."""
     res = trial.cli("start-chain", "--seed", "5", "--rounds", "2", "--dp-epsilon", "6", "--dp-delta", "1e-4", *CHAIN,
@@ -252,6 +248,7 @@ def test_a_dp_run_through_the_daemons_reports_each_sites_epsilon_and_delta(trial
     assert audit.exit_code == 0, audit.output[-3000:]
 
 
+@pytest.mark.system
 def test_a_dp_run_with_a_batchnorm_model_fails_saying_why(trial):
     res = trial.cli("start-chain", "--seed", "6", "--dp-noise-multiplier", "1", *CHAIN[:-4], "--model", "cnn",
                     "--wait", "--json", capture_output=True, text=True, timeout=600)
