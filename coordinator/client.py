@@ -18,8 +18,6 @@ from fedrelay import params as run_params, privacy, wire
 from fedrelay.coordinator.live import BUSY
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2
 
-PURPOSE_NAMES = purposes.BY_WIRE  # plan words, by wire value
-
 
 def summary_dict(s: cpb.RunSummary) -> dict:
     """A run summary as the JSON object of ``show --json`` / ``start-chain --wait --json``.
@@ -85,7 +83,7 @@ def summary_dict(s: cpb.RunSummary) -> dict:
         "total_bytes": sum(h.payload_bytes for h in s.hops),
         "planned_hops": s.planned_hops,
         "expected_total_bytes": s.planned_hops * s.model_bytes if s.model_bytes else None,
-        "plan": [{"purpose": PURPOSE_NAMES.get(t.purpose, "?"), "index": t.index, "round": t.round,
+        "plan": [{"purpose": purposes.BY_WIRE.get(t.purpose, "?"), "index": t.index, "round": t.round,
                   "sender": t.sender, "receiver": t.receiver} for t in s.plan],
         "final_site": s.final_site or None,
         "final": None,

@@ -44,8 +44,6 @@ from fedrelay.v1 import common_pb2, peer_pb2, relay_pb2, relay_pb2_grpc
 log = logging.getLogger("fedrelay.relay")
 
 DEFAULT_MAX_BYTES = RelayLimits.max_bytes  # 2 GiB per envelope, whatever a permit says
-# The purposes' words in envelope file names (fedrelay.purpose).
-PURPOSE_WORDS = purposes.BY_WIRE
 
 
 class _Held(Exception):
@@ -80,7 +78,7 @@ class RelayService(relay_pb2_grpc.RelayServicer):
 
     # -- where things are -------------------------------------------------------------------------
     def path(self, run_id: str, purpose: int, index: int, receiver: str) -> Path:
-        return self.folder / run_id / f"{PURPOSE_WORDS[purpose]}-{index}-{receiver}.sealed"
+        return self.folder / run_id / f"{purposes.BY_WIRE[purpose]}-{index}-{receiver}.sealed"
 
     @staticmethod
     def _meta(path: Path) -> dict | None:
@@ -103,7 +101,7 @@ class RelayService(relay_pb2_grpc.RelayServicer):
             names.check_site_name(h.receiver, "header.receiver")
         except names.InvalidName as exc:
             raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        if h.purpose not in PURPOSE_WORDS:
+        if h.purpose not in purposes.BY_WIRE:
             raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "unknown transfer purpose")
         if h.sender != caller:
             raise TransferError(grpc.StatusCode.PERMISSION_DENIED,
@@ -181,7 +179,7 @@ class RelayService(relay_pb2_grpc.RelayServicer):
             self.streams.release(mine)
         h = got.header
         self.reservations.complete(got.path, got.sha256, got.size)
-        log.info("relay: holds run %s %s %d for %s from %s (%d sealed bytes)", h.run_id, PURPOSE_WORDS[h.purpose],
+        log.info("relay: holds run %s %s %d for %s from %s (%d sealed bytes)", h.run_id, purposes.BY_WIRE[h.purpose],
                  h.hop, h.receiver, h.sender, got.size)
         if self.on_stored is not None:
             self.on_stored(got.path)
@@ -216,7 +214,7 @@ class RelayService(relay_pb2_grpc.RelayServicer):
         caller = self._caller(context)
         names.check_run_id(key.run_id)
         names.check_site_name(key.receiver, "key.receiver")
-        if key.purpose not in PURPOSE_WORDS:
+        if key.purpose not in purposes.BY_WIRE:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unknown transfer purpose")
         if caller != key.receiver:
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
@@ -225,7 +223,7 @@ class RelayService(relay_pb2_grpc.RelayServicer):
         meta = self._meta(path) if path.exists() else None
         if meta is None and not missing_ok:
             context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"the relay holds no envelope of run {key.run_id} {PURPOSE_WORDS[key.purpose]} {key.index} "
+                          f"the relay holds no envelope of run {key.run_id} {purposes.BY_WIRE[key.purpose]} {key.index} "
                           f"for {key.receiver}")
         return path, meta
 

@@ -897,7 +897,7 @@ class PeerNode:
         run.sent.append(key)
         run.save()
         if relayed:  # the relay holds the envelope now: this site needs its copy no more
-            for envelope in run.path("sealed").glob(f"{relaying.PURPOSE_WORDS[t.purpose]}-{t.index}-{t.receiver}-*.sealed"):
+            for envelope in run.path("sealed").glob(f"{purposes.BY_WIRE[t.purpose]}-{t.index}-{t.receiver}-*.sealed"):
                 envelope.unlink(missing_ok=True)
         return True
 

@@ -34,8 +34,6 @@ from fedrelay.v1 import common_pb2, relay_pb2
 RELAY_METHODS = ("/fedrelay.v1.Relay/Offset", "/fedrelay.v1.Relay/Put", relay_pb2.RelayReceipt.FromString)
 GET_METHOD = "/fedrelay.v1.Relay/Get"
 DISCARD_METHOD = "/fedrelay.v1.Relay/Discard"
-# The purposes' words in envelope file names (fedrelay.purpose).
-PURPOSE_WORDS = purposes.BY_WIRE
 
 
 class RelayUnavailable(RuntimeError):
@@ -49,7 +47,7 @@ class NoCertificateYet(RuntimeError):
 
 def envelope_header(run_id: str, t: common_pb2.PlannedTransfer) -> dict:
     """The transfer's identity as the envelope states it (signed by the sender)."""
-    return {"run_id": run_id, "purpose": PURPOSE_WORDS[t.purpose], "index": int(t.index), "round": int(t.round),
+    return {"run_id": run_id, "purpose": purposes.BY_WIRE[t.purpose], "index": int(t.index), "round": int(t.round),
             "sender": t.sender, "receiver": t.receiver}
 
 
@@ -65,7 +63,7 @@ def seal(transport: wire.Transport, run_id: str, t: common_pb2.PlannedTransfer, 
     if not receiver_cert:
         raise NoCertificateYet(f"the coordinator has no certificate of {t.receiver} yet (it has not registered "
                                "over mutual TLS since the coordinator started)")
-    word = PURPOSE_WORDS[t.purpose]
+    word = purposes.BY_WIRE[t.purpose]
     path = folder / f"{word}-{t.index}-{t.receiver}-{wire.sha256_file(payload)[:16]}.sealed"
     if not path.exists():
         folder.mkdir(parents=True, exist_ok=True)
