@@ -90,6 +90,22 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+def hold_folders(base: Path, sites: list[Path]) -> dict[str, Path]:
+    """A hold folder per site under ``base / "holds"`` (``peer/jobs.py`` ``hold_point``), made:
+    name -> folder. :func:`hold_env` gives a trial's ``site_env`` for them."""
+    holds = {s.name: base / "holds" / s.name for s in sites}
+    for folder in holds.values():
+        folder.mkdir(parents=True)
+    return holds
+
+
+def hold_env(holds: dict[str, Path]) -> dict[str, dict[str, str]]:
+    """``LocalTrial(site_env=...)``: each site's daemon (and its workers) told its hold folder."""
+    from fedrelay.peer.jobs import HOLD_ENV
+
+    return {name: {HOLD_ENV: str(folder)} for name, folder in holds.items()}
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a daemon started in this process)."""
     import socket

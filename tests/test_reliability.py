@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from bench.common import deploy_script
+from conftest import hold_env, hold_folders
 
 pytestmark = pytest.mark.system
 
@@ -26,15 +27,13 @@ SEED = "4"
 @pytest.fixture(scope="module")
 def trial(tmp_path_factory, three_sites):
     base = tmp_path_factory.mktemp("reliability")
-    holds = {s.name: {"FEDRELAY_HOLD_DIR": str(base / "holds" / s.name)} for s in three_sites}
-    for env in holds.values():
-        Path(env["FEDRELAY_HOLD_DIR"]).mkdir(parents=True)
+    holds = hold_folders(base, three_sites)
     # No routing around a site that is down here (tests/test_reroute.py does that): on a loaded
     # machine the sender may train past the default --peer-timeout while its successor is down,
     # and would then be rerouted past it instead of trying to send.
-    with local_trial.LocalTrial(base / "trial", three_sites, site_env=holds,
+    with local_trial.LocalTrial(base / "trial", three_sites, site_env=hold_env(holds),
                                 coordinator_args=["--peer-timeout", "3600"]) as t:
-        t.holds = {name: Path(env["FEDRELAY_HOLD_DIR"]) for name, env in holds.items()}
+        t.holds = holds
         yield t
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 
 from bench.common import deploy_script
-from conftest import write_fashion_like
+from conftest import hold_env, hold_folders, write_fashion_like
 
 pytestmark = pytest.mark.system
 
@@ -28,11 +27,10 @@ def trial(tmp_path_factory):
                   source=write_fashion_like(base / "idx", n_train=800, n_test=200, seed=9))
     sites = sorted(p for p in (base / "sites").iterdir() if p.is_dir() and p.name.startswith("site-"))
     # Each site's hold folder (peer/jobs.py hold_point): a test stops a site at a known step.
-    holds = {s.name: {"FEDRELAY_HOLD_DIR": str(base / "holds" / s.name)} for s in sites}
-    for env in holds.values():
-        Path(env["FEDRELAY_HOLD_DIR"]).mkdir(parents=True)
-    with local_trial.LocalTrial(base / "trial", sites, coordinator_args=["--peer-timeout", "3"], site_env=holds) as t:
-        t.holds = {name: Path(env["FEDRELAY_HOLD_DIR"]) for name, env in holds.items()}
+    holds = hold_folders(base, sites)
+    with local_trial.LocalTrial(base / "trial", sites, coordinator_args=["--peer-timeout", "3"],
+                                site_env=hold_env(holds)) as t:
+        t.holds = holds
         yield t
 
 
