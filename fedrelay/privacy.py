@@ -3,8 +3,8 @@
 Torch-free (the CLI, the coordinator and the peer daemon read it); the training side, with
 Opacus, is :mod:`fedrelay.peer.privacy`. The user's guide is ``docs/differential-privacy.md``.
 
-**The options** (``fedrelay.params.OPTIONS``, ``TrainingParams`` fields 280-283, ``coordinator
-start-chain`` flags):
+**The options** (declared once, in :data:`OPTIONS`, from which ``coordinator start-chain``'s flags,
+the checks and the wire (``TrainingParams`` fields 280-283) follow; ``fedrelay.registry.Option``):
 
 * ``dp_noise_multiplier`` (``--dp-noise-multiplier``, sigma >= 0): the Gaussian noise's standard
   deviation relative to the clipping norm (Abadi et al. 2016, "Deep Learning with Differential
@@ -40,14 +40,25 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-__all__ = ["STRATEGIES", "FLAGS", "DEFAULTS", "Options", "options", "check", "enabled", "planned_epochs",
+from fedrelay.registry import Option
+
+__all__ = ["STRATEGIES", "OPTIONS", "FLAGS", "DEFAULTS", "Options", "options", "check", "enabled", "planned_epochs",
            "planned_epochs_of", "spent_from_stats", "describe", "describe_options", "to_pb", "from_pb"]
 
 # The strategies DP-SGD applies to (see the module docstring).
 STRATEGIES = ("fedelmy", "fedseq", "fedavg", "fedelmy-pfl")
-FLAGS = {"dp_noise_multiplier": "--dp-noise-multiplier", "dp_epsilon": "--dp-epsilon",
-         "dp_max_grad_norm": "--dp-max-grad-norm", "dp_delta": "--dp-delta"}
-DEFAULTS = {"dp_noise_multiplier": 0.0, "dp_epsilon": 0.0, "dp_max_grad_norm": 1.0, "dp_delta": 1e-5}
+# The DP options of every run (whatever its strategy: :func:`check` refuses DP on for the others).
+OPTIONS = (
+    Option("dp_noise_multiplier", float, 0.0, "Differential privacy (DP-SGD at every site, "
+           "docs/differential-privacy.md): the noise multiplier sigma (0: DP off).", minimum=0.0),
+    Option("dp_epsilon", float, 0.0, "DP: a target epsilon each site spends over the run, instead of "
+           "--dp-noise-multiplier (0: none).", minimum=0.0),
+    Option("dp_max_grad_norm", float, 1.0, "DP: the L2 norm each sample's gradient is clipped to (C).",
+           minimum=0.0, positive=True),
+    Option("dp_delta", float, 1e-5, "DP: the delta of each site's (epsilon, delta).", minimum=0.0, positive=True),
+)
+FLAGS = {o.name: o.flag for o in OPTIONS}
+DEFAULTS = {o.name: o.default for o in OPTIONS}
 BOOK = "privacy.json"   # a visit's DP steps, in its folder at the site (fedrelay.peer.privacy.Book)
 MAX_NOISE = 1000.0   # sigma; more is a typo (the model would learn nothing)
 MAX_EPSILON = 1e4
