@@ -20,7 +20,8 @@ the checks and the wire (``TrainingParams`` fields 280-283) follow; ``fedrelay.r
 DP is off by default: a run without these options trains exactly as before (same arithmetic,
 same digests).
 
-**Which strategies** (:data:`STRATEGIES`): those whose every released tensor comes from a site's
+**Which strategies** (:func:`covered`, from the registry's entries: a chain strategy, or a star
+strategy whose aggregator declares ``outside_dp=""``): those whose every released tensor comes from a site's
 DP-SGD training: ``fedelmy``, ``fedseq`` (chains, one-shot or ``--rounds``), ``fedavg`` and
 ``fedelmy-pfl`` (stars). ``maecho`` (its uploads carry projection matrices computed from the
 site's raw features) and ``ofasd`` (its aggregator learns coefficients on the aggregating site's
@@ -40,13 +41,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from fedrelay import registry
 from fedrelay.registry import Option
 
-__all__ = ["STRATEGIES", "OPTIONS", "FLAGS", "DEFAULTS", "Options", "options", "check", "enabled", "planned_epochs",
+__all__ = ["covered", "refusal", "OPTIONS", "FLAGS", "DEFAULTS", "Options", "options", "check", "enabled", "planned_epochs",
            "planned_epochs_of", "spent_from_stats", "describe", "describe_options", "to_pb", "from_pb"]
 
-# The strategies DP-SGD applies to (see the module docstring).
-STRATEGIES = ("fedelmy", "fedseq", "fedavg", "fedelmy-pfl")
 # The DP options of every run (whatever its strategy: :func:`check` refuses DP on for the others).
 OPTIONS = (
     Option("dp_noise_multiplier", float, 0.0, "Differential privacy (DP-SGD at every site, "
@@ -85,7 +85,7 @@ def check(d: Mapping) -> None:
     """Raise ``ValueError`` naming the flag of the first bad DP option of the run's parameters
     ``d``: a value that is not a finite number, sigma < 0 or > 1000, epsilon < 0 or > 10^4, both
     sigma and epsilon, C <= 0, delta outside (0, 1); and, with DP on, a strategy DP-SGD does not
-    cover (:data:`STRATEGIES`) or ``--selection best-val``. Unset (0) C and delta take their
+    cover (:func:`covered`) or ``--selection best-val``. Unset (0) C and delta take their
     defaults."""
     for name, flag in FLAGS.items():
         value = d.get(name, DEFAULTS[name])
@@ -109,16 +109,29 @@ def check(d: Mapping) -> None:
     if not enabled(d):
         return
     strategy = d.get("strategy", "")
-    if strategy not in STRATEGIES:
-        why = {"maecho": "its uploads carry projection matrices computed from each site's raw features",
-               "ofasd": "its aggregator learns coefficients on the aggregating site's data"}.get(
-            strategy, "it is not one of the strategies DP-SGD covers")
+    why = refusal(strategy)
+    if why:
         raise ValueError(f"--strategy {strategy}: differential privacy (--dp-noise-multiplier / --dp-epsilon) is "
-                         f"not available, {why}, outside DP-SGD's guarantee; use one of {', '.join(STRATEGIES)}")
+                         f"not available, {why}, outside DP-SGD's guarantee; use one of {', '.join(covered())}")
     if d.get("selection") == "best-val":
         raise ValueError("--selection best-val picks each model's epoch by its validation accuracy, which DP-SGD's "
                          "accounting does not cover: use --selection last-epoch with --dp-noise-multiplier / "
                          "--dp-epsilon")
+
+
+def refusal(strategy: str) -> str:
+    """Why DP-SGD at the sites does not cover what a run of ``strategy`` releases ("" when it
+    does): a chain strategy releases only its sites' DP-trained models; a star strategy, what its
+    aggregator declares (``fedrelay.registry.Aggregator.outside_dp``)."""
+    s = registry.STRATEGIES.get(strategy)
+    if s is None:
+        return "it is not one of the strategies DP-SGD covers"
+    return registry.aggregator(s.aggregator).outside_dp if s.aggregator else ""
+
+
+def covered() -> tuple[str, ...]:
+    """The registered strategies DP-SGD covers (:func:`refusal` is "")."""
+    return tuple(name for name in registry.STRATEGIES if not refusal(name))
 
 
 def options(d: Mapping) -> Options | None:

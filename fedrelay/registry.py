@@ -175,6 +175,10 @@ class Aggregator:
     options: tuple[Option, ...] = ()   # what Context.options and site_extras' options carry for it
     # Why it needs one initial model for every site (refuses --init per-site); "" = it does not.
     one_initial_model: str = ""
+    # Why differential privacy at the sites (fedrelay/privacy.py) does not cover what its uploads
+    # or its result release; "" = it does (every tensor comes from a site's DP-SGD training). A
+    # new aggregator is outside DP until its entry says otherwise.
+    outside_dp: str = "it does not declare that DP-SGD covers what it releases"
 
 
 # The plans' own options: read by every strategy of the plan.
@@ -209,15 +213,16 @@ AGGREGATORS: dict[str, Aggregator] = {a.name: a for a in (
     Aggregator("mean", "one-shot FedAvg: the mean of the uploads, sample-weighted or uniform",
                "fedrelay.peer.aggregators.mean", options=(
                    Option("weighting", str, "samples", "fedavg: samples (weights n_k / n) | uniform.",
-                          choices=("samples", "uniform")),)),
+                          choices=("samples", "uniform")),), outside_dp=""),
     Aggregator("fedelmy-pfl", "the uniform mean of the sites' pool averages (FedELMY supplementary Alg. 2)",
-               "fedrelay.peer.aggregators.fedelmy_pfl"),
+               "fedrelay.peer.aggregators.fedelmy_pfl", outside_dp=""),
     Aggregator("maecho", "MA-Echo Alg. 1: echo iterations in the null spaces of the sites' inputs",
                "fedrelay.peer.aggregators.maecho", options=(
                    Option("maecho_tau", int, 100, "maecho: echo iterations (tau).", minimum=1, maximum=MAX_ITERATIONS),
                    Option("maecho_eta", float, 0.05, "maecho: step (eta).", minimum=0.0, positive=True),
                    Option("maecho_alpha", str, "uniform", "maecho: model weights uniform (the authors' released "
-                          "code) | qp (Eq. 6, solved with cvxopt).", choices=("uniform", "qp")))),
+                          "code) | qp (Eq. 6, solved with cvxopt).", choices=("uniform", "qp"))),
+               outside_dp="its uploads carry projection matrices computed from each site's raw features"),
     Aggregator("ofasd", "OFASD Alg. 1: per-(site, block) coefficients of unit task vectors, learned by KL "
                "to the ensemble on the aggregating site's own data", "fedrelay.peer.aggregators.ofasd", options=(
                    Option("ofasd_mode", str, "block", "ofasd: block (a coefficient per site and parameter tensor) | "
@@ -226,7 +231,8 @@ AGGREGATORS: dict[str, Aggregator] = {a.name: a for a in (
                           minimum=1, maximum=MAX_ITERATIONS),
                    Option("ofasd_lr", float, 0.01, "ofasd: Adam learning rate of the coefficients.", minimum=0.0,
                           positive=True)),
-               one_initial_model="composes task vectors against one initial model"),
+               one_initial_model="composes task vectors against one initial model",
+               outside_dp="its aggregator learns coefficients on the aggregating site's data"),
 )}
 
 
