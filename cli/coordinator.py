@@ -277,6 +277,9 @@ def _start_chain_signature() -> inspect.Signature:
                                                + "; ".join(f"{s.name}: {s.summary}" for s in STRATEGIES.values())
                                                + "."))
         if p.name == "wait":
+            taken = sorted({o.name for o in _declared_options()} & set(base.parameters))
+            if taken:
+                raise ValueError(f"option {taken[0]} would take start-chain's own --{taken[0].replace('_', '-')}")
             out += [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY,
                                       annotation=_choice(o.choices) if o.choices else o.kind,
                                       default=typer.Option(o.default, o.flag, help=o.help))

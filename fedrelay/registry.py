@@ -287,7 +287,8 @@ _listeners: list[Callable[[], None]] = []
 
 def on_change(listener: Callable[[], None]) -> None:
     """Call ``listener()`` after every :func:`register` / :func:`unregister` (the CLI rebuilds
-    its flags, ``fedrelay.params`` its tables)."""
+    its flags, ``fedrelay.params`` its tables). A listener raises ``ValueError`` to refuse the
+    registered entries (a name it already uses): :func:`register` then undoes them."""
     _listeners.append(listener)
 
 
@@ -322,8 +323,12 @@ def register(*entries: Strategy | Aggregator) -> None:
     _check_entries(strategies, aggregators)
     STRATEGIES.update((k, v) for k, v in strategies.items() if k not in STRATEGIES)
     AGGREGATORS.update((k, v) for k, v in aggregators.items() if k not in AGGREGATORS)
-    for listener in _listeners:
-        listener()
+    try:
+        for listener in _listeners:
+            listener()
+    except ValueError:  # e.g. an option whose name a listener's table already uses: undone
+        unregister(*entries)
+        raise
 
 
 def unregister(*entries: Strategy | Aggregator) -> None:
