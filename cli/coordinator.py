@@ -221,7 +221,8 @@ def start_chain(
     **declared,
 ) -> None:
     """Start a run over the registered peers: a chain (one-shot, or T rounds with --rounds), or,
-    for the parallel methods (fedavg, fedelmy-pfl, maecho, ofasd), a star around --aggregator."""
+    for the parallel methods (the strategies on a star plan, e.g. fedavg), a star around --aggregator.
+    Each method's options (after --init-weights) come from its registry entry."""
     if selection is None:  # DP-SGD's accounting does not cover best-validation selection
         selection = "last-epoch" if privacy.enabled(declared) else "best-val"
     chosen = dict(strategy=strategy, models_per_site=models_per_site, local_epochs=local_epochs,
