@@ -416,12 +416,18 @@ def chain_args_problem(chain_args: list[str]) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def split_chain_args(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """A trial script's command line (None: ``sys.argv[1:]``) split at the first ``--``: the
+    script's own options, and those it passes to ``coordinator start-chain`` (none without ``--``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    chain_args: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, chain_args = argv[:i], argv[i + 1:]
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv, chain_args = split_chain_args(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", choices=DATASETS, default="fashion-mnist",
                     help="fashion-mnist (image folders, the default task) | breast-cancer (three hospitals' "

@@ -338,24 +338,25 @@ def check_registration(r) -> None:
     check_label(r.instance, "instance")
 
 
-def check_hop_report(r) -> None:
-    """``Coordinator.ReportHop``'s ``HopReport``: run id, sender, receiver, hop, SHA-256."""
+def _check_transfer(r, schema_optional: bool) -> None:
+    """A reported transfer: run id, sender, receiver, hop, the payload's SHA-256 and its
+    schema's (``schema_sha256``, which may be empty when ``schema_optional``)."""
     check_run_id(r.run_id)
     check_site_name(r.sender, "sender")
     check_site_name(r.receiver, "receiver")
     check_hop(r.hop, "hop")
     check_sha256(r.sha256)
-    check_sha256(r.schema_sha256, "schema_sha256", optional=True)
+    check_sha256(r.schema_sha256, "schema_sha256", optional=schema_optional)
+
+
+def check_hop_report(r) -> None:
+    """``Coordinator.ReportHop``'s ``HopReport``: run id, sender, receiver, hop, SHA-256."""
+    _check_transfer(r, schema_optional=True)
 
 
 def check_receipt(r) -> None:
     """``Coordinator.ReportReceipt``'s ``ReceiptReport``: run id, sender, receiver, hop, digests."""
-    check_run_id(r.run_id)
-    check_site_name(r.sender, "sender")
-    check_site_name(r.receiver, "receiver")
-    check_hop(r.hop, "hop")
-    check_sha256(r.sha256)
-    check_sha256(r.schema_sha256, "schema_sha256")
+    _check_transfer(r, schema_optional=False)
 
 
 def check_progress(r) -> None:
