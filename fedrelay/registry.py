@@ -179,6 +179,9 @@ class Aggregator:
     # or its result release; "" = it does (every tensor comes from a site's DP-SGD training). A
     # new aggregator is outside DP until its entry says otherwise.
     outside_dp: str = "it does not declare that DP-SGD covers what it releases"
+    # The option (of ``options``) giving the epochs it trains at the aggregating site after the
+    # sites' training, counted in a run's planned epochs (the progress bar); "" = none.
+    epochs_option: str = ""
 
 
 # The plans' own options: read by every strategy of the plan.
@@ -231,7 +234,7 @@ AGGREGATORS: dict[str, Aggregator] = {a.name: a for a in (
                           minimum=1, maximum=MAX_ITERATIONS),
                    Option("ofasd_lr", float, 0.01, "ofasd: Adam learning rate of the coefficients.", minimum=0.0,
                           positive=True)),
-               one_initial_model="composes task vectors against one initial model",
+               one_initial_model="composes task vectors against one initial model", epochs_option="ofasd_epochs",
                outside_dp="its aggregator learns coefficients on the aggregating site's data"),
 )}
 
