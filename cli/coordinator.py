@@ -17,7 +17,7 @@ from rich.table import Table
 from fedrelay import params as run_params, privacy
 from fedrelay.text import safe, safe_tree
 from fedrelay.cli import exits
-from fedrelay.cli.common import (ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECURE_HELP, TLS_HELP, address_callback,
+from fedrelay.cli.common import (ENV_COORDINATOR, ENV_TLS, INSECURE, METRICS_LISTEN, TLS_HELP, address_callback,
                                  config_option, console, err_console, fail, json_option, load_config_callback,
                                  make_app, setup_logging, stop_on_sigterm, transport_from, version_option,
                                  web_callback)
@@ -36,7 +36,6 @@ def main(version: bool = version_option()) -> None:
 
 COORD = typer.Option("127.0.0.1:50070", "--coordinator", "-c", envvar=ENV_COORDINATOR, callback=address_callback,
                      help="HOST:PORT of the coordinator.")
-INSECURE = typer.Option(False, "--insecure", envvar=ENV_INSECURE, help=INSECURE_HELP)
 TLS = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " Operator commands: PKI/operator.",
                    file_okay=False)
 HOSTS = typer.Option(None, "--host", help="Host name or IP others dial this identity at (repeatable; goes in the "
@@ -92,9 +91,7 @@ def serve(
     web_host: list[str] = typer.Option([], "--web-host", help="A host name the live run page may be reached by "
                                        "(its Host: header), besides IP addresses, localhost and the --web host; "
                                        "repeat for several. Any other name is refused (DNS rebinding)."),
-    metrics_listen: str = typer.Option(None, "--metrics-listen", callback=address_callback, help="HOST:PORT to serve Prometheus metrics on "
-                                       "(plain HTTP, /metrics; unauthenticated: bind it where only your "
-                                       "monitoring reaches) \\[default: off]."),
+    metrics_listen: str = METRICS_LISTEN,
     relay_dir: Path = typer.Option(None, "--relay-dir", file_okay=False,
                                    help="Where the coordinator's relay keeps sealed payloads for sites that cannot "
                                         "be reached directly (TLS only) \\[default: the folder 'relay' beside --db]."),
