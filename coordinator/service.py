@@ -47,7 +47,6 @@ from fedrelay.coordinator.live import LiveState
 from fedrelay.coordinator.monitoring import CoordinatorMonitor
 from fedrelay.coordinator.notices import Notices
 from fedrelay.coordinator.owed import Owed
-from fedrelay.coordinator.progress_limit import ProgressLimit
 from fedrelay.coordinator.refusal import Refused
 from fedrelay.coordinator.registration import HEARTBEATS_PER_SECOND, Registrar  # noqa: F401 - re-exported
 from fedrelay.coordinator.relay import RelayService
@@ -76,6 +75,19 @@ def _answering(context):
         yield
     except Refused as exc:
         context.abort(exc.code, exc.message)
+
+
+class _Part:
+    """An attribute of the servicer that is the attribute ``name`` of its part ``part``."""
+
+    def __init__(self, part: str, name: str):
+        self.part, self.name = part, name
+
+    def __get__(self, service, owner=None):
+        return self if service is None else getattr(getattr(service, self.part), self.name)
+
+    def __set__(self, service, value) -> None:
+        setattr(getattr(service, self.part), self.name, value)
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
@@ -137,23 +149,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # Progress reports per run member, rate-limited (a token bucket each).
         ledger.on_run_ended.append(lambda run_id, status, error: self.progress_limit.forget(run_id))
 
-    @property
-    def progress_limit(self) -> ProgressLimit:
-        """The progress reports' rate limit (``coordinator/progress_limit.py``)."""
-        return self.reports.progress_limit
-
-    @progress_limit.setter
-    def progress_limit(self, limit: ProgressLimit) -> None:
-        self.reports.progress_limit = limit
-
-    @property
-    def eval_retry(self) -> float:
-        """Seconds an evaluation waits for an unreachable site (``Evaluator.eval_retry``)."""
-        return self.evaluator.eval_retry
-
-    @eval_retry.setter
-    def eval_retry(self, seconds: float) -> None:
-        self.evaluator.eval_retry = seconds
+    # The progress reports' rate limit (a ``ProgressLimit``) and the seconds an evaluation waits
+    # for an unreachable site, read and set on the parts that use them.
+    progress_limit = _Part("reports", "progress_limit")
+    eval_retry = _Part("evaluator", "eval_retry")
 
     # -- authorization ---------------------------------------------------------------------------
     def _as_site(self, context, claimed: str) -> None:
@@ -201,14 +200,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                       [self.routing.send_reroutes, self.notices.send_end_notices, self.notices.send_relay_notices,
                        self.notices.drop_ended_relayed], stop, interval)
 
-    def check_route(self, run_id: str) -> list[str]:
-        """Route a running run around sites that stayed down (``Routing.check_route``)."""
-        return self.routing.check_route(run_id)
-
-    def heartbeat_period(self) -> int:
-        """Seconds between a site's heartbeats (``Registrar.heartbeat_period``)."""
-        return self.registrar.heartbeat_period()
-
     def summary(self, run_id: str) -> cpb.RunSummary | None:
         """The run's summary, None for an unknown run (``Summaries.run``)."""
         return self.summaries.run(run_id)
@@ -220,7 +211,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         pem = (context.auth_context() or {}).get("x509_pem_cert") or []
         with _answering(context):
             self.registrar.register(request, pem[0] if pem else None)
-        return cpb.RegisterReply(version=__version__, heartbeat_seconds=self.heartbeat_period(),
+        return cpb.RegisterReply(version=__version__, heartbeat_seconds=self.registrar.heartbeat_period(),
                                  relay=self.relay_address, crl_number=self.revocations.list.number,
                                  revoked_sites=len(self.registrar.revoked_sites()))
 
@@ -265,51 +256,45 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     # -- the sites' reports (coordinator/reports.py) ----------------------------------------------
-    def ReportHop(self, request: cpb.HopReport, context) -> cpb.ReportReply:
-        checks.check_hop_report(request)
-        self._as_site(context, request.sender)
+    def _signed_report(self, request, context, site: str, admit, record) -> cpb.ReportReply:
+        """A report signed by ``site``, the caller: ``admit(request)`` (None: nothing more is
+        recorded, answered as a duplicate), the site's signature checked
+        (``coordinator/signatures.py``), then ``record(admitted, signed record)`` (False: a repeated
+        report)."""
+        self._as_site(context, site)
         with _answering(context):
-            admitted = self.reports.admit_hop(request)
+            admitted = admit(request)
             if admitted is None:
                 return cpb.ReportReply(duplicate=True)
-            record = self.signatures.report(request, context, request.sender)
-            return cpb.ReportReply(duplicate=not self.reports.record_hop(request, *admitted, record))
+            new = record(admitted, self.signatures.report(request, context, site))
+        return cpb.ReportReply(duplicate=not new)
+
+    def ReportHop(self, request: cpb.HopReport, context) -> cpb.ReportReply:
+        checks.check_hop_report(request)
+        return self._signed_report(request, context, request.sender, self.reports.admit_hop,
+                                   lambda admitted, signed: self.reports.record_hop(request, *admitted, signed))
 
     def ReportReceipt(self, request: cpb.ReceiptReport, context) -> cpb.ReportReply:
         """The receiver's side of a transfer: what it verified and kept (``Reports.settle``)."""
         checks.check_receipt(request)
-        self._as_site(context, request.receiver)
-        with _answering(context):
-            admitted = self.reports.admit_receipt(request)
-            if admitted is None:
-                return cpb.ReportReply(duplicate=True)
-            record = self.signatures.report(request, context, request.receiver)
-            return cpb.ReportReply(duplicate=not self.reports.record_receipt(request, *admitted[:2], record))
+        return self._signed_report(request, context, request.receiver, self.reports.admit_receipt,
+                                   lambda admitted, signed: self.reports.record_receipt(request, *admitted[:2], signed))
 
     def ReportProgress(self, request: cpb.ProgressReport, context) -> cpb.ReportReply:
         checks.check_progress(request)
         self._as_site(context, request.site)
         with _answering(context):
-            return cpb.ReportReply() if self.reports.progress(request) else cpb.ReportReply(duplicate=True)
+            return cpb.ReportReply(duplicate=not self.reports.progress(request))
 
     def ReportFinal(self, request: cpb.FinalReport, context) -> cpb.ReportReply:
         checks.check_final(request)
-        self._as_site(context, request.site)
-        with _answering(context):
-            run = self.reports.admit_final(request)
-            if run is None:
-                return cpb.ReportReply(duplicate=True)
-            self.reports.record_final(request, run, self.signatures.report(request, context, request.site))
-        return cpb.ReportReply()
+        return self._signed_report(request, context, request.site, self.reports.admit_final,
+                                   lambda run, signed: self.reports.record_final(request, run, signed) or True)
 
     def ReportFailure(self, request: cpb.FailureReport, context) -> cpb.ReportReply:
         checks.check_failure(request)
-        self._as_site(context, request.site)
-        with _answering(context):
-            if self.reports.admit_failure(request) is None:
-                return cpb.ReportReply(duplicate=True)
-        self.reports.record_failure(request, self.signatures.report(request, context, request.site))
-        return cpb.ReportReply()
+        return self._signed_report(request, context, request.site, self.reports.admit_failure,
+                                   lambda run, signed: self.reports.record_failure(request, signed) or True)
 
     # -- operator calls ---------------------------------------------------------------------------
     def StartChain(self, request: cpb.StartChainRequest, context) -> cpb.StartChainReply:
@@ -404,7 +389,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._as_operator(context)
         with _answering(context):
             return self.registrar.revoke(request, wire.caller_identity(context) or INSECURE_OPERATOR,
-                                         self.plans.skipped, self.check_route, self.insecure)
+                                         self.plans.skipped, self.routing.check_route, self.insecure)
 
     def GetCrl(self, request: cpb.CrlRequest, context) -> cpb.CrlReply:
         """The newest revocation list and the revoked sites (any authenticated caller)."""

@@ -55,7 +55,7 @@ def test_a_monitor_step_that_raises_does_not_end_the_monitor():
             enough.set()
 
     stop = threading.Event()
-    start_monitor(service.ledger, service.check_route, [reroutes, notices], stop, interval=0.01)
+    start_monitor(service.ledger, service.routing.check_route, [reroutes, notices], stop, interval=0.01)
     try:
         assert enough.wait(10), "the monitor stopped after the first failure"
     finally:
