@@ -57,7 +57,7 @@ RECENT_RESULTS = 20  # finished runs whose final metrics are exported (older one
 RUN_STATES = ("running", "finished", "failed", "cancelled")  # always exported, 0 when no run has them
 
 
-def _caller(context) -> str:
+def caller(context) -> str:
     """``'operator' (ipv4:10.0.0.7:5312)`` for a log line; a plaintext server has no identities."""
     who = wire.caller_identity(context)
     return f"{who!r} ({context.peer()})" if who is not None else f"{context.peer()} (no identity: plaintext)"
@@ -97,9 +97,10 @@ class CoordinatorMonitor(DaemonMetrics):
         else:
             log.debug("heartbeat from %s at %s", name, address)
 
-    def run_started(self, run_id: str, strategy: str, sites: list[str], aggregator: str, context) -> None:
+    def run_started(self, run_id: str, strategy: str, sites: list[str], aggregator: str, by: str) -> None:
+        """A run started; ``by``: who asked, as :func:`caller` words it."""
         shape = f"star around {aggregator}" if aggregator else "chain"
-        log.info("run %s started by %s: %s, %s over %d sites: %s", run_id, _caller(context), strategy, shape,
+        log.info("run %s started by %s: %s, %s over %d sites: %s", run_id, by, strategy, shape,
                  len(sites), ", ".join(sites))
 
     def transfer_reported(self, request, purpose: str) -> None:
