@@ -157,6 +157,7 @@ def test_worker_process_evaluates_and_a_killed_one_says_why(three_sites, tmp_pat
     from fedrelay.tasks.image_folder.data import load_site
     from fedrelay.models import build_seeded
     from fedrelay.tasks.image_folder import spec as image_spec
+    from fedrelay.peer.worker_protocol import EvaluateJob, Prepare, ProtocolError, SchemaJob
     from fedrelay.peer.workers import WorkerDied, WorkerError, WorkerProcess
 
     site = load_site(three_sites[0])
@@ -169,22 +170,22 @@ def test_worker_process_evaluates_and_a_killed_one_says_why(three_sites, tmp_pat
     slots = HostSlots(1, tmp_path / "slots")
     worker = WorkerProcess(slot=slots.try_acquire())
     try:
-        ready = worker.request({"op": "prepare", "data": str(three_sites[0]), "device": "cpu"}, timeout=120)
+        ready = worker.request(Prepare(data=str(three_sites[0]), device="cpu"), timeout=120)
         assert ready["train"] == sum(site.train_counts.values())
-        schema = worker.request({"op": "schema", "spec": spec, "strategy": "fedelmy"}, timeout=60)
+        schema = worker.request(SchemaJob(spec=spec, strategy="fedelmy"), timeout=60)
         assert "classifier.3.bias" in schema["model"] and schema["hop"] == schema["model"]
         assert schema["extras"] == {}
         assert payload.payload_bytes({k: (tuple(s), d) for k, (s, d) in schema["model"].items()}) > 0
-        got = worker.request({"op": "evaluate", "model": str(model), "spec": spec, "class_index": classes},
-                             timeout=60)
+        got = worker.request(EvaluateJob(model=str(model), spec=spec, class_index=classes), timeout=60)
         assert got["total"] == site.num_samples("test") and 0 <= got["correct"] <= got["total"]
         with pytest.raises(WorkerError, match="FileNotFoundError"):
-            worker.request({"op": "evaluate", "model": str(tmp_path / "none"), "spec": spec,
-                            "class_index": classes}, timeout=60)
+            worker.request(EvaluateJob(model=str(tmp_path / "none"), spec=spec, class_index=classes), timeout=60)
+        with pytest.raises(ProtocolError, match="'schema': missing field"):  # refused here, nothing sent
+            worker.request({"op": "schema", "spec": spec}, timeout=60)
         assert slots.try_acquire() is None  # the worker's slot is held
         os.kill(worker.pid, signal.SIGKILL)
         with pytest.raises(WorkerDied, match="killed by SIGKILL"):
-            worker.request({"op": "schema", "spec": spec}, timeout=60)
+            worker.request(SchemaJob(spec=spec, strategy="fedelmy"), timeout=60)
     finally:
         worker.close()
     assert slots.held() == 0
