@@ -667,7 +667,8 @@ class PeerNode:
         req = {**self._job_base(run), "op": "aggregate", "uploads": uploads, "final": str(final),
                "initial": self._initial(run)}
         with self._train_lock:
-            answer = self._run_job(run, AggregateJob.from_dict(req), f"aggregating {len(uploads)} models ({strategy.aggregator})")
+            answer = self._run_job(run, AggregateJob.from_dict(req),
+                                   f"aggregating {len(uploads)} models ({strategy.aggregator})")
         log.info("run %s: aggregated %d models with %s in %.1f s", run.run_id, len(uploads), strategy.aggregator,
                  answer["seconds"])
 

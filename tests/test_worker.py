@@ -189,3 +189,30 @@ def test_worker_process_evaluates_and_a_killed_one_says_why(three_sites, tmp_pat
     finally:
         worker.close()
     assert slots.held() == 0
+
+
+def test_a_worker_answers_a_malformed_request_and_ends_at_an_unreadable_line():
+    """The worker's end of peer/worker_protocol.py: a request with an unknown op or a missing
+    field is answered with an error naming it, and the worker goes on; a line that is not a JSON
+    object with an op ends it with exit code 2."""
+    from fedrelay.peer.worker_protocol import Error, parse_answer
+
+    proc = subprocess.Popen([sys.executable, "-m", "fedrelay.peer.worker"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        answers = []
+        for line in ['{"op": "fly"}', '{"op": "evaluate", "model": "/m"}',
+                     '{"op": "schema", "spec": {}, "strategy": 5}']:
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()  # one at a time: a worker ends as soon as its stdin closes
+            answers.append(parse_answer(proc.stdout.readline()))
+        proc.stdin.write("not json\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == 2 and "unreadable request" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert all(isinstance(a, Error) for a in answers)
+    assert "unknown worker request op 'fly'" in answers[0].error
+    assert "'evaluate': missing field(s) 'spec', 'class_index'" in answers[1].error
+    assert "field 'strategy' must be string, not int 5" in answers[2].error
