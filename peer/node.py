@@ -30,9 +30,10 @@ from fedrelay.peer.inbound import InboundStreams, Stream
 from fedrelay.peer.refusals import RefusedStreams
 from fedrelay.peer.policy import POLICY_FILE, SitePolicy
 from fedrelay.peer.monitoring import PeerMetrics
-from fedrelay.peer.reporting import RETRYABLE, CoordinatorLink, Reporter
+from fedrelay.peer.reporting import RETRYABLE, CoordinatorLink
 from fedrelay.wire import backoff_delays
-from fedrelay.peer.runs import ACTIVE, Run, sent_key
+from fedrelay.peer.runs import ACTIVE, Run, RunEnded, sent_key
+from fedrelay.peer.site import Site
 from fedrelay.peer import relaying
 from fedrelay.peer.relaying import RelayUnavailable
 from fedrelay.peer.transfer import (Sent, SendCancelled, TransferError, check_header_fields, held_bytes, receive_model,
@@ -45,8 +46,13 @@ log = logging.getLogger("fedrelay.peer")
 
 DEFAULT_STALL_TIMEOUT = transfer_bounds.STALL_TIMEOUT  # seconds
 SEAL_OVERHEAD = transfer_bounds.SEAL_OVERHEAD  # bytes a sealed envelope may add to its payload (header, certificate, GCM tags)
-DEFAULT_RELAY_AFTER = 60.0  # seconds a receiver with an address may stay unreachable before the relay is used
 REROUTE_GRACE = 120.0  # seconds a final-model copy retries a refusal after a reroute (see _deliver)
+
+
+def _shared(name: str) -> property:
+    """An attribute of the node that is its ``Site``'s (``peer/site.py``)."""
+    return property(lambda self: getattr(self.site, name), lambda self, value: setattr(self.site, name, value),
+                    doc=f"The site's ``{name}`` (``peer.site.Site``).")
 
 
 class PeerNode:
@@ -66,41 +72,42 @@ class PeerNode:
                  start_workers: bool = True, transport: wire.Transport = wire.INSECURE,
                  stall_timeout: float = DEFAULT_STALL_TIMEOUT, weights_dir: Path | None = None, jobs=None,
                  extra_tasks: list[str] | tuple = (), policy: SitePolicy | None = None):
-        self.transport = transport
+        self.site = Site(name, address, state_dir, transport, coordinator,
+                         jobs if jobs is not None else InlineRunner(data, device),
+                         send_deadline=send_deadline, start_workers=start_workers)
         # Initial-weights files this site holds (``--init file``), found by their SHA-256.
         self.weights_dir = Path(weights_dir) if weights_dir is not None else Path(state_dir) / "weights"
-        self.name = name
-        self.address = address
         self.extra_tasks = list(extra_tasks)
         self.offers: dict[str, Offer] = {o.name: o for o in _offers(data)}
-        self.state_dir = Path(state_dir)
         # The site's own policy (peer/policy.py): --policy FILE, else STATE_DIR/policy.toml if present.
         self.policy = policy if policy is not None else SitePolicy(self.state_dir / POLICY_FILE)
         self.device = device
-        self.coordinator = coordinator
-        self.send_deadline = send_deadline
-        self.start_workers = start_workers  # False: accept and store, but train nothing (tests)
-        self.runs: dict[str, Run] = {}
-        self._lock = threading.Lock()
-        self._train_lock = threading.Lock()  # one training at a time on this site's hardware
-        self._route_lock = threading.Lock()
         self.streams = InboundStreams(stall_timeout)  # the Handoff streams open here
         self.refused_streams = RefusedStreams()  # failed streams per (run, sender): logged a few, then counted
-        self.jobs = jobs if jobs is not None else InlineRunner(data, device)
         self._schemas: dict[str, dict] = {}  # run's schema key -> payload schemas (see _schemas_of)
         self._schema_waits: dict[str, threading.Event] = {}  # schema keys a warm worker is asked for
         self._digests: dict[tuple, str] = {}
-        self.relay_after = DEFAULT_RELAY_AFTER  # seconds without reaching a receiver directly before the relay (0: never)
         self._fetching: set[tuple[str, str]] = set()  # (run, transfer) downloads from a relay under way
-        self.reporter = Reporter(coordinator, lambda: self.stop)
-        self.stop = threading.Event()
         self.metrics = PeerMetrics(self)  # Prometheus metrics (peer/monitoring.py)
         self.started = time.time()
         self.instance = ""  # the daemon process's random id (RegisterRequest.instance), set by serve()
-        # The federation's revocation list (fedrelay/revocation.py), set by serve(): nothing goes
-        # to a site the coordinator says is revoked.
-        self.revocations = None
         self._load_runs()
+
+    # What the site's modules share (peer/site.py), read and set through the node as before.
+    name = _shared("name")
+    address = _shared("address")
+    state_dir = _shared("state_dir")
+    transport = _shared("transport")
+    coordinator = _shared("coordinator")
+    jobs = _shared("jobs")
+    runs = _shared("runs")
+    stop = _shared("stop")
+    reporter = _shared("reporter")
+    metrics = _shared("metrics")
+    revocations = _shared("revocations")
+    relay_after = _shared("relay_after")
+    send_deadline = _shared("send_deadline")
+    start_workers = _shared("start_workers")
 
     # -- persistence -----------------------------------------------------------------------------
     def _load_runs(self) -> None:
@@ -153,7 +160,7 @@ class PeerNode:
             # (e.g. MA-Echo's layer types) before any site trains. A worker builds the model's
             # schema on the meta device (seconds; cached per model and options).
             self._schemas_of(a)
-        with self._lock:
+        with self.site.lock:
             run = self.runs.get(a.run_id)
             if run is not None:
                 if run.assignment.route_version == 0 and run.assignment != a:
@@ -165,7 +172,7 @@ class PeerNode:
             run.save_assignment(a)
             run.save()
             self.runs[a.run_id] = run
-        self._report_state(run)
+        self.site.report_state(run)
         self._start_worker(run)
         return run.state
 
@@ -291,7 +298,7 @@ class PeerNode:
                 # whose streams keep failing changes the state without a log line or report.
                 holder["was"] = (run.state, run.detail)
                 holder["quiet"] = not self.refused_streams.loud(run.run_id, h.sender)
-                self._set_state(run, "receiving", f"hop {h.hop} from {h.sender}", persist=False,
+                self.site.set_state(run, "receiving", f"hop {h.hop} from {h.sender}", persist=False,
                                 quiet=holder["quiet"])
             return dest
 
@@ -308,7 +315,7 @@ class PeerNode:
         except BaseException:
             run = holder.get("run")
             if run is not None and run.state == "receiving" and "was" in holder:
-                self._set_state(run, *holder["was"], persist=False, quiet=holder["quiet"])
+                self.site.set_state(run, *holder["was"], persist=False, quiet=holder["quiet"])
             if run is not None and "was" in holder:
                 self.refused_streams.failed(run.run_id, holder["transfer"].sender)
             if run is not None and run.ended.is_set() and "dest" in holder:
@@ -552,14 +559,7 @@ class PeerNode:
             log.info("run %s: ended by the coordinator; this site stopped working on it", run.run_id)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, the daemon goes on
             log.exception("run %s failed", run.run_id)
-            self._set_state(run, "failed", f"{type(exc).__name__}: {exc}")
-            if self.coordinator is not None:
-                try:
-                    self.coordinator.call("ReportFailure", cpb.FailureReport(
-                        run_id=run.run_id, site=self.name, error=f"{type(exc).__name__}: {exc}"),
-                        retry_for=300, stop=self.stop)
-                except grpc.RpcError as rpc_exc:
-                    log.error("could not report the failure: %s", wire.status_message(rpc_exc))
+            self.site.fail(run, f"{type(exc).__name__}: {exc}")
 
     def _work_steps(self, run: Run) -> None:
         """Every visit of this site, in round order: wait for its hop (none at the chain's first
@@ -589,7 +589,7 @@ class PeerNode:
                     return
                 r = 0
                 continue
-        self._set_state(run, "done", "")
+        self.site.set_state(run, "done", "")
 
     def _work_star(self, run: Run) -> None:
         """A star plan (a parallel one-shot method): train once from the run's initial model and
@@ -604,9 +604,9 @@ class PeerNode:
         if not run.is_final_site:
             t = run.upload
             if t is not None:
-                self._set_state(run, "sending", f"upload {t.index} to {t.receiver}")
+                self.site.set_state(run, "sending", f"upload {t.index} to {t.receiver}")
                 self._deliver(run, t, outgoing, wire.sha256_file(outgoing), outgoing.stat().st_size)
-            self._set_state(run, "done", "")
+            self.site.set_state(run, "done", "")
             return
         final = run.final_model
         if not final.exists():
@@ -619,13 +619,13 @@ class PeerNode:
         sha, size = wire.sha256_file(final), final.stat().st_size
         run.final_sha256 = sha
         run.save()
-        self._set_state(run, "distributing", "final model to every site")
+        self.site.set_state(run, "distributing", "final model to every site")
         for c in run.final_copies:
             if c.receiver not in run.missing:
                 self._deliver(run, c, final, sha, size)  # False: a reroute took the copy away
-        self._report("ReportFinal", cpb.FinalReport(run_id=run.run_id, site=self.name, sha256=sha, model_bytes=size,
+        self.site.report("ReportFinal", cpb.FinalReport(run_id=run.run_id, site=self.name, sha256=sha, model_bytes=size,
                                                     missing=run.missing))
-        self._set_state(run, "done", "")
+        self.site.set_state(run, "done", "")
 
     def _wait_for_uploads(self, run: Run):
         """Wait, at a star plan's aggregator, until every planned upload has arrived, or
@@ -653,7 +653,7 @@ class PeerNode:
                 raise RunEnded(run.run_id)
             detail = f"{len(arrived)} of {len(planned)} uploads"
             if run.state != "receiving" or run.detail != detail:
-                self._set_state(run, "receiving", detail)
+                self.site.set_state(run, "receiving", detail)
             run.wake.wait(min(1.0, max(0.0, deadline - time.monotonic())))
 
     def _aggregate(self, run: Run, own: Path, arrived: list, final: Path) -> None:
@@ -665,7 +665,7 @@ class PeerNode:
         uploads = {self.name: str(own), **{t.sender: str(run.destination(t)) for t in arrived}}
         req = {**self._job_base(run), "op": "aggregate", "uploads": uploads, "final": str(final),
                "initial": self._initial(run)}
-        with self._train_lock:
+        with self.site.train_lock:
             answer = self._run_job(run, req, f"aggregating {len(uploads)} models ({strategy.aggregator})")
         log.info("run %s: aggregated %d models with %s in %.1f s", run.run_id, len(uploads), strategy.aggregator,
                  answer["seconds"])
@@ -696,8 +696,8 @@ class PeerNode:
         try:
             return self.jobs.run(req, run_id=run.run_id, on_event=self._epoch_reporter(run, images),
                                  cancelled=lambda: run.ended.is_set() or self.stop.is_set(),
-                                 on_wait=lambda why: self._set_state(run, "assigned", why),
-                                 on_start=lambda: self._set_state(run, "training", detail))
+                                 on_wait=lambda why: self.site.set_state(run, "assigned", why),
+                                 on_start=lambda: self.site.set_state(run, "training", detail))
         except JobCancelled:
             raise RunEnded(run.run_id) from None
 
@@ -722,7 +722,7 @@ class PeerNode:
             if t is None or run.destination(t).exists():
                 return True
             if run.state not in ("assigned", "receiving"):
-                self._set_state(run, "assigned", f"waiting for hop {t.index} from {t.sender}")
+                self.site.set_state(run, "assigned", f"waiting for hop {t.index} from {t.sender}")
             if self.stop.is_set():
                 return False
             if run.ended.is_set():
@@ -742,13 +742,13 @@ class PeerNode:
             if t is None:  # the chain's last visit: this is the final model
                 run.final_sha256 = sha
                 run.save()
-                self._set_state(run, "distributing", "final model to every site")
+                self.site.set_state(run, "distributing", "final model to every site")
                 if all(self._deliver(run, c, outgoing, sha, size) for c in run.final_copies) and run.is_final_site:
-                    self._report("ReportFinal", cpb.FinalReport(run_id=run.run_id, site=self.name, sha256=sha,
+                    self.site.report("ReportFinal", cpb.FinalReport(run_id=run.run_id, site=self.name, sha256=sha,
                                                                 model_bytes=size))
                     return True
                 continue
-            self._set_state(run, "sending", f"hop {t.index} to {t.receiver}")
+            self.site.set_state(run, "sending", f"hop {t.index} to {t.receiver}")
             if self._deliver(run, t, outgoing, sha, size):
                 return True
 
@@ -771,7 +771,7 @@ class PeerNode:
         if privacy.enabled(a.params):  # DP-SGD: a target epsilon is spread over the site's epochs of the run
             req["privacy_epochs"] = privacy.planned_epochs_of(req["params"], len(run.visits),
                                                               run.inbound(min(run.visits)) is None)
-        with self._train_lock:
+        with self.site.train_lock:
             self._tell_receiver(run, r)
             answer = self._run_job(run, req, f"round {r}" if (a.rounds or 1) > 1 else "")
         log.info("run %s: round %d: trained %d pool models in %.1f s", run.run_id, r, answer["pool"],
@@ -864,13 +864,13 @@ class PeerNode:
                         relayed = True
                         log.warning("run %s: %s not reached directly%s; sending through the relay at %s", run.run_id,
                                     to.name, f" for {waited:.0f} s" if to.address else " (it connects out only)",
-                                    self.relay_address)
+                                    self.site.relay_address)
                 # A receiver may not know yet that a reroute changed its plan (a final copy from a
                 # new final site, a hop from a new sender): its refusal is retried for a while (the
                 # route reaches it within seconds).
                 rerouting = (exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT)
                              and run.assignment.route_version > 0 and time.monotonic() - started < REROUTE_GRACE)
-                where = f"the relay at {self.relay_address}" if relayed else f"{to.name} at {to.address}"
+                where = f"the relay at {self.site.relay_address}" if relayed else f"{to.name} at {to.address}"
                 if (exc.code() not in RETRYABLE and not rerouting) or time.monotonic() + delay > deadline:
                     raise RuntimeError(f"cannot deliver to {where}: {wire.status_message(exc)}") from exc
                 log.warning("run %s: delivery to %s failed (%s); retrying in %.1f s", run.run_id, where,
@@ -887,7 +887,7 @@ class PeerNode:
         if sent.resumed_from:
             log.info("run %s: resumed the transfer to %s at byte %d of %d", run.run_id,
                      "the relay" if relayed else to.name, sent.resumed_from, sent.payload_bytes)
-        self._report("ReportHop", cpb.HopReport(
+        self.site.report("ReportHop", cpb.HopReport(
             run_id=run.run_id, hop=t.index, purpose=t.purpose, sender=self.name, receiver=to.name,
             payload_bytes=size, wire_bytes=counter[0], sha256=sha, started=sent.started,
             ended=sent.ended, attempts=attempts, resumed_from=sent.resumed_from, round=t.round,
@@ -910,7 +910,7 @@ class PeerNode:
         ref = self.coordinator.stub.ResolveSite(cpb.ResolveSiteRequest(name=t.receiver), timeout=wire.CONTROL_TIMEOUT)
         sealed, sealed_bytes, sealed_sha = relaying.seal(self.transport, run.run_id, t, path, ref.certificate,
                                                          run.path("sealed"))
-        relay = self.relay_address
+        relay = self.site.relay_address
         grant = None
         if self.coordinator.relay:  # the operator's relay carries only what the coordinator granted
             grant = self.coordinator.stub.GrantRelay(cpb.RelayGrantRequest(
@@ -919,14 +919,6 @@ class PeerNode:
                             grant=grant)
         sent.route, sent.relay, sent.sealed_bytes, sent.sealed_sha256 = "relayed", relay, sealed_bytes, sealed_sha
         return sent
-
-    @property
-    def relay_address(self) -> str:
-        """The relay this site sends sealed payloads to: the one the coordinator names in its
-        registration reply, else the coordinator itself."""
-        if self.coordinator is None:
-            return ""
-        return self.coordinator.relay or self.coordinator.address
 
     # -- receiving through the relay ---------------------------------------------------------------
     def relay_ready(self, notice: peer_pb2.RelayNotice) -> str:
@@ -943,7 +935,7 @@ class PeerNode:
         except _Duplicate:
             return "held"
         key = (run.run_id, sent_key(t))
-        with self._lock:
+        with self.site.lock:
             if key in self._fetching:
                 return "fetching"
             self._fetching.add(key)
@@ -956,7 +948,7 @@ class PeerNode:
         relay cannot be reached, until the run ends or the daemon stops. A payload that fails
         its checks (signature, decryption, digest, schema) is refused: logged, reported as the
         run's failure at this site, and its envelope left at the relay."""
-        relay = notice.relay or self.relay_address
+        relay = notice.relay or self.site.relay_address
         rkey = relay_pb2.RelayKey(run_id=run.run_id, purpose=t.purpose, index=t.index, receiver=self.name)
         sealed = run.path("relay-in") / f"{sent_key(t).replace(':', '-')}.sealed"
         dest = run.destination(t)
@@ -997,15 +989,9 @@ class PeerNode:
                 log.info("run %s: the relay did not discard the envelope: %s", run.run_id, wire.status_message(exc))
         except Exception as exc:  # noqa: BLE001 - a background thread says so and fails its run
             log.error("run %s: %s", run.run_id, exc)
-            self._set_state(run, "failed", str(exc))
-            if self.coordinator is not None:
-                try:
-                    self.coordinator.call("ReportFailure", cpb.FailureReport(run_id=run.run_id, site=self.name,
-                                                                             error=str(exc)), retry_for=300, stop=self.stop)
-                except grpc.RpcError as rpc_exc:
-                    log.error("could not report the failure: %s", wire.status_message(rpc_exc))
+            self.site.fail(run, str(exc))
         finally:
-            with self._lock:
+            with self.site.lock:
                 self._fetching.discard(key)
 
     def _pause(self, run: Run, seconds: float) -> None:
@@ -1069,7 +1055,7 @@ class PeerNode:
         run = self.runs.get(r.run_id)
         if run is None:
             raise LookupError(f"unknown run {r.run_id!r}")
-        with self._route_lock:
+        with self.site.route_lock:
             a = run.assignment
             if r.route_version <= a.route_version:
                 return run.state  # already applied
@@ -1090,7 +1076,7 @@ class PeerNode:
             restart = run.state in ("done", "failed") and any(
                 (run.visit_dir(v) / "outgoing.safetensors").exists() for v in run.visits)
         if restart:
-            self._set_state(run, "sending", "rerouted")
+            self.site.set_state(run, "sending", "rerouted")
             self._start_worker(run)
         return run.state
 
@@ -1112,7 +1098,7 @@ class PeerNode:
         run = self.runs.get(run_id)
         if run is None:
             raise LookupError(f"unknown run {run_id!r}")
-        with self._route_lock:
+        with self.site.route_lock:
             newly = run.state in ACTIVE and not run.ended.is_set()
             if newly:
                 run.ended.set()
@@ -1122,7 +1108,7 @@ class PeerNode:
                 run.run_status, run.run_ended = status, time.time()
         why = f"cancelled by {cancelled_by or 'the operator'}" if status == "cancelled" else f"run {status} at the coordinator"
         if newly:
-            self._set_state(run, "ended", why + (f": {reason}" if reason else ""), force=True,
+            self.site.set_state(run, "ended", why + (f": {reason}" if reason else ""), force=True,
                             report=status != "cancelled")
         elif first_notice and run.folder.is_dir():
             run.save()
@@ -1189,31 +1175,6 @@ class PeerNode:
             st.runs.add(run_id=run.run_id, state=run.state, detail=run.detail)
         return st
 
-    # -- helpers ----------------------------------------------------------------------------------------
-    def _set_state(self, run: Run, state: str, detail: str, persist: bool = True, force: bool = False,
-                   report: bool = True, quiet: bool = False) -> None:
-        """Set the run's state (``persist``: and save it); log it and report it to the
-        coordinator unless ``quiet`` (``report`` False: log only)."""
-        if run.ended.is_set() and not force:
-            return  # the coordinator ended the run: its state stays "ended"
-        run.state, run.detail = state, detail
-        if persist:
-            run.save()
-        if quiet:
-            return
-        log.info("run %s: %s%s", run.run_id, state, f" ({detail})" if detail else "")
-        if report:
-            self._report_state(run)
-
-    def _report_state(self, run: Run) -> None:
-        self.reporter.progress(cpb.ProgressReport(run_id=run.run_id, site=self.name, kind="state",
-                                                  state=run.state, detail=run.detail))
-
-    def _report(self, method: str, request) -> None:
-        """Reports that the ledger must have are retried for up to 10 minutes."""
-        if self.coordinator is not None:
-            self.coordinator.call(method, request, retry_for=600, stop=self.stop)
-
 
 def _offers(data) -> list[Offer]:
     """The site's offers: ``data`` as given (a list of ``Offer``), or, for a loaded
@@ -1226,10 +1187,6 @@ def _offers(data) -> list[Offer]:
         return [Offer(name=inst.name, version=inst.version, sha256=inst.sha256, models=ImageFolderTask.models,
                       summary=data.summary())]
     return list(data)
-
-
-class RunEnded(Exception):
-    """The coordinator ended this run (``PeerNode.end_run``): its worker stops."""
 
 
 class _Duplicate(Exception):
