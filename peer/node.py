@@ -22,16 +22,18 @@ from pathlib import Path
 import grpc
 
 from fedrelay import purpose as purposes
-from fedrelay import (__version__, params as run_params, payload, privacy, registry, signing, tasks as task_registry,
+from fedrelay import (__version__, params as run_params, privacy, registry, signing, tasks as task_registry,
                       transfer_bounds, wire)
-from fedrelay.task import ModelSpec, SiteData, canonical_json
+from fedrelay.task import ModelSpec, SiteData
 from fedrelay.tasks.offers import Offer
+from fedrelay.peer.assignment import Assignments, InitialWeights, check_part, job_base, job_spec
 from fedrelay.peer.inbound import InboundStreams, Stream
 from fedrelay.peer.refusals import RefusedStreams
 from fedrelay.peer.policy import POLICY_FILE, SitePolicy
 from fedrelay.peer.monitoring import PeerMetrics
 from fedrelay.peer.reporting import RETRYABLE, CoordinatorLink
 from fedrelay.wire import backoff_delays
+from fedrelay.peer.schemas import PayloadSchemas
 from fedrelay.peer.runs import ACTIVE, Run, RunEnded, sent_key
 from fedrelay.peer.site import Site
 from fedrelay.peer import relaying
@@ -76,17 +78,16 @@ class PeerNode:
                          jobs if jobs is not None else InlineRunner(data, device),
                          send_deadline=send_deadline, start_workers=start_workers)
         # Initial-weights files this site holds (``--init file``), found by their SHA-256.
-        self.weights_dir = Path(weights_dir) if weights_dir is not None else Path(state_dir) / "weights"
-        self.extra_tasks = list(extra_tasks)
+        self.weights = InitialWeights(Path(weights_dir) if weights_dir is not None else Path(state_dir) / "weights")
         self.offers: dict[str, Offer] = {o.name: o for o in _offers(data)}
         # The site's own policy (peer/policy.py): --policy FILE, else STATE_DIR/policy.toml if present.
         self.policy = policy if policy is not None else SitePolicy(self.state_dir / POLICY_FILE)
+        self.schemas = PayloadSchemas(self.state_dir, self.jobs)
+        self.assignments = Assignments(self.site, self.offers, list(extra_tasks), self.policy, self.weights,
+                                       self.schemas)
         self.device = device
         self.streams = InboundStreams(stall_timeout)  # the Handoff streams open here
         self.refused_streams = RefusedStreams()  # failed streams per (run, sender): logged a few, then counted
-        self._schemas: dict[str, dict] = {}  # run's schema key -> payload schemas (see _schemas_of)
-        self._schema_waits: dict[str, threading.Event] = {}  # schema keys a warm worker is asked for
-        self._digests: dict[tuple, str] = {}
         self._fetching: set[tuple[str, str]] = set()  # (run, transfer) downloads from a relay under way
         self.metrics = PeerMetrics(self)  # Prometheus metrics (peer/monitoring.py)
         self.started = time.time()
@@ -132,125 +133,22 @@ class PeerNode:
 
     # -- coordinator calls -----------------------------------------------------------------------
     def assign(self, a: peer_pb2.Assignment) -> str:
-        """Accept an assignment (idempotent). Raises ``ValueError`` when it cannot be run here,
-        ``PolicyRefusal`` (a ``ValueError``) when a new run is outside the site's policy."""
-        if a.site != self.name:
-            raise ValueError(f"assignment is for {a.site!r}, this peer is {self.name!r}")
-        if not a.run_id or "/" in a.run_id or a.run_id.startswith("."):
-            raise ValueError(f"invalid run id {a.run_id!r}")
-        if a.chain_length < 2 or a.position >= a.chain_length or len(a.order) != a.chain_length:
-            raise ValueError("inconsistent position, chain length and order")
-        if a.order[a.position] != self.name:
-            raise ValueError(f"order[{a.position}] is {a.order[a.position]!r}, not {self.name!r}")
-        run_params.check_rounds(a.rounds or 1)
-        star = registry.strategy(a.params.strategy).plan == registry.STAR
-        if star != bool(a.aggregator) or (a.aggregator and a.aggregator not in a.order):
-            raise ValueError(f"strategy {a.params.strategy!r} and aggregator {a.aggregator!r} do not make a plan")
-        self._check_part(a.order, a.rounds or 1, a.transfers, a.peers, a.visits)
-        self.check_task(ModelSpec.from_pb(a.model), list(a.class_index))
-        params = run_params.to_dict(a.params)
-        run_params.check(params)
-        if a.run_id not in self.runs:  # a new run: within this site's policy (raises PolicyRefusal)
-            self.policy.check(a)
-        opts = run_params.options(params)
-        if opts["init"] == "file":
-            self.initial_weights(opts["init_sha256"])  # refuse now, not at the first epoch
-        if star and a.aggregator == self.name and a.run_id not in self.runs:
-            # The aggregating site is assigned first: its aggregator must handle the task's model
-            # (e.g. MA-Echo's layer types) before any site trains. A worker builds the model's
-            # schema on the meta device (seconds; cached per model and options).
-            self._schemas_of(a)
-        with self.site.lock:
-            run = self.runs.get(a.run_id)
-            if run is not None:
-                if run.assignment.route_version == 0 and run.assignment != a:
-                    raise ValueError(f"run {a.run_id} was already assigned differently")
-                return run.state
-            folder = self.state_dir / "runs" / a.run_id
-            folder.mkdir(parents=True, exist_ok=True)
-            run = Run(a, folder)
-            run.save_assignment(a)
-            run.save()
-            self.runs[a.run_id] = run
-        self.site.report_state(run)
-        self._start_worker(run)
+        """Accept an assignment (idempotent; ``peer.assignment.Assignments.accept``). Raises
+        ``ValueError`` when it cannot be run here, ``PolicyRefusal`` (a ``ValueError``) when a new
+        run is outside the site's policy."""
+        run, new = self.assignments.accept(a)
+        if new:
+            self.site.report_state(run)
+            self._start_worker(run)
         return run.state
 
-    def _check_part(self, order, rounds: int, transfers, peers, visits) -> None:
-        """A part of a plan this site can carry out. Raises ``ValueError``."""
-        sites = set(order)
-        named = {ref.name for ref in peers}
-        if any(not 1 <= r <= rounds for r in visits) or list(visits) != sorted(set(visits)):
-            raise ValueError(f"visits {list(visits)} are not distinct rounds in 1..{rounds}")
-        for t in transfers:
-            if t.purpose not in purposes.BY_WIRE:
-                raise ValueError(f"planned transfer with unknown purpose {t.purpose}")
-            if self.name not in (t.sender, t.receiver) or t.sender == t.receiver:
-                raise ValueError(f"planned transfer {t.sender} -> {t.receiver} is not this site's")
-            other = t.receiver if t.sender == self.name else t.sender
-            if other not in sites or other not in named:
-                raise ValueError(f"planned transfer names {other!r}, which is not a site of the run with an address")
-            if t.purpose == common_pb2.CHAIN_HOP and not 1 <= t.index < rounds * len(order):
-                raise ValueError(f"hop {t.index} is outside the plan's {rounds * len(order) - 1} hops")
-            if t.purpose == common_pb2.UPLOAD and not (1 <= t.index <= len(order) and order[t.index - 1] == t.sender):
-                raise ValueError(f"upload {t.index} does not come from the site at position {t.index - 1}")
-
     def initial_weights(self, sha256: str) -> Path:
-        """The initial-weights file (``--init file``) with this SHA-256 in ``weights_dir``: any
-        ``*.safetensors`` file there whose digest is ``sha256`` (digests are cached by size and
-        modification time). Raises ``ValueError`` saying where to place it."""
-        folder = self.weights_dir
-        for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else ():
-            st = path.stat()
-            key = (str(path), st.st_size, st.st_mtime_ns)
-            if key not in self._digests:
-                self._digests[key] = wire.sha256_file(path)
-            if self._digests[key] == sha256:
-                return path
-        raise ValueError(f"this site holds no initial-weights file with SHA-256 {sha256}: copy it into {folder} "
-                         "(any name ending in .safetensors; `sha256sum FILE` shows its digest)")
+        """The initial-weights file with this SHA-256 (``peer.assignment.InitialWeights.find``)."""
+        return self.weights.find(sha256)
 
     def check_task(self, spec: ModelSpec, class_index: list[str]) -> None:
-        """The run's task must be offered here and read this site's folder, its code here must
-        have the digest the run pins (recomputed now: a copy changed since the daemon started
-        counts), the site's input description must be the run's, and the site's classes must be
-        in the run's class index. Raises ``ValueError`` naming the task and, for a digest, both."""
-        offer = self.offers.get(spec.task)
-        if offer is None:
-            raise ValueError(f"task {spec.task!r} is not installed at this site (installed: "
-                             f"{', '.join(sorted(self.offers)) or 'none'}): install it, or leave this site out")
-        if not offer.usable:
-            raise ValueError(f"task {spec.task!r} cannot read this site's data: {offer.error}")
-        try:
-            here = task_registry.find(spec.task, self.extra_tasks).sha256
-        except task_registry.TaskNotInstalled as exc:
-            raise ValueError(f"task {spec.task!r}: {exc}") from None
-        if spec.task_sha256 and here != spec.task_sha256:
-            raise ValueError(f"task {spec.task!r} at this site has code SHA-256 {here}, the run pins "
-                             f"{spec.task_sha256}: this site's copy of the task differs from the one the run was "
-                             "started with (install the agreed release)")
-        mine = canonical_json(offer.summary.input)
-        want = canonical_json({k: v for k, v in spec.input.items() if k != "stats"})
-        if mine != want:
-            raise ValueError(f"task {spec.task!r}: the run's model expects input {want}, this site's data are {mine}")
-        if spec.model not in offer.models:
-            raise ValueError(f"task {spec.task!r} has no model {spec.model!r} here (models: {', '.join(offer.models)})")
-        missing = [c for c in offer.summary.classes if c not in set(class_index)]
-        if missing:
-            raise ValueError(f"this site's classes {missing} are not in the run's class index")
-
-    @staticmethod
-    def _spec(a: peer_pb2.Assignment) -> dict:
-        """The run's model as a job's ``SPEC`` (``peer/jobs.py``)."""
-        return ModelSpec.from_pb(a.model).to_dict()
-
-    def _job_base(self, run: Run) -> dict:
-        """What every training job of ``run`` is told: model, parameters, seed, classes, site."""
-        a = run.assignment
-        params = run_params.to_dict(a.params)
-        strategy = registry.strategy(a.params.strategy)
-        return {"spec": self._spec(a), "params": params, "seed": a.seed, "class_index": list(a.class_index),
-                "site": self.name, "aggregator": strategy.aggregator, "options": run_params.options(params)}
+        """Whether this site can run the task (``peer.assignment.Assignments.check_task``)."""
+        self.assignments.check_task(spec, class_index)
 
     # -- receiving --------------------------------------------------------------------------------
     def handoff(self, chunks, caller: str | None = None) -> peer_pb2.HandoffReceipt:
@@ -303,7 +201,7 @@ class PeerNode:
             return dest
 
         def check_payload(data: bytes) -> None:
-            self._check_model_bytes(holder["run"].assignment, data, holder["transfer"].purpose)
+            self.schemas.check_model_bytes(holder["run"].assignment, data, holder["transfer"].purpose)
 
         watched = self.streams.watched(chunks, mine.cancel)
         try:
@@ -406,7 +304,7 @@ class PeerNode:
 
     def _check_cap(self, run: Run, size: int) -> None:
         """Raises ``TransferError`` (RESOURCE_EXHAUSTED) when ``size`` bytes exceed the run's cap."""
-        cap = self._payload_cap(run.assignment)
+        cap = self.schemas.payload_cap(run.assignment)
         if size > cap:
             raise TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"declared size {size} bytes exceeds this run's cap of {cap} bytes")
@@ -427,54 +325,6 @@ class PeerNode:
         return peer_pb2.TransferOffsetReply(offset=min(held_bytes(dest, h.sha256), h.total_bytes))
 
 
-    def _schema_request(self, a: peer_pb2.Assignment) -> tuple[dict, str]:
-        """The schema job for run ``a`` (``peer/jobs.py``) and its cache key."""
-        import hashlib
-        import json
-
-        strategy = registry.strategy(a.params.strategy)
-        opts = run_params.options(run_params.to_dict(a.params)) if strategy.aggregator else {}
-        req = {"op": "schema", "spec": self._spec(a), "strategy": strategy.name, "aggregator": strategy.aggregator,
-               "options": opts}
-        return req, hashlib.sha256(json.dumps(req, sort_keys=True).encode()).hexdigest()[:32]
-
-    def _keep_schemas(self, key: str, answer: dict) -> dict:
-        import json
-
-        found = {k: answer[k] for k in ("hop", "model", "extras")}
-        path = self.state_dir / "schemas" / f"{key}.json"
-        if not path.exists():
-            wire.atomic_write(path, json.dumps(found, sort_keys=True).encode())
-        self._schemas[key] = {k: {n: (tuple(sd[0]), sd[1]) for n, sd in v.items()} for k, v in found.items()}
-        return self._schemas[key]
-
-    def _schemas_of(self, a: peer_pb2.Assignment) -> dict:
-        """The run's payload schemas (``fedrelay.payload``): ``{"hop", "model", "extras"}`` (see
-        ``peer/jobs.py``'s ``schema``), asked of a worker once per model, strategy and
-        aggregator options (a warm worker asks ahead) and kept in memory and in
-        ``state_dir/schemas/`` (a restarted daemon asks no worker again). Raises ``ValueError``
-        when no worker can say."""
-        import json
-
-        req, key = self._schema_request(a)
-        if key in self._schemas:
-            return self._schemas[key]
-        try:
-            return self._keep_schemas(key, json.loads((self.state_dir / "schemas" / f"{key}.json").read_text()))
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        asked = self._schema_waits.get(key)
-        if asked is not None:  # a warm worker is being asked: its answer comes within seconds
-            asked.wait(120.0)
-            if key in self._schemas:
-                return self._schemas[key]
-        try:
-            answer = self.jobs.run(req)
-        except Exception as exc:  # noqa: BLE001 - any failure: the payload cannot be checked
-            kind, _, message = str(exc).partition(": ")
-            raise ValueError(f"the run's model cannot be used here: {message or exc}") from exc
-        return self._keep_schemas(key, answer)
-
     def prepare(self, run_id: str, sender: str, caller: str | None = None) -> bool:
         """``Peer.Prepare``: the planned sender ``sender`` of a transfer into this site started
         training; start a worker ahead for the run (and ask it the run's payload schemas) if a
@@ -492,23 +342,10 @@ class PeerNode:
             raise PermissionError(f"{sender!r} sends nothing to this site in run {run_id}")
         if run.ended.is_set() or not self.start_workers or all(run.destination(t).exists() for t in planned):
             return False  # nothing more to receive from that sender: no worker is held for it
-        req, key = self._schema_request(run.assignment)
-        prefetch, asked = [], None
-        if key not in self._schemas and key not in self._schema_waits:
-            asked = self._schema_waits[key] = threading.Event()
-
-            def keep(answer: dict | None) -> None:
-                try:
-                    if answer is not None:
-                        self._keep_schemas(key, answer)
-                finally:
-                    self._schema_waits.pop(key, None)
-                    asked.set()
-            prefetch = [(req, keep)]
-        started = self.jobs.warm(run_id, prefetch, spec=self._spec(run.assignment), sender=sender)
-        if not started and asked is not None:
-            self._schema_waits.pop(key, None)
-            asked.set()
+        prefetch, not_started = self.schemas.ask_ahead(run.assignment)
+        started = self.jobs.warm(run_id, prefetch, spec=job_spec(run.assignment), sender=sender)
+        if not started:
+            not_started()
         return started
 
     def relay_quota(self, run_id: str) -> int:
@@ -518,28 +355,7 @@ class PeerNode:
         run = self.runs.get(run_id)
         if run is None:
             raise LookupError(f"unknown run {run_id!r}")
-        return self._payload_cap(run.assignment)
-
-    def _payload_cap(self, a: peer_pb2.Assignment) -> int:
-        """Largest payload accepted for a run: 4 x (the model's tensor bytes + the aggregator's
-        extra tensors' bytes) + 1 MiB of header (``fedrelay.limits.payload_cap``)."""
-        schemas = self._schemas_of(a)
-        return transfer_bounds.payload_cap(payload.payload_bytes(schemas["model"]) + payload.payload_bytes(schemas["extras"]))
-
-    def _check_model_bytes(self, a: peer_pb2.Assignment, data: bytes, purpose: int) -> None:
-        """Parse a payload with safetensors' numpy API and check it against its schema before
-        anything is kept (``fedrelay.payload.check_payload``, no torch): a hop's against the
-        strategy's ``payload_schema`` (default: the run's model), an upload's against the model
-        plus its aggregator's extra tensors (names, shapes, dtypes), a final copy's against the
-        run's model. No NaN or Inf anywhere. Raises ``ValueError``."""
-        schemas = self._schemas_of(a)
-        if purpose == common_pb2.CHAIN_HOP:
-            expected = schemas["hop"]
-        elif purpose == common_pb2.UPLOAD:
-            expected = {**schemas["model"], **schemas["extras"]}
-        else:
-            expected = schemas["model"]
-        payload.check_payload(data, expected)
+        return self.schemas.payload_cap(run.assignment)
 
     # -- the worker ---------------------------------------------------------------------------------
     def _start_worker(self, run: Run) -> None:
@@ -663,28 +479,12 @@ class PeerNode:
         a = run.assignment
         strategy = registry.strategy(a.params.strategy)
         uploads = {self.name: str(own), **{t.sender: str(run.destination(t)) for t in arrived}}
-        req = {**self._job_base(run), "op": "aggregate", "uploads": uploads, "final": str(final),
-               "initial": self._initial(run)}
+        req = {**job_base(self.name, run), "op": "aggregate", "uploads": uploads, "final": str(final),
+               "initial": self.weights.initial_state(run)}
         with self.site.train_lock:
             answer = self._run_job(run, req, f"aggregating {len(uploads)} models ({strategy.aggregator})")
         log.info("run %s: aggregated %d models with %s in %.1f s", run.run_id, len(uploads), strategy.aggregator,
                  answer["seconds"])
-
-    def _initial(self, run: Run) -> dict | None:
-        """The run's initial model, as a job's ``initial`` (``peer.jobs.initial_state``):
-        ``--init file`` (the weights file found here by its SHA-256; the job checks the digest
-        again as it reads it, and its tensors against the run's model), ``--init shared`` in a
-        star plan (built from ``derive_seed(seed, "init")``, the same at every site). None
-        otherwise: each site draws its own seeded init, and a chain's first site keeps the draw
-        it always made (``derive_seed(seed, "site", 0, "init")``), so chain runs keep their
-        digests. Raises ``ValueError`` (no such weights file here)."""
-        opts = run_params.options(run_params.to_dict(run.assignment.params))
-        if opts["init"] == "file":
-            return {"kind": "file", "path": str(self.initial_weights(opts["init_sha256"])),
-                    "sha256": opts["init_sha256"]}
-        if opts["init"] == "shared" and run.is_star:
-            return {"kind": "shared"}
-        return None
 
     def _run_job(self, run: Run, req: dict, detail: str, images: int = 0) -> dict:
         """Run a training or aggregation job for ``run`` (under ``_train_lock``): the state turns
@@ -761,11 +561,11 @@ class PeerNode:
         a = run.assignment
         folder = run.visit_dir(r)
         t = run.inbound(r)
-        req = {**self._job_base(run), "op": "train", "position": a.position, "round": r, "folder": str(folder),
+        req = {**job_base(self.name, run), "op": "train", "position": a.position, "round": r, "folder": str(folder),
                "received": str(run.destination(t)) if t is not None else None, "outgoing": str(outgoing),
                "initial": None}
         if t is None and not (folder / "warmup.safetensors").exists():
-            req["initial"] = self._initial(run)
+            req["initial"] = self.weights.initial_state(run)
         if not run.is_star:
             req["aggregator"] = ""  # a chain's hop carries the model only
         if privacy.enabled(a.params):  # DP-SGD: a target epsilon is spread over the site's epochs of the run
@@ -973,7 +773,7 @@ class PeerNode:
             try:
                 relaying.open_envelope(self.transport, sealed, plain, run.run_id, t)
                 size, sha = plain.stat().st_size, wire.sha256_file(plain)
-                self._check_model_bytes(run.assignment, plain.read_bytes(), t.purpose)
+                self.schemas.check_model_bytes(run.assignment, plain.read_bytes(), t.purpose)
                 if dest.exists():  # the same transfer arrived directly meanwhile
                     plain.unlink(missing_ok=True)
                     return
@@ -1059,7 +859,7 @@ class PeerNode:
             a = run.assignment
             if r.route_version <= a.route_version:
                 return run.state  # already applied
-            self._check_part(a.order, a.rounds or 1, r.transfers, r.peers, r.visits)
+            check_part(self.name, a.order, a.rounds or 1, r.transfers, r.peers, r.visits)
             new = peer_pb2.Assignment()
             new.CopyFrom(a)
             for name in ("transfers", "peers", "visits"):
@@ -1147,7 +947,7 @@ class PeerNode:
         sha256 = sha256 or wire.sha256_file(path)
         a = self.runs[run_id].assignment
         started = time.time()
-        req = {"op": "evaluate", "model": str(path), "spec": self._spec(a), "class_index": list(a.class_index)}
+        req = {"op": "evaluate", "model": str(path), "spec": job_spec(a), "class_index": list(a.class_index)}
         if privacy.enabled(a.params):  # the site's spent (epsilon, delta), from every visit's book
             req.update(params=run_params.to_dict(a.params), privacy_books=[
                 str(p) for p in sorted(self.runs[run_id].folder.glob(f"**/{privacy.BOOK}"))])
