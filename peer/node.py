@@ -22,31 +22,33 @@ from pathlib import Path
 import grpc
 
 from fedrelay import purpose as purposes
-from fedrelay import (__version__, params as run_params, privacy, registry, signing, tasks as task_registry,
+from fedrelay import (__version__, params as run_params, privacy, signing, tasks as task_registry,
                       transfer_bounds, wire)
 from fedrelay.task import ModelSpec, SiteData
 from fedrelay.tasks.offers import Offer
-from fedrelay.peer.assignment import Assignments, InitialWeights, check_part, job_base, job_spec
+from fedrelay.peer.assignment import Assignments, InitialWeights, check_part, job_spec
 from fedrelay.peer.receiving import Duplicate, Receiving
+from fedrelay.peer.sending import Sending
+from fedrelay.peer.chain_visit import ChainVisit
+from fedrelay.peer.local_work import LocalWork
+from fedrelay.peer.star_visit import StarVisit
 from fedrelay.peer.policy import POLICY_FILE, SitePolicy
 from fedrelay.peer.monitoring import PeerMetrics
-from fedrelay.peer.reporting import RETRYABLE, CoordinatorLink
+from fedrelay.peer.reporting import CoordinatorLink
 from fedrelay.wire import backoff_delays
 from fedrelay.peer.schemas import PayloadSchemas
 from fedrelay.peer.runs import ACTIVE, Run, RunEnded, sent_key
 from fedrelay.peer.site import Site
 from fedrelay.peer import relaying
-from fedrelay.peer.relaying import RelayUnavailable
-from fedrelay.peer.transfer import Sent, SendCancelled, TransferError, check_header_fields, remove_partials, send_model
+from fedrelay.peer.transfer import TransferError, check_header_fields, remove_partials
 from fedrelay.sealing import SealError
-from fedrelay.peer.workers import InlineRunner, JobCancelled
-from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2, relay_pb2
+from fedrelay.peer.workers import InlineRunner
+from fedrelay.v1 import common_pb2, peer_pb2, relay_pb2
 
 log = logging.getLogger("fedrelay.peer")
 
 DEFAULT_STALL_TIMEOUT = transfer_bounds.STALL_TIMEOUT  # seconds
 SEAL_OVERHEAD = transfer_bounds.SEAL_OVERHEAD  # bytes a sealed envelope may add to its payload (header, certificate, GCM tags)
-REROUTE_GRACE = 120.0  # seconds a final-model copy retries a refusal after a reroute (see _deliver)
 
 
 def _shared(name: str) -> property:
@@ -84,6 +86,10 @@ class PeerNode:
         self.assignments = Assignments(self.site, self.offers, list(extra_tasks), self.policy, self.weights,
                                        self.schemas)
         self.device = device
+        self.sending = Sending(self.site)
+        self.work = LocalWork(self.site, self.weights)
+        self.chain = ChainVisit(self.site, self.work, self.sending)
+        self.star = StarVisit(self.site, self.work, self.sending)
         self.receiving = Receiving(self.site, self.schemas, stall_timeout)
         self.streams = self.receiving.streams  # the Handoff streams open here
         self.refused_streams = self.receiving.refused_streams
@@ -174,11 +180,13 @@ class PeerNode:
         threading.Thread(target=self._work, args=(run,), name=f"run-{run.run_id}", daemon=True).start()
 
     def _work(self, run: Run) -> None:
+        """The run's visits at this site (``peer/chain_visit.py``, ``peer/star_visit.py``); a
+        failure is reported and fails the run here."""
         try:
             if not run.lock.acquire(blocking=False):
                 return  # a worker is already on this run
             try:
-                self._work_steps(run)
+                (self.star if run.is_star else self.chain).steps(run)
             finally:
                 run.lock.release()
         except RunEnded:
@@ -186,349 +194,6 @@ class PeerNode:
         except Exception as exc:  # noqa: BLE001 - every failure is reported, the daemon goes on
             log.exception("run %s failed", run.run_id)
             self.site.fail(run, f"{type(exc).__name__}: {exc}")
-
-    def _work_steps(self, run: Run) -> None:
-        """Every visit of this site, in round order: wait for its hop (none at the chain's first
-        visit), train, send the model on; the final site then copies the final model to every
-        other site. The route may change meanwhile (``reroute``): each step reads the current
-        part of the plan, so a visit that lost its hop is dropped, and one that became the
-        chain's first starts afresh. A star plan: ``_work_star``."""
-        if run.is_star:
-            self._work_star(run)
-            return
-        r = 0
-        while True:
-            later = [v for v in run.visits if v > r]
-            if not later:
-                break
-            r = later[0]
-            outgoing = run.visit_dir(r) / "outgoing.safetensors"
-            if not outgoing.exists():
-                if not self._wait_for_hop(run, r):
-                    if self.stop.is_set():
-                        return
-                    r = 0  # the route changed: look at the visits again from the start
-                    continue
-                self._train(run, r, outgoing)
-            if not self._send_on(run, r, outgoing):
-                if self.stop.is_set():
-                    return
-                r = 0
-                continue
-        self.site.set_state(run, "done", "")
-
-    def _work_star(self, run: Run) -> None:
-        """A star plan (a parallel one-shot method): train once from the run's initial model and
-        write the upload (model + the aggregator's extra tensors); a site uploads it to the
-        aggregator and is done (the final copy arrives later, by ``handoff``). The aggregator
-        waits for the planned uploads (``_wait_for_uploads``), combines them with its own
-        (``_aggregate``), copies the final model to every site whose upload it used and reports
-        it, naming the sites whose upload never came."""
-        outgoing = run.visit_dir(1) / "outgoing.safetensors"
-        if not outgoing.exists():
-            self._train(run, 1, outgoing)
-        if not run.is_final_site:
-            t = run.upload
-            if t is not None:
-                self.site.set_state(run, "sending", f"upload {t.index} to {t.receiver}")
-                self._deliver(run, t, outgoing, wire.sha256_file(outgoing), outgoing.stat().st_size)
-            self.site.set_state(run, "done", "")
-            return
-        final = run.final_model
-        if not final.exists():
-            arrived, missing = self._wait_for_uploads(run)
-            if arrived is None:
-                return  # the daemon stops; a restart carries on
-            self._aggregate(run, outgoing, arrived, final)
-            run.missing = missing
-            run.save()
-        sha, size = wire.sha256_file(final), final.stat().st_size
-        run.final_sha256 = sha
-        run.save()
-        self.site.set_state(run, "distributing", "final model to every site")
-        for c in run.final_copies:
-            if c.receiver not in run.missing:
-                self._deliver(run, c, final, sha, size)  # False: a reroute took the copy away
-        self.site.report("ReportFinal", cpb.FinalReport(run_id=run.run_id, site=self.name, sha256=sha, model_bytes=size,
-                                                    missing=run.missing))
-        self.site.set_state(run, "done", "")
-
-    def _wait_for_uploads(self, run: Run):
-        """Wait, at a star plan's aggregator, until every planned upload has arrived, or
-        ``--upload-timeout`` seconds (counted from now: after this site's own training, again
-        after a restart) have passed. The plan may shrink meanwhile (the coordinator routed
-        around a site that stayed down). Returns ``(arrived, missing)``: the planned uploads held
-        (PlannedTransfer) and the senders not heard from; ``(None, [])`` when the daemon stops.
-        Raises ``RunEnded``."""
-        timeout = run_params.options(run_params.to_dict(run.assignment.params))["upload_timeout"]
-        deadline = time.monotonic() + timeout
-        while True:
-            run.wake.clear()
-            planned = run.uploads_in
-            arrived = [t for t in planned if run.destination(t).exists()]
-            missing = [t.sender for t in planned if t not in arrived]
-            if not missing:
-                return arrived, []
-            if time.monotonic() >= deadline:
-                log.warning("run %s: no upload from %s within %.0f s; combining the %d that arrived", run.run_id,
-                            ", ".join(missing), timeout, len(arrived))
-                return arrived, missing
-            if self.stop.is_set():
-                return None, []
-            if run.ended.is_set():
-                raise RunEnded(run.run_id)
-            detail = f"{len(arrived)} of {len(planned)} uploads"
-            if run.state != "receiving" or run.detail != detail:
-                self.site.set_state(run, "receiving", detail)
-            run.wake.wait(min(1.0, max(0.0, deadline - time.monotonic())))
-
-    def _aggregate(self, run: Run, own: Path, arrived: list, final: Path) -> None:
-        """Combine this site's own upload and the ``arrived`` ones with the run's aggregator and
-        write the final model to ``final``: the ``aggregate`` job (``peer/jobs.py``) on a worker,
-        with the site's train/validation split and the run's initial model."""
-        a = run.assignment
-        strategy = registry.strategy(a.params.strategy)
-        uploads = {self.name: str(own), **{t.sender: str(run.destination(t)) for t in arrived}}
-        req = {**job_base(self.name, run), "op": "aggregate", "uploads": uploads, "final": str(final),
-               "initial": self.weights.initial_state(run)}
-        with self.site.train_lock:
-            answer = self._run_job(run, req, f"aggregating {len(uploads)} models ({strategy.aggregator})")
-        log.info("run %s: aggregated %d models with %s in %.1f s", run.run_id, len(uploads), strategy.aggregator,
-                 answer["seconds"])
-
-    def _run_job(self, run: Run, req: dict, detail: str, images: int = 0) -> dict:
-        """Run a training or aggregation job for ``run`` (under ``_train_lock``): the state turns
-        "training" (``detail``) once its worker is ready; epochs are reported as they end; the
-        coordinator's end of the run stops the job (``RunEnded``). Raises ``RunEnded`` and what
-        the job raises (``peer.workers.WorkerDied`` / ``WorkerError``)."""
-        if run.ended.is_set():  # ended while waiting for the site's hardware
-            raise RunEnded(run.run_id)
-        try:
-            return self.jobs.run(req, run_id=run.run_id, on_event=self._epoch_reporter(run, images),
-                                 cancelled=lambda: run.ended.is_set() or self.stop.is_set(),
-                                 on_wait=lambda why: self.site.set_state(run, "assigned", why),
-                                 on_start=lambda: self.site.set_state(run, "training", detail))
-        except JobCancelled:
-            raise RunEnded(run.run_id) from None
-
-    def _epoch_reporter(self, run: Run, images: int = 0):
-        def on_epoch(info: dict) -> None:
-            self.metrics.epoch(run.run_id, info, info.get("images") or images)
-            val_acc = info.get("val_accuracy")
-            self.reporter.progress(cpb.ProgressReport(
-                run_id=run.run_id, site=self.name, kind="epoch", stage=info["stage"], model=info["model"],
-                epoch=info["epoch"], epochs=info["epochs"], train_loss=info["train_loss"],
-                val_accuracy=-1.0 if val_acc is None else val_acc, seconds=info["seconds"]))
-        return on_epoch
-
-    def _wait_for_hop(self, run: Run, r: int) -> bool:
-        """Wait until visit ``r``'s hop has arrived (True at once at the chain's first visit).
-        False when the daemon stops or a reroute took the visit away. Raises ``RunEnded``."""
-        while True:
-            run.wake.clear()
-            if r not in run.visits:
-                return False
-            t = run.inbound(r)
-            if t is None or run.destination(t).exists():
-                return True
-            if run.state not in ("assigned", "receiving"):
-                self.site.set_state(run, "assigned", f"waiting for hop {t.index} from {t.sender}")
-            if self.stop.is_set():
-                return False
-            if run.ended.is_set():
-                raise RunEnded(run.run_id)
-            run.wake.wait(1.0)
-
-    def _send_on(self, run: Run, r: int, outgoing: Path) -> bool:
-        """Send visit ``r``'s model to the next visit, or, at the chain's last visit, copy the
-        final model to every other site and report it. False when a reroute changed this
-        visit's route meanwhile (the caller looks again) or the daemon stops."""
-        sha = wire.sha256_file(outgoing)
-        size = outgoing.stat().st_size
-        while True:
-            if r not in run.visits or self.stop.is_set():
-                return False
-            t = run.outbound(r)
-            if t is None:  # the chain's last visit: this is the final model
-                run.final_sha256 = sha
-                run.save()
-                self.site.set_state(run, "distributing", "final model to every site")
-                if all(self._deliver(run, c, outgoing, sha, size) for c in run.final_copies) and run.is_final_site:
-                    self.site.report("ReportFinal", cpb.FinalReport(run_id=run.run_id, site=self.name, sha256=sha,
-                                                                model_bytes=size))
-                    return True
-                continue
-            self.site.set_state(run, "sending", f"hop {t.index} to {t.receiver}")
-            if self._deliver(run, t, outgoing, sha, size):
-                return True
-
-    def _train(self, run: Run, r: int, outgoing: Path) -> None:
-        """Visit ``r``'s local training (the run's strategy, from the registry): the ``train``
-        job (``peer/jobs.py``) on a worker. Round 1 seeds are ``derive_seed(seed, "site",
-        position)`` (a one-shot run's); round r > 1 adds ``("round", r)``. The warm-up happens
-        only at the chain's first visit (no hop in). The receiver of this visit's model is told
-        first (``Peer.Prepare``), so that its worker starts while this site trains."""
-        a = run.assignment
-        folder = run.visit_dir(r)
-        t = run.inbound(r)
-        req = {**job_base(self.name, run), "op": "train", "position": a.position, "round": r, "folder": str(folder),
-               "received": str(run.destination(t)) if t is not None else None, "outgoing": str(outgoing),
-               "initial": None}
-        if t is None and not (folder / "warmup.safetensors").exists():
-            req["initial"] = self.weights.initial_state(run)
-        if not run.is_star:
-            req["aggregator"] = ""  # a chain's hop carries the model only
-        if privacy.enabled(a.params):  # DP-SGD: a target epsilon is spread over the site's epochs of the run
-            req["privacy_epochs"] = privacy.planned_epochs_of(req["params"], len(run.visits),
-                                                              run.inbound(min(run.visits)) is None)
-        with self.site.train_lock:
-            self._tell_receiver(run, r)
-            answer = self._run_job(run, req, f"round {r}" if (a.rounds or 1) > 1 else "")
-        log.info("run %s: round %d: trained %d pool models in %.1f s", run.run_id, r, answer["pool"],
-                 answer["seconds"])
-
-    def _tell_receiver(self, run: Run, r: int) -> None:
-        """``Peer.Prepare`` to the receiver of visit ``r``'s model (a chain's next visit), in the
-        background; a hint only: failures are logged at debug level."""
-        t = None if run.is_star else run.outbound(r)
-        if t is None or t.receiver == self.name:
-            return
-        to = run.peer(t.receiver)
-
-        def tell() -> None:
-            from fedrelay.v1 import peer_pb2_grpc
-
-            try:
-                channel = self.transport.channel(to.address, expect=to.name)
-                try:
-                    peer_pb2_grpc.PeerStub(channel).Prepare(peer_pb2.PrepareRequest(run_id=run.run_id, sender=self.name),
-                                                            timeout=wire.CONTROL_TIMEOUT)
-                finally:
-                    channel.close()
-            except Exception as exc:  # noqa: BLE001 - a hint
-                log.debug("run %s: could not tell %s to prepare: %s", run.run_id, to.name, exc)
-
-        if to.address:
-            threading.Thread(target=tell, daemon=True, name=f"prepare-{to.name}").start()
-
-    def _deliver(self, run: Run, t: common_pb2.PlannedTransfer, path: Path, sha: str, size: int) -> bool:
-        """Send ``path`` for the planned transfer ``t`` with retries (exponential backoff and
-        jitter), then report it to the coordinator.
-
-        Direct first: the stream goes to the receiver's address. A receiver that only connects
-        out (no address), or one not reached directly for ``relay_after`` seconds (0: never),
-        gets the payload through the relay instead, sealed to its certificate key
-        (``peer/relaying.py``); the report then says ``route = "relayed"``.
-
-        Returns False, having sent nothing, when a reroute took ``t`` off this site's part of the
-        plan meanwhile; True once delivered (or delivered before)."""
-        key = sent_key(t)
-        if key in run.sent:
-            return True
-        header = common_pb2.TransferHeader(run_id=run.run_id, hop=t.index, sender=self.name, total_bytes=size,
-                                           sha256=sha, purpose=t.purpose)
-        to = run.peer(t.receiver)
-        version = run.assignment.route_version
-        started = time.monotonic()
-        deadline = started + self.send_deadline
-        counter, attempts = [0], 0  # bytes put on the wire by every attempt; streams begun
-        relayed = not to.address
-        for delay in backoff_delays():
-            if run.ended.is_set():
-                raise RunEnded(run.run_id)
-            if run.assignment.route_version != version and not self._still_planned(run, t):
-                log.info("run %s: %s to %s is no longer in this site's plan; not sending it", run.run_id,
-                         purposes.said(t.purpose), t.receiver)
-                return False
-            if self._revoked(to.name, run, t, deadline, delay):  # wait for the coordinator's reroute
-                continue
-            try:
-                attempts += 1
-                if relayed:
-                    sent = self._send_relayed(run, t, path, counter)
-                else:  # under TLS the receiver's certificate must name the site we mean to reach
-                    sent = send_model(to.address, header, path, transport=self.transport, expect=to.name,
-                                      counter=counter,
-                                      cancelled=lambda: run.ended.is_set() or self._is_revoked(to.name))
-                break
-            except SendCancelled:  # the coordinator ended the run mid-stream, or revoked the receiver
-                if run.ended.is_set():
-                    raise RunEnded(run.run_id) from None
-                log.warning("run %s: stopped sending %s %d to %s mid-stream: its certificate was revoked", run.run_id,
-                            purposes.said(t.purpose), t.index, to.name)
-            except (RelayUnavailable, SealError) as exc:
-                raise RuntimeError(f"cannot send {purposes.said(t.purpose)} {t.index} to {to.name} through the "
-                                   f"relay: {exc}") from exc
-            except relaying.NoCertificateYet as exc:  # the coordinator restarted: the receiver registers again soon
-                if time.monotonic() + delay > deadline:
-                    raise RuntimeError(f"cannot send to {to.name} through the relay: {exc}") from exc
-                log.warning("run %s: %s; retrying in %.1f s", run.run_id, exc, delay)
-                self._pause(run, delay)
-                if self.stop.is_set():
-                    raise RuntimeError("daemon stopping") from exc
-            except grpc.RpcError as exc:
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not relayed:
-                    to = self._resolve(to)
-                    waited = time.monotonic() - started
-                    if not to.address or (self.relay_after and waited >= self.relay_after and self.transport.secure):
-                        relayed = True
-                        log.warning("run %s: %s not reached directly%s; sending through the relay at %s", run.run_id,
-                                    to.name, f" for {waited:.0f} s" if to.address else " (it connects out only)",
-                                    self.site.relay_address)
-                # A receiver may not know yet that a reroute changed its plan (a final copy from a
-                # new final site, a hop from a new sender): its refusal is retried for a while (the
-                # route reaches it within seconds).
-                rerouting = (exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT)
-                             and run.assignment.route_version > 0 and time.monotonic() - started < REROUTE_GRACE)
-                where = f"the relay at {self.site.relay_address}" if relayed else f"{to.name} at {to.address}"
-                if (exc.code() not in RETRYABLE and not rerouting) or time.monotonic() + delay > deadline:
-                    raise RuntimeError(f"cannot deliver to {where}: {wire.status_message(exc)}") from exc
-                log.warning("run %s: delivery to %s failed (%s); retrying in %.1f s", run.run_id, where,
-                            wire.status_message(exc), delay)
-                self._pause(run, delay)
-                if self.stop.is_set():
-                    raise RuntimeError("daemon stopping") from exc
-                run.rerouted.clear()
-        if run.run_status == "cancelled":  # stopped while the last chunks went out: report nothing more
-            raise RunEnded(run.run_id)
-        if sent.receipt.duplicate:  # a retry of a transfer that had arrived: acknowledged, no effect
-            log.info("run %s: %s already held this model (sha256 %s)", run.run_id,
-                     "the relay" if relayed else to.name, sha[:12])
-        if sent.resumed_from:
-            log.info("run %s: resumed the transfer to %s at byte %d of %d", run.run_id,
-                     "the relay" if relayed else to.name, sent.resumed_from, sent.payload_bytes)
-        self.site.report("ReportHop", cpb.HopReport(
-            run_id=run.run_id, hop=t.index, purpose=t.purpose, sender=self.name, receiver=to.name,
-            payload_bytes=size, wire_bytes=counter[0], sha256=sha, started=sent.started,
-            ended=sent.ended, attempts=attempts, resumed_from=sent.resumed_from, round=t.round,
-            schema_sha256=wire.schema_digest(path), route=sent.route, sealed_bytes=sent.sealed_bytes,
-            relay=sent.relay, sealed_sha256=sent.sealed_sha256))
-        self.metrics.delivered(t.purpose, size, counter[0], attempts, sent.resumed_from)
-        run.sent.append(key)
-        run.save()
-        if relayed:  # the relay holds the envelope now: this site needs its copy no more
-            for envelope in run.path("sealed").glob(f"{purposes.BY_WIRE[t.purpose]}-{t.index}-{t.receiver}-*.sealed"):
-                envelope.unlink(missing_ok=True)
-        return True
-
-    def _send_relayed(self, run: Run, t: common_pb2.PlannedTransfer, path: Path, counter: list[int]) -> Sent:
-        """One attempt at sending ``path`` through the relay: sealed to the receiver's
-        certificate (asked of the coordinator), then streamed to the relay from the bytes it
-        holds. Raises ``grpc.RpcError``, ``RelayUnavailable`` or ``SealError``."""
-        if self.coordinator is None:
-            raise RelayUnavailable("no coordinator to ask for the receiver's certificate")
-        ref = self.coordinator.stub.ResolveSite(cpb.ResolveSiteRequest(name=t.receiver), timeout=wire.CONTROL_TIMEOUT)
-        sealed, sealed_bytes, sealed_sha = relaying.seal(self.transport, run.run_id, t, path, ref.certificate,
-                                                         run.path("sealed"))
-        relay = self.site.relay_address
-        grant = None
-        if self.coordinator.relay:  # the operator's relay carries only what the coordinator granted
-            grant = self.coordinator.stub.GrantRelay(cpb.RelayGrantRequest(
-                run_id=run.run_id, purpose=t.purpose, index=t.index, receiver=t.receiver), timeout=wire.CONTROL_TIMEOUT)
-        sent = relaying.put(relay, self.transport, run.run_id, t, sealed, counter, cancelled=run.ended.is_set,
-                            grant=grant)
-        sent.route, sent.relay, sent.sealed_bytes, sent.sealed_sha256 = "relayed", relay, sealed_bytes, sealed_sha
-        return sent
 
     # -- receiving through the relay ---------------------------------------------------------------
     def relay_ready(self, notice: peer_pb2.RelayNotice) -> str:
@@ -603,55 +268,6 @@ class PeerNode:
         finally:
             with self.site.lock:
                 self._fetching.discard(key)
-
-    def _pause(self, run: Run, seconds: float) -> None:
-        """Wait up to ``seconds`` between delivery attempts; back early when the daemon stops,
-        the run is rerouted or the coordinator ends it."""
-        until = time.monotonic() + seconds
-        while not (self.stop.is_set() or run.rerouted.is_set() or run.ended.is_set()):
-            left = until - time.monotonic()
-            if left <= 0:
-                return
-            self.stop.wait(min(left, 0.25))
-
-    def _resolve(self, to: common_pb2.SiteRef) -> common_pb2.SiteRef:
-        """``to`` at the address its daemon last registered with the coordinator (it may have
-        come back elsewhere); ``to`` itself when the coordinator cannot say. Under TLS the
-        receiver's certificate must still name ``to.name``: a wrong address cannot impersonate."""
-        if self.coordinator is None:
-            return to
-        try:
-            now = self.coordinator.stub.ResolveSite(cpb.ResolveSiteRequest(name=to.name), timeout=wire.CONTROL_TIMEOUT)
-        except grpc.RpcError as exc:
-            log.debug("could not resolve %s: %s", to.name, wire.status_message(exc))
-            return to
-        if now.address and now.address != to.address:
-            log.info("%s moved from %s to %s", to.name, to.address, now.address)
-            return common_pb2.SiteRef(name=to.name, address=now.address)
-        return to
-
-    def _is_revoked(self, name: str) -> bool:
-        return self.revocations is not None and self.revocations.revoked_name(name) is not None
-
-    def _revoked(self, name: str, run: Run, t: common_pb2.PlannedTransfer, deadline: float, delay: float) -> bool:
-        """True (after a pause) when ``name`` is revoked: nothing is sent to it; the coordinator
-        routes the run around it, and the reroute ends the wait (``_deliver`` finds ``t`` off
-        the plan). Raises ``RuntimeError`` past ``deadline`` (monotonic seconds)."""
-        if not self._is_revoked(name):
-            return False
-        if time.monotonic() + delay > deadline:
-            raise RuntimeError(f"cannot deliver to {name}: its certificate was "
-                               f"{self.revocations.revoked_name(name).describe()}")
-        log.warning("run %s: not sending %s %d to %s: its certificate was revoked; waiting for the coordinator "
-                    "to route around it", run.run_id, purposes.said(t.purpose), t.index, name)
-        self._pause(run, delay)
-        if self.stop.is_set():
-            raise RuntimeError("daemon stopping")
-        return True
-
-    @staticmethod
-    def _still_planned(run: Run, t: common_pb2.PlannedTransfer) -> bool:
-        return any(p == t for p in run.assignment.transfers)
 
     # -- rerouting --------------------------------------------------------------------------------------
     def reroute(self, r: peer_pb2.RerouteRequest) -> str:

@@ -206,7 +206,7 @@ def test_the_aggregator_stops_waiting_at_the_upload_timeout(three_sites, tmp_pat
     (run.path("uploads")).mkdir()
     (run.path("uploads") / "site-a.safetensors").write_bytes(b"held")  # site-a's upload arrived
     started = time.monotonic()
-    arrived, missing = node._wait_for_uploads(run)
+    arrived, missing = node.star.wait_for_uploads(run)
     assert 0.3 <= time.monotonic() - started < 5
     assert [t.sender for t in arrived] == ["site-a"] and missing == ["site-c"]
 
