@@ -9,46 +9,50 @@ One ``PeerNode`` per daemon holds the site's data (decoded once) and its runs
 and the worker skips the steps whose results are on disk, so a restarted daemon carries on with
 the same command (received models are not asked for again, finished pool models are not
 trained again, an unsent model is sent, an unreported receipt is reported).
+
+``PeerNode`` builds the site's parts and delegates to them; each owns one concern and takes the
+shared ``peer.site.Site`` (name, state dir, transport, coordinator link, jobs, runs, states):
+
+- ``peer/assignment.py``: the checks an assignment must pass, its run, what every job is told;
+- ``peer/schemas.py``: a run's payload schemas, its payload cap, the payload check;
+- ``peer/receiving.py``: Handoff, TransferOffset, Prepare, RelayQuota, receipts;
+- ``peer/relaying.py`` (``RelayFetches``): payloads fetched from the relay;
+- ``peer/local_work.py``: the train and aggregate jobs;
+- ``peer/chain_visit.py`` / ``peer/star_visit.py``: a chain plan's visits, a star plan's visit;
+- ``peer/sending.py``: deliveries with retry, relay fallback and revocation checks;
+- ``peer/ending.py``: reroute, the run's end, the final model and its evaluation.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from pathlib import Path
 
-import grpc
-
-from fedrelay import purpose as purposes
-from fedrelay import (__version__, params as run_params, privacy, signing, tasks as task_registry,
-                      transfer_bounds, wire)
+from fedrelay import __version__, tasks as task_registry, transfer_bounds, wire
+from fedrelay.peer.assignment import Assignments, InitialWeights
+from fedrelay.peer.chain_visit import ChainVisit
+from fedrelay.peer.ending import RunLife
+from fedrelay.peer.local_work import LocalWork
+from fedrelay.peer.monitoring import PeerMetrics
+from fedrelay.peer.policy import POLICY_FILE, SitePolicy
+from fedrelay.peer.receiving import Receiving
+from fedrelay.peer.relaying import RelayFetches
+from fedrelay.peer.reporting import CoordinatorLink
+from fedrelay.peer.runs import ACTIVE, Run, RunEnded
+from fedrelay.peer.schemas import PayloadSchemas
+from fedrelay.peer.sending import Sending
+from fedrelay.peer.site import Site
+from fedrelay.peer.star_visit import StarVisit
+from fedrelay.peer.workers import InlineRunner
 from fedrelay.task import ModelSpec, SiteData
 from fedrelay.tasks.offers import Offer
-from fedrelay.peer.assignment import Assignments, InitialWeights, check_part, job_spec
-from fedrelay.peer.receiving import Duplicate, Receiving
-from fedrelay.peer.sending import Sending
-from fedrelay.peer.chain_visit import ChainVisit
-from fedrelay.peer.local_work import LocalWork
-from fedrelay.peer.star_visit import StarVisit
-from fedrelay.peer.policy import POLICY_FILE, SitePolicy
-from fedrelay.peer.monitoring import PeerMetrics
-from fedrelay.peer.reporting import CoordinatorLink
-from fedrelay.wire import backoff_delays
-from fedrelay.peer.schemas import PayloadSchemas
-from fedrelay.peer.runs import ACTIVE, Run, RunEnded, sent_key
-from fedrelay.peer.site import Site
-from fedrelay.peer import relaying
-from fedrelay.peer.transfer import TransferError, check_header_fields, remove_partials
-from fedrelay.sealing import SealError
-from fedrelay.peer.workers import InlineRunner
-from fedrelay.v1 import common_pb2, peer_pb2, relay_pb2
+from fedrelay.v1 import common_pb2, peer_pb2
 
 log = logging.getLogger("fedrelay.peer")
 
 DEFAULT_STALL_TIMEOUT = transfer_bounds.STALL_TIMEOUT  # seconds
-SEAL_OVERHEAD = transfer_bounds.SEAL_OVERHEAD  # bytes a sealed envelope may add to its payload (header, certificate, GCM tags)
 
 
 def _shared(name: str) -> property:
@@ -93,7 +97,8 @@ class PeerNode:
         self.receiving = Receiving(self.site, self.schemas, stall_timeout)
         self.streams = self.receiving.streams  # the Handoff streams open here
         self.refused_streams = self.receiving.refused_streams
-        self._fetching: set[tuple[str, str]] = set()  # (run, transfer) downloads from a relay under way
+        self.relay_fetches = RelayFetches(self.site, self.receiving)
+        self.life = RunLife(self.site, self._start_worker, self.refused_streams)
         self.metrics = PeerMetrics(self)  # Prometheus metrics (peer/monitoring.py)
         self.started = time.time()
         self.instance = ""  # the daemon process's random id (RegisterRequest.instance), set by serve()
@@ -173,6 +178,10 @@ class PeerNode:
         """``Peer.RelayQuota`` (``peer.receiving.Receiving.relay_quota``). Raises ``LookupError`` or ``ValueError``."""
         return self.receiving.relay_quota(run_id)
 
+    def relay_ready(self, notice: peer_pb2.RelayNotice) -> str:
+        """``Peer.RelayReady`` (``peer.relaying.RelayFetches.ready``). Raises ``TransferError``."""
+        return self.relay_fetches.ready(notice)
+
     # -- the worker ---------------------------------------------------------------------------------
     def _start_worker(self, run: Run) -> None:
         if not self.start_workers:
@@ -195,196 +204,22 @@ class PeerNode:
             log.exception("run %s failed", run.run_id)
             self.site.fail(run, f"{type(exc).__name__}: {exc}")
 
-    # -- receiving through the relay ---------------------------------------------------------------
-    def relay_ready(self, notice: peer_pb2.RelayNotice) -> str:
-        """``Peer.RelayReady``: the envelope of a transfer into this site waits at a relay. Starts
-        fetching it in the background (once: a second notice while it runs, or after the payload
-        was kept, has no effect). Returns "fetching" or "held". Raises ``TransferError`` (no such
-        run, a transfer not planned into this site from that sender)."""
-        h = common_pb2.TransferHeader(run_id=notice.run_id, hop=notice.index, sender=notice.sender,
-                                      purpose=notice.purpose, total_bytes=max(1, notice.sealed_bytes),
-                                      sha256=notice.sealed_sha256)
-        check_header_fields(h)
-        try:  # answered at once: the size is checked against the run's cap in the fetch's thread
-            run, t, dest = self.receiving.check_transfer(h, None, check_cap=False)
-        except Duplicate:
-            return "held"
-        key = (run.run_id, sent_key(t))
-        with self.site.lock:
-            if key in self._fetching:
-                return "fetching"
-            self._fetching.add(key)
-        threading.Thread(target=self._fetch_relayed, args=(run, t, notice, key), daemon=True,
-                         name=f"fetch-{run.run_id}-{sent_key(t)}").start()
-        return "fetching"
-
-    def _fetch_relayed(self, run: Run, t: common_pb2.PlannedTransfer, notice: peer_pb2.RelayNotice, key) -> None:
-        """Download, open and keep a relayed payload; retried (the daemons' backoff) while the
-        relay cannot be reached, until the run ends or the daemon stops. A payload that fails
-        its checks (signature, decryption, digest, schema) is refused: logged, reported as the
-        run's failure at this site, and its envelope left at the relay."""
-        relay = notice.relay or self.site.relay_address
-        rkey = relay_pb2.RelayKey(run_id=run.run_id, purpose=t.purpose, index=t.index, receiver=self.name)
-        sealed = run.path("relay-in") / f"{sent_key(t).replace(':', '-')}.sealed"
-        dest = run.destination(t)
-        counter = [0]
-        try:
-            self.receiving.check_cap(run, notice.sealed_bytes - SEAL_OVERHEAD)
-            for delay in backoff_delays():
-                if run.ended.is_set() or self.stop.is_set() or dest.exists():
-                    return
-                try:
-                    if not (sealed.exists() and wire.sha256_file(sealed) == notice.sealed_sha256):
-                        relaying.fetch(relay, self.transport, rkey, t.sender, sealed, notice.sealed_bytes,
-                                       notice.sealed_sha256, counter)
-                    break
-                except (grpc.RpcError, TransferError) as exc:
-                    msg = wire.status_message(exc) if isinstance(exc, grpc.RpcError) else exc.message
-                    log.warning("run %s: fetching %s %d from the relay at %s failed (%s); retrying in %.1f s",
-                                run.run_id, purposes.said(t.purpose), t.index, relay, msg, delay)
-                    self.stop.wait(delay)
-            plain = dest.parent / f".{dest.name}.relayed.part"
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                relaying.open_envelope(self.transport, sealed, plain, run.run_id, t)
-                size, sha = plain.stat().st_size, wire.sha256_file(plain)
-                self.schemas.check_model_bytes(run.assignment, plain.read_bytes(), t.purpose)
-                if dest.exists():  # the same transfer arrived directly meanwhile
-                    plain.unlink(missing_ok=True)
-                    return
-                plain.replace(dest)
-            except (SealError, ValueError) as exc:
-                plain.unlink(missing_ok=True)
-                raise RuntimeError(f"refused the relayed {purposes.said(t.purpose)} {t.index} from {t.sender}: {exc}") from exc
-            self.receiving.kept(run, t, dest, size, sha, route="relayed", relay_wire_bytes=counter[0])
-            sealed.unlink(missing_ok=True)
-            try:
-                relaying.discard(relay, self.transport, rkey)
-            except grpc.RpcError as exc:  # the relay drops the run's envelopes when it ends anyway
-                log.info("run %s: the relay did not discard the envelope: %s", run.run_id, wire.status_message(exc))
-        except Exception as exc:  # noqa: BLE001 - a background thread says so and fails its run
-            log.error("run %s: %s", run.run_id, exc)
-            self.site.fail(run, str(exc))
-        finally:
-            with self.site.lock:
-                self._fetching.discard(key)
-
-    # -- rerouting --------------------------------------------------------------------------------------
+    # -- the run's later life (peer/ending.py) ----------------------------------------------------------
     def reroute(self, r: peer_pb2.RerouteRequest) -> str:
-        """Take a new part of the run's plan from the coordinator (idempotent per route version).
-
-        The assignment's transfers, peers and visits are replaced and persisted. A site that had
-        finished (its model delivered to a site that then stayed down) starts again from its
-        outgoing model, which it still holds. Raises ``LookupError`` (unknown run) or
-        ``ValueError`` (a stale or inconsistent route).
-        """
-        run = self.runs.get(r.run_id)
-        if run is None:
-            raise LookupError(f"unknown run {r.run_id!r}")
-        with self.site.route_lock:
-            a = run.assignment
-            if r.route_version <= a.route_version:
-                return run.state  # already applied
-            check_part(self.name, a.order, a.rounds or 1, r.transfers, r.peers, r.visits)
-            new = peer_pb2.Assignment()
-            new.CopyFrom(a)
-            for name in ("transfers", "peers", "visits"):
-                new.ClearField(name)
-                getattr(new, name).extend(getattr(r, name))
-            new.route_version = r.route_version
-            run.save_assignment(new)
-            hops = ", ".join(f"hop {t.index} {t.sender}->{t.receiver}" for t in r.transfers
-                             if t.purpose == common_pb2.CHAIN_HOP) or "none"
-            log.info("run %s: rerouted (v%d): visits %s, hops %s; skipped %s", r.run_id, r.route_version,
-                     list(r.visits), hops, ", ".join(r.skipped) or "none")
-            run.rerouted.set()
-            run.wake.set()
-            restart = run.state in ("done", "failed") and any(
-                (run.visit_dir(v) / "outgoing.safetensors").exists() for v in run.visits)
-        if restart:
-            self.site.set_state(run, "sending", "rerouted")
-            self._start_worker(run)
-        return run.state
+        """``Peer.Reroute`` (``peer.ending.RunLife.reroute``). Raises ``LookupError`` or ``ValueError``."""
+        return self.life.reroute(r)
 
     def end_run(self, run_id: str, status: str, reason: str = "", cancelled_by: str = "") -> tuple[str, int]:
-        """The coordinator says the run is over (``status`` "finished", "failed" or "cancelled"
-        (stopped by ``cancelled_by``); idempotent).
+        """``Peer.EndRun`` (``peer.ending.RunLife.end_run``): ``(state, removed_bytes)``. Raises ``LookupError``."""
+        return self.life.end_run(run_id, status, reason, cancelled_by)
 
-        A run still active here (this site was routed around, or the run failed elsewhere)
-        moves to the terminal state "ended": a worker waiting for a model stops waiting, a
-        training stops at the end of its epoch, a delivery stops retrying, and a Handoff for the
-        run is refused. A run that is done or failed here keeps its state. Either way the
-        partial files of transfers that will never complete (``transfer.partial_path``) are
-        removed; the models held (received, outgoing, final) stay. The first notice is persisted
-        (``Run.run_status``, ``run_ended``: what ``peer prune`` goes by). After a cancellation the
-        site reports nothing more for the run (not even its state "ended").
-
-        Returns ``(state, removed_bytes)``. Raises ``LookupError`` for an unknown run.
-        """
-        run = self.runs.get(run_id)
-        if run is None:
-            raise LookupError(f"unknown run {run_id!r}")
-        with self.site.route_lock:
-            newly = run.state in ACTIVE and not run.ended.is_set()
-            if newly:
-                run.ended.set()
-                run.wake.set()
-            first_notice = not run.run_status
-            if first_notice:
-                run.run_status, run.run_ended = status, time.time()
-        why = f"cancelled by {cancelled_by or 'the operator'}" if status == "cancelled" else f"run {status} at the coordinator"
-        if newly:
-            self.site.set_state(run, "ended", why + (f": {reason}" if reason else ""), force=True,
-                            report=status != "cancelled")
-        elif first_notice and run.folder.is_dir():
-            run.save()
-        self.jobs.drop(run_id)  # a worker started ahead for the run is not needed any more
-        self.refused_streams.forget(run_id)
-        removed = sum(remove_partials(folder) for folder in
-                      {run.folder, run.path("uploads"), run.path("relay-in"),
-                       *(run.visit_dir(v) for v in range(1, (run.assignment.rounds or 1) + 1))}
-                      if folder.is_dir())
-        if removed:
-            log.info("run %s: removed %d bytes of partial transfers", run_id, removed)
-        return run.state, removed
-
-    # -- evaluation and status ------------------------------------------------------------------------
     def final_model_path(self, run_id: str, sha256: str) -> Path:
-        """The run's final model held here. Raises ``LookupError`` when there is none (or another)."""
-        run = self.runs.get(run_id)
-        if run is None:
-            raise LookupError(f"unknown run {run_id!r}")
-        path = run.final_model
-        if not path.exists():
-            raise LookupError(f"this site holds no final model of run {run_id}")
-        have = wire.sha256_file(path)
-        if sha256 and have != sha256:
-            raise LookupError(f"the final model held here has sha256 {have}, not {sha256}")
-        return path
+        """The run's final model held here (``peer.ending.RunLife.final_model_path``). Raises ``LookupError``."""
+        return self.life.final_model_path(run_id, sha256)
 
     def evaluate(self, run_id: str, sha256: str) -> peer_pb2.EvaluateReply:
-        """Accuracy, metrics and aggregate statistics of the run's final model on this site's test
-        split (``fedrelay.scoring``): the ``evaluate`` job on a worker (waiting for a host slot like
-        any job: at most that many evaluations at once on one machine). The reply names the run
-        and the model's SHA-256 and, under TLS, is signed with this site's key
-        (``fedrelay/signing.py``): the coordinator records only a verified one. Raises
-        ``LookupError`` (no such final model here) or what the job raises."""
-        path = self.final_model_path(run_id, sha256)
-        sha256 = sha256 or wire.sha256_file(path)
-        a = self.runs[run_id].assignment
-        started = time.time()
-        req = {"op": "evaluate", "model": str(path), "spec": job_spec(a), "class_index": list(a.class_index)}
-        if privacy.enabled(a.params):  # the site's spent (epsilon, delta), from every visit's book
-            req.update(params=run_params.to_dict(a.params), privacy_books=[
-                str(p) for p in sorted(self.runs[run_id].folder.glob(f"**/{privacy.BOOK}"))])
-        answer = self.jobs.run(req, cancelled=self.stop.is_set)
-        correct, total = answer["correct"], answer["total"]
-        reply = peer_pb2.EvaluateReply(site=self.name, correct=correct, test_samples=total, run_id=run_id,
-                                       sha256=sha256, accuracy=correct / total if total else 0.0,
-                                       seconds=time.time() - started, metrics=answer.get("metrics") or {},
-                                       stats_json=json.dumps(answer.get("stats") or {}, separators=(",", ":")))
-        signer = signing.signer_for(self.transport)  # TLS: signed with this site's key for the ledger
-        return signer.sign(reply) if signer is not None else reply
+        """``Peer.Evaluate`` (``peer.ending.RunLife.evaluate``). Raises ``LookupError`` or what the job raises."""
+        return self.life.evaluate(run_id, sha256)
 
     def status(self) -> peer_pb2.PeerStatus:
         st = peer_pb2.PeerStatus(name=self.name, address=self.address, device=self.device, version=__version__,

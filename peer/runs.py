@@ -203,4 +203,4 @@ def sent_key(t: common_pb2.PlannedTransfer) -> str:
 
 
 class RunEnded(Exception):
-    """The coordinator ended this run (``PeerNode.end_run``): its worker stops."""
+    """The coordinator ended this run (``Peer.EndRun``: ``peer.ending.RunLife.end_run``): its worker stops."""
