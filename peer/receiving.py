@@ -214,7 +214,6 @@ class Receiving:
         self.streams.end(dest)
         return peer_pb2.TransferOffsetReply(offset=min(held_bytes(dest, h.sha256), h.total_bytes))
 
-
     def prepare(self, run_id: str, sender: str, caller: str | None = None) -> bool:
         """``Peer.Prepare``: the planned sender ``sender`` of a transfer into this site started
         training; start a worker ahead for the run (and ask it the run's payload schemas) if a
