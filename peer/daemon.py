@@ -25,7 +25,8 @@ from fedrelay.guard import Guard
 from fedrelay.health import PEER_SERVICE, Health
 from fedrelay.peer.control import ControlLink
 from fedrelay.peer.policy import SitePolicy
-from fedrelay.peer.node import DEFAULT_RELAY_AFTER, DEFAULT_STALL_TIMEOUT, PeerNode
+from fedrelay.peer.node import DEFAULT_STALL_TIMEOUT, PeerNode
+from fedrelay.peer.site import DEFAULT_RELAY_AFTER
 from fedrelay.task import DataError
 from fedrelay.tasks.offers import Offer
 from fedrelay.peer.slots import DEFAULT_SLOTS, HostSlots

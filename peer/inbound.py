@@ -1,6 +1,6 @@
 """Inbound model streams: at most one stream writes into a destination, and none hangs.
 
-``PeerNode.handoff`` checks a transfer against the run's plan; this module keeps the streams it
+``peer.receiving.Receiving.handoff`` checks a transfer against the run's plan; this module keeps the streams it
 accepted: a newer stream of the same transfer (the sender resumed after a link dropped without
 a reset) ends the older one, keeping its bytes (``claim``/``end``); a stream that sends nothing
 for ``stall_timeout`` seconds, or runs past ``wire.transfer_timeout`` of its declared size, is
@@ -81,26 +81,24 @@ class InboundStreams:
         done = threading.Event()
         end = object()
 
-        def pump() -> None:
-            item = end
-            try:
-                for msg in chunks:
-                    while not done.is_set():
-                        try:
-                            q.put(msg, timeout=0.5)
-                            break
-                        except queue.Full:
-                            continue
-                    if done.is_set():
-                        return
-            except BaseException as exc:  # noqa: BLE001 - the call ended (cancelled, broken)
-                item = exc
+        def put(item) -> None:  # waits while the queue is full, until the reader is done
             while not done.is_set():
                 try:
                     q.put(item, timeout=0.5)
                     return
                 except queue.Full:
                     continue
+
+        def pump() -> None:
+            item = end
+            try:
+                for msg in chunks:
+                    put(msg)
+                    if done.is_set():
+                        return
+            except BaseException as exc:  # noqa: BLE001 - the call ended (cancelled, broken)
+                item = exc
+            put(item)
 
         threading.Thread(target=pump, name="handoff-reader", daemon=True).start()
         deadline = None

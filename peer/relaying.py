@@ -18,18 +18,30 @@ address), or when it could not reach the receiver directly for ``--relay-after``
    and keeps the model after the same checks as a direct Handoff.
 
 Needs mutual TLS: without certificates there is no key to seal to (``RelayUnavailable``).
+
+:class:`RelayFetches` is the receiving site's side of step 3 (``Peer.RelayReady``).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 
 import grpc
 
 from fedrelay import purpose as purposes
-from fedrelay import sealing, wire
-from fedrelay.peer.transfer import Received, Sent, TransferError, held_bytes, receive_model, send_model
-from fedrelay.v1 import common_pb2, relay_pb2
+from fedrelay import sealing, transfer_bounds, wire
+from fedrelay.peer.receiving import Duplicate, Receiving
+from fedrelay.peer.runs import Run, sent_key
+from fedrelay.peer.site import Site
+from fedrelay.peer.transfer import (Received, Sent, TransferError, check_header_fields, held_bytes, receive_model,
+                                    send_model)
+from fedrelay.sealing import SealError
+from fedrelay.v1 import common_pb2, peer_pb2, relay_pb2
+from fedrelay.wire import backoff_delays
+
+log = logging.getLogger("fedrelay.peer")
 
 RELAY_METHODS = ("/fedrelay.v1.Relay/Offset", "/fedrelay.v1.Relay/Put", relay_pb2.RelayReceipt.FromString)
 GET_METHOD = "/fedrelay.v1.Relay/Get"
@@ -133,3 +145,85 @@ def open_envelope(transport: wire.Transport, sealed: Path, out: Path, run_id: st
     (``sealing.open_file``). Returns the envelope's header. Raises ``sealing.SealError``."""
     return sealing.open_file(sealed, out, recipient_key_pem=transport.key, recipient_cert_pem=transport.cert,
                              ca_pem=transport.ca, expect=envelope_header(run_id, t))
+
+
+class RelayFetches:
+    """The relayed payloads a site fetches (``receiving``: where they are checked and kept)."""
+
+    def __init__(self, site: Site, receiving: Receiving):
+        self.site = site
+        self.receiving = receiving
+        self.fetching: set[tuple[str, str]] = set()  # (run, transfer) downloads from a relay under way
+
+    def ready(self, notice: peer_pb2.RelayNotice) -> str:
+        """``Peer.RelayReady``: the envelope of a transfer into this site waits at a relay. Starts
+        fetching it in the background (once: a second notice while it runs, or after the payload
+        was kept, has no effect). Returns "fetching" or "held". Raises ``TransferError`` (no such
+        run, a transfer not planned into this site from that sender)."""
+        h = common_pb2.TransferHeader(run_id=notice.run_id, hop=notice.index, sender=notice.sender,
+                                      purpose=notice.purpose, total_bytes=max(1, notice.sealed_bytes),
+                                      sha256=notice.sealed_sha256)
+        check_header_fields(h)
+        try:  # answered at once: the size is checked against the run's cap in the fetch's thread
+            run, t, dest = self.receiving.check_transfer(h, None, check_cap=False)
+        except Duplicate:
+            return "held"
+        key = (run.run_id, sent_key(t))
+        with self.site.lock:
+            if key in self.fetching:
+                return "fetching"
+            self.fetching.add(key)
+        threading.Thread(target=self.fetch, args=(run, t, notice, key), daemon=True,
+                         name=f"fetch-{run.run_id}-{sent_key(t)}").start()
+        return "fetching"
+
+    def fetch(self, run: Run, t: common_pb2.PlannedTransfer, notice: peer_pb2.RelayNotice, key) -> None:
+        """Download, open and keep a relayed payload; retried (the daemons' backoff) while the
+        relay cannot be reached, until the run ends or the daemon stops. A payload that fails
+        its checks (signature, decryption, digest, schema) is refused: logged, reported as the
+        run's failure at this site, and its envelope left at the relay."""
+        relay = notice.relay or self.site.relay_address
+        rkey = relay_pb2.RelayKey(run_id=run.run_id, purpose=t.purpose, index=t.index, receiver=self.site.name)
+        sealed = run.path("relay-in") / f"{sent_key(t).replace(':', '-')}.sealed"
+        dest = run.destination(t)
+        counter = [0]
+        try:
+            self.receiving.check_cap(run, notice.sealed_bytes - transfer_bounds.SEAL_OVERHEAD)
+            for delay in backoff_delays():
+                if run.ended.is_set() or self.site.stop.is_set() or dest.exists():
+                    return
+                try:
+                    if not (sealed.exists() and wire.sha256_file(sealed) == notice.sealed_sha256):
+                        fetch(relay, self.site.transport, rkey, t.sender, sealed, notice.sealed_bytes,
+                                       notice.sealed_sha256, counter)
+                    break
+                except (grpc.RpcError, TransferError) as exc:
+                    msg = wire.status_message(exc) if isinstance(exc, grpc.RpcError) else exc.message
+                    log.warning("run %s: fetching %s %d from the relay at %s failed (%s); retrying in %.1f s",
+                                run.run_id, purposes.said(t.purpose), t.index, relay, msg, delay)
+                    self.site.stop.wait(delay)
+            plain = dest.parent / f".{dest.name}.relayed.part"
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                open_envelope(self.site.transport, sealed, plain, run.run_id, t)
+                size, sha = plain.stat().st_size, wire.sha256_file(plain)
+                self.receiving.schemas.check_model_bytes(run.assignment, plain.read_bytes(), t.purpose)
+                if dest.exists():  # the same transfer arrived directly meanwhile
+                    plain.unlink(missing_ok=True)
+                    return
+                plain.replace(dest)
+            except (SealError, ValueError) as exc:
+                plain.unlink(missing_ok=True)
+                raise RuntimeError(f"refused the relayed {purposes.said(t.purpose)} {t.index} from {t.sender}: {exc}") from exc
+            self.receiving.kept(run, t, dest, size, sha, route="relayed", relay_wire_bytes=counter[0])
+            sealed.unlink(missing_ok=True)
+            try:
+                discard(relay, self.site.transport, rkey)
+            except grpc.RpcError as exc:  # the relay drops the run's envelopes when it ends anyway
+                log.info("run %s: the relay did not discard the envelope: %s", run.run_id, wire.status_message(exc))
+        except Exception as exc:  # noqa: BLE001 - a background thread says so and fails its run
+            log.error("run %s: %s", run.run_id, exc)
+            self.site.fail(run, str(exc))
+        finally:
+            with self.site.lock:
+                self.fetching.discard(key)

@@ -200,3 +200,7 @@ def sent_key(t: common_pb2.PlannedTransfer) -> str:
     if t.purpose == common_pb2.UPLOAD:
         return f"upload:{t.index}"
     return f"final:{t.receiver}"
+
+
+class RunEnded(Exception):
+    """The coordinator ended this run (``Peer.EndRun``: ``peer.ending.RunLife.end_run``): its worker stops."""

@@ -1,4 +1,4 @@
-"""The Peer gRPC servicer: checks and translation only; the work is in ``PeerNode``.
+"""The Peer gRPC servicer: checks and translation only; the work is in ``PeerNode`` and the modules it delegates to.
 
 Every refusal is a gRPC status with a one-line reason; an exception in one call never stops the
 daemon from serving the next.
@@ -7,7 +7,7 @@ Authorization under mutual TLS (identity = the caller's certificate name): Assig
 FetchModel, Reroute, EndRun and RelayReady only from the ``coordinator`` identity (also when they
 come over the control stream of a site that only connects out: ``peer/control.py``); GetStatus from the coordinator or the
 site's own identity (its administrator, with the site's own TLS folder); Handoff only from the run's
-assigned predecessor or last site (checked in ``PeerNode.handoff``), TransferOffset and Prepare likewise. Refusals are
+assigned predecessor or last site (checked in ``peer/receiving.py``), TransferOffset and Prepare likewise. Refusals are
 PERMISSION_DENIED. A plaintext daemon has no identities (only the name checks apply).
 """
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import grpc
+from google.protobuf import message_factory
 
 from fedrelay import names, wire
 from fedrelay.v1 import common_pb2, peer_pb2
@@ -103,50 +104,23 @@ def decode_chunk(raw: bytes) -> common_pb2.ModelChunk | DataView:
     return common_pb2.ModelChunk.FromString(raw)
 
 
+# One gRPC handler factory per (client streaming, server streaming) shape of a method.
+_HANDLERS = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+
+
 def add_peer_servicer(servicer, server) -> None:
-    """Register a Peer servicer like the generated ``add_PeerServicer_to_server``, but with
+    """Register a Peer servicer like the generated ``add_PeerServicer_to_server`` (a handler for
+    every method of the service, as its descriptor in ``peer.proto`` declares it), but with
     :func:`decode_chunk` as ``Handoff``'s request deserializer (the zero-copy receive path)."""
-    handlers = {
-        "Assign": grpc.unary_unary_rpc_method_handler(
-            servicer.Assign, request_deserializer=peer_pb2.Assignment.FromString,
-            response_serializer=peer_pb2.AssignReply.SerializeToString),
-        "Handoff": grpc.stream_unary_rpc_method_handler(
-            servicer.Handoff, request_deserializer=decode_chunk,
-            response_serializer=peer_pb2.HandoffReceipt.SerializeToString),
-        "GetStatus": grpc.unary_unary_rpc_method_handler(
-            servicer.GetStatus, request_deserializer=peer_pb2.StatusRequest.FromString,
-            response_serializer=peer_pb2.PeerStatus.SerializeToString),
-        "Evaluate": grpc.unary_unary_rpc_method_handler(
-            servicer.Evaluate, request_deserializer=peer_pb2.EvaluateRequest.FromString,
-            response_serializer=peer_pb2.EvaluateReply.SerializeToString),
-        "FetchModel": grpc.unary_stream_rpc_method_handler(
-            servicer.FetchModel, request_deserializer=peer_pb2.FetchModelRequest.FromString,
-            response_serializer=common_pb2.ModelChunk.SerializeToString),
-        "TransferOffset": grpc.unary_unary_rpc_method_handler(
-            servicer.TransferOffset, request_deserializer=common_pb2.TransferHeader.FromString,
-            response_serializer=peer_pb2.TransferOffsetReply.SerializeToString),
-        "Reroute": grpc.unary_unary_rpc_method_handler(
-            servicer.Reroute, request_deserializer=peer_pb2.RerouteRequest.FromString,
-            response_serializer=peer_pb2.RerouteReply.SerializeToString),
-        "EndRun": grpc.unary_unary_rpc_method_handler(
-            servicer.EndRun, request_deserializer=peer_pb2.EndRunRequest.FromString,
-            response_serializer=peer_pb2.EndRunReply.SerializeToString),
-        "Prepare": grpc.unary_unary_rpc_method_handler(
-            servicer.Prepare, request_deserializer=peer_pb2.PrepareRequest.FromString,
-            response_serializer=peer_pb2.PrepareReply.SerializeToString),
-        "RelayReady": grpc.unary_unary_rpc_method_handler(
-            servicer.RelayReady, request_deserializer=peer_pb2.RelayNotice.FromString,
-            response_serializer=peer_pb2.RelayReadyReply.SerializeToString),
-        "RelayQuota": grpc.unary_unary_rpc_method_handler(
-            servicer.RelayQuota, request_deserializer=peer_pb2.RelayQuotaRequest.FromString,
-            response_serializer=peer_pb2.RelayQuotaReply.SerializeToString),
-        "CheckPolicy": grpc.unary_unary_rpc_method_handler(
-            servicer.CheckPolicy, request_deserializer=peer_pb2.Assignment.FromString,
-            response_serializer=peer_pb2.PolicyVerdict.SerializeToString),
-    }
-    missing = set(peer_pb2.DESCRIPTOR.services_by_name["Peer"].methods_by_name) - set(handlers)
-    if missing:  # the .proto grew a method: register it here too
-        raise RuntimeError(f"add_peer_servicer does not register {sorted(missing)}")
+    handlers = {}
+    for method in peer_pb2.DESCRIPTOR.services_by_name["Peer"].methods:
+        request = message_factory.GetMessageClass(method.input_type)
+        reply = message_factory.GetMessageClass(method.output_type)
+        handler = _HANDLERS[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = handler(getattr(servicer, method.name),
+                                        request_deserializer=decode_chunk if method.name == "Handoff" else request.FromString,
+                                        response_serializer=reply.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("fedrelay.v1.Peer", handlers),))
     server.add_registered_method_handlers("fedrelay.v1.Peer", handlers)
 

@@ -185,7 +185,7 @@ def test_a_revoked_site_is_refused_and_cut_off_everywhere(world):
         peer_pb2.StatusRequest(), timeout=WAIT)
     assert status.name == "site-b"
     # site-b sends nothing to the revoked site (the sender's check, by the coordinator's names).
-    assert w["node"]._is_revoked("site-a") and not w["node"]._is_revoked("site-c")
+    assert w["node"].sending.is_revoked("site-a") and not w["node"].sending.is_revoked("site-c")
 
     # The ledger says who revoked whom, when and why; `peers` says so.
     row = w["ledger"]._all("SELECT * FROM revocations")
@@ -214,7 +214,7 @@ def test_a_revoked_site_is_refused_and_cut_off_everywhere(world):
         daemon._follow_crl(b_link, w["peer_revocations"], reply.crl_number, reply.revoked_sites)
     finally:
         b_link.close()
-    assert not w["node"]._is_revoked("site-a")
+    assert not w["node"].sending.is_revoked("site-a")
     refused_as_revoked(lambda: peer_stub(w, "site-a").TransferOffset(header, timeout=WAIT))
     assert w["service"].ListPeers(cpb.ListPeersRequest(), _operator_context()).peers[0].HasField("revocation") is False
 
@@ -340,9 +340,9 @@ def test_a_sender_sends_nothing_to_a_revoked_receiver(world):
     run = node.runs["r1"]
     hop = next(t for t in run.assignment.transfers if t.receiver == "site-c")
     with pytest.raises(RuntimeError, match="site-c: its certificate was revoked by operator"):
-        node._revoked("site-c", run, hop, deadline=time.monotonic(), delay=1.0)
-    run.rerouted.set()  # a reroute arrived: the wait ends at once (then _deliver finds hop off the plan)
+        node.sending.revoked("site-c", run, hop, deadline=time.monotonic(), delay=1.0)
+    run.rerouted.set()  # a reroute arrived: the wait ends at once (then Sending.deliver finds hop off the plan)
     started = time.monotonic()
-    assert node._revoked("site-c", run, hop, deadline=time.monotonic() + 600, delay=300.0)
+    assert node.sending.revoked("site-c", run, hop, deadline=time.monotonic() + 600, delay=300.0)
     assert time.monotonic() - started < WAIT
-    assert not node._revoked("site-a", run, hop, deadline=time.monotonic() + 600, delay=300.0)
+    assert not node.sending.revoked("site-a", run, hop, deadline=time.monotonic() + 600, delay=300.0)

@@ -206,7 +206,7 @@ def test_the_aggregator_stops_waiting_at_the_upload_timeout(three_sites, tmp_pat
     (run.path("uploads")).mkdir()
     (run.path("uploads") / "site-a.safetensors").write_bytes(b"held")  # site-a's upload arrived
     started = time.monotonic()
-    arrived, missing = node._wait_for_uploads(run)
+    arrived, missing = node.star.wait_for_uploads(run)
     assert 0.3 <= time.monotonic() - started < 5
     assert [t.sender for t in arrived] == ["site-a"] and missing == ["site-c"]
 
@@ -227,7 +227,7 @@ def test_an_upload_without_the_aggregators_extra_tensors_is_refused(three_sites,
 
     state = build_seeded(image_spec("cnn", 1, (28, 28), 10), 1).state_dict()
     with pytest.raises(ValueError, match="tensor names differ"):
-        node._check_model_bytes(a, wire.encode_state(state), common_pb2.UPLOAD)
+        node.schemas.check_model_bytes(a, wire.encode_state(state), common_pb2.UPLOAD)
     from fedrelay import params as run_params
     from fedrelay.peer.aggregators import join_payload
     from fedrelay.peer.aggregators import maecho
@@ -237,11 +237,11 @@ def test_an_upload_without_the_aggregators_extra_tensors_is_refused(three_sites,
     opts = run_params.options(run_params.to_dict(a.params))
     made = maecho.site_extras(state, image_spec("cnn", 1, (28, 28), 10), train, opts)
     extras = {k: v.clone() for k, v in join_payload(state, made).items()}
-    node._check_model_bytes(a, wire.encode_state(extras), common_pb2.UPLOAD)  # the real thing passes
+    node.schemas.check_model_bytes(a, wire.encode_state(extras), common_pb2.UPLOAD)  # the real thing passes
     counts = EXTRA + "class_counts"
     extras[counts] = extras[counts][:5]
     with pytest.raises(ValueError, match="class_counts"):
-        node._check_model_bytes(a, wire.encode_state(extras), common_pb2.UPLOAD)
+        node.schemas.check_model_bytes(a, wire.encode_state(extras), common_pb2.UPLOAD)
     # A final copy is the bare model: the extras are refused there.
     with pytest.raises(ValueError, match="tensor names differ"):
-        node._check_model_bytes(a, wire.encode_state(extras), common_pb2.FINAL_MODEL)
+        node.schemas.check_model_bytes(a, wire.encode_state(extras), common_pb2.FINAL_MODEL)
