@@ -8,8 +8,10 @@ module named by an entry is imported by the peer only when a site runs it (:func
 A **strategy** module (``fedrelay.peer.strategies.<name>``) provides::
 
     def train(m0, spec, train, val, cfg, seed, device, *, finished=(), on_epoch=None,
-              on_model=None) -> tuple[State, list[State]]
-        # one visit's local training from the received model m0: (what the site sends, its pool)
+              on_model=None[, options]) -> tuple[State, list[State]]
+        # one visit's local training from the received model m0: (what the site sends, its pool);
+        # a strategy whose entry declares options gets them as ``options=`` (a typed dict: the
+        # declared ones given or at their default, already checked; fedrelay/params.py options)
     models_to_keep(cfg) -> int
         # how many intermediate models ``train`` persists through ``on_model`` (resume)
     payload_schema(spec) -> {name: (shape, dtype)}      (optional)

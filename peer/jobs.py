@@ -220,7 +220,7 @@ def train(job: TrainJob, data, device: str, emit: Emit | None = None) -> Trained
         send, pool = run_site(m0, spec, train_set, val, cfg, seed, device, finished=finished,
                               on_epoch=_on_epoch(emit, len(train_set[1])), on_model=on_model,
                               on_warmup=on_warmup,
-                              initial=initial_state(job, spec) if m0 is None else None)
+                              initial=initial_state(job, spec) if m0 is None else None, options=job.options)
     if job.aggregator:  # the upload: the model and what the aggregator needs besides
         from fedrelay.peer.aggregators import join_payload
 

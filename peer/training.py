@@ -600,6 +600,7 @@ def run_site(
     on_model: ModelCallback | None = None,
     on_warmup: Callable[[State], None] | None = None,
     initial: Mapping[str, Tensor] | None = None,
+    options: Mapping[str, object] | None = None,
 ) -> tuple[State, list[State]]:
     """Everything one site does (paper Algorithm 1, one iteration of the client loop).
 
@@ -627,6 +628,9 @@ def run_site(
         seed: the site's seed, e.g. ``derive_seed(run_seed, "site", i)``.
         finished, on_epoch, on_model: see ``train_pool``
             (:mod:`fedrelay.peer.strategies.fedelmy`).
+        options: the run's method options (``fedrelay.params.options``: typed, defaults
+            filled), handed to a strategy whose registry entry declares options of its own as
+            ``train(..., options=...)``; the built-in strategies declare none.
 
     Returns:
         ``(model to send, pool)``: the final model of the chain when this is the last
@@ -662,5 +666,6 @@ def run_site(
         check_outputs(received, task, spec, train[0])
         if dp.current() is not None:
             dp.check_model(received, f"the model {spec.model!r} of task {spec.task!r}")
+    mine = {"options": dict(options or {})} if registry.strategy(cfg.strategy).options else {}
     return registry.load(cfg.strategy).train(m0, spec, train, val, cfg, seed, device,
-                                             finished=finished, on_epoch=on_epoch, on_model=on_model)
+                                             finished=finished, on_epoch=on_epoch, on_model=on_model, **mine)

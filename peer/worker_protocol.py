@@ -182,7 +182,7 @@ class _Training(Job):
     class_index: list[str]  # the run's class names, in label order
     site: str  # this site's name (its train/validation split's seed)
     aggregator: str  # the star plan's aggregator ("" for a chain: the hop carries the model only)
-    options: dict  # the aggregator's options (fedrelay.params.options)
+    options: dict  # the run's method options, typed (fedrelay.params.options): the aggregator's, the strategy's
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ class SchemaJob(Job):
     NAME: ClassVar[str] = "schema"
     strategy: str  # the run's strategy (fedrelay.registry)
     aggregator: str = ""  # a star plan's aggregator: its extra tensors' schema
-    options: dict = field(default_factory=dict)  # the aggregator's options
+    options: dict = field(default_factory=dict)  # the run's method options (fedrelay.params.options)
 
 
 @dataclass(frozen=True)

@@ -125,3 +125,28 @@ def test_a_run_through_the_daemons_hands_the_method_its_options(three_sites, tmp
     seen = [json.loads(p.read_text()) for p in sorted(record.iterdir())]
     assert sorted(r["stage"] for r in seen) == ["aggregate", "site", "site"]  # each site's upload, the aggregation
     assert all(r["options"] == {"toy_repeats": ["int", 3], "toy_weight": ["float", 0.25]} for r in seen), seen
+
+
+def test_a_chain_strategy_gets_its_declared_options_typed_at_its_train(one_torch_thread):
+    """A chain strategy's own option, carried as text on the wire (``method_options``), reaches
+    its ``train`` as an int through the peer's path (params.options -> run_site); unset, its
+    default."""
+    import torch
+
+    from fedrelay.peer.training import TrainConfig, run_site
+    from fedrelay.tasks.image_folder import spec as image_spec
+
+    spec = image_spec("cnn", 1, (8, 8), 3)
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randint(0, 255, (12, 1, 8, 8), generator=g, dtype=torch.uint8), torch.arange(12) % 3)
+    run = {**BASE, "strategy": "toy-seq", "warmup_epochs": 1, "batch_size": 4}
+    cfg = TrainConfig(**params.train_config(run))
+    for given, expected in (({"toy_visits": 7}, 7), ({}, 1)):
+        pb = params.to_pb({**run, **given})
+        assert dict(pb.method_options) == {k: str(v) for k, v in given.items()}
+        d = params.to_dict(pb)
+        params.check(d)
+        toy_method.SEEN.clear()
+        run_site(None, spec, data, data, cfg, 0, "cpu", options=params.options(d))
+        (seen,) = toy_method.SEEN
+        assert seen["toy_visits"] == expected and type(seen["toy_visits"]) is int

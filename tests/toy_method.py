@@ -16,7 +16,7 @@ import os
 import uuid
 from pathlib import Path
 
-from fedrelay.registry import STAR, Aggregator, Option, Strategy
+from fedrelay.registry import CHAIN, STAR, Aggregator, Option, Strategy
 
 RECORD_ENV = "TOY_METHOD_RECORD"
 OPTION_NAMES = ("toy_repeats", "toy_weight")
@@ -28,6 +28,10 @@ METHODS = (
     )),
     Strategy("toy", "a toy parallel method: one model per site, the uniform mean of them (tests)", STAR,
              "fedrelay.peer.strategies.fedseq", aggregator="toy-mean"),
+    # A chain strategy with an option of its own: its ``train`` below gets it as ``options=``.
+    Strategy("toy-seq", "a toy chain method: FedSeq's visit, recording its option (tests)", CHAIN, "toy_method",
+             options=(Option("toy_visits", int, 1, "toy-seq: a count the toy records (1 to 9).", minimum=1,
+                             maximum=9),)),
 )
 
 
@@ -56,3 +60,23 @@ def aggregate(uploads, ctx):
 
     _record("aggregate", ctx.options)
     return average_states([u.state for u in uploads])
+
+
+def models_to_keep(cfg) -> int:
+    """As FedSeq: the one trained model."""
+    from fedrelay.peer.strategies import fedseq
+
+    return fedseq.models_to_keep(cfg)
+
+
+def train(m0, spec, train, val, cfg, seed, device, *, finished=(), on_epoch=None, on_model=None, options):
+    """FedSeq's visit; the options handed here (the strategy's own among them) are kept in
+    :data:`SEEN` (for an in-process test)."""
+    from fedrelay.peer.strategies import fedseq
+
+    SEEN.append(dict(options))
+    return fedseq.train(m0, spec, train, val, cfg, seed, device, finished=finished, on_epoch=on_epoch,
+                        on_model=on_model)
+
+
+SEEN: list[dict] = []
