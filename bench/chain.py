@@ -183,13 +183,13 @@ def pool_distances(run_dir: Path):
     running statistics excluded, as in d1 and d2)."""
     import torch
 
-    from fedrelay import wire
+    from fedrelay.tensors import decode_state
 
     files = [run_dir / "received.safetensors"] + sorted((run_dir / "pool").glob("model-*.safetensors"),
                                                         key=lambda p: int(p.stem.split("-")[1]))
     flat = []
     for f in files:
-        state = wire.decode_state(f.read_bytes())
+        state = decode_state(f.read_bytes())
         flat.append(torch.cat([v.flatten().double() for k, v in sorted(state.items())
                                if v.is_floating_point() and not k.endswith(BUFFERS)]))
     n = len(flat)

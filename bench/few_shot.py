@@ -87,12 +87,12 @@ def settled(trial, run: dict, timeout: float = 60.0) -> dict:
 def evaluate_payload(data: bytes, spec, sites: dict, class_index: list[str]) -> dict[str, tuple[int, int]]:
     """site -> (correct, total) of a safetensors model on each site's test split, the way a
     daemon evaluates a final model (peer/node.py ``PeerNode.evaluate``)."""
-    from fedrelay import wire
+    from fedrelay.tensors import decode_state
     from fedrelay.models import build_model
     from fedrelay.peer.training import evaluate
 
     model = build_model(spec)
-    model.load_state_dict(wire.decode_state(data))
+    model.load_state_dict(decode_state(data))
     out = {}
     for name, site in sites.items():
         images, labels = site.tensors("test", class_index)

@@ -86,7 +86,7 @@ def serve_coordinator(listen: str, db: str, stats: str) -> None:
     """The coordinator's process: ``serve`` with a counted ledger; SIGUSR1 writes the counts to
     ``stats`` (JSON: n, writes, reads)."""
     import fedrelay.coordinator.service as service
-    from fedrelay import wire
+    from fedrelay.transport import INSECURE
 
     counter, asked = WriteCounter(), [0]
     service.Ledger = counted_ledger(counter)
@@ -100,7 +100,7 @@ def serve_coordinator(listen: str, db: str, stats: str) -> None:
     signal.signal(signal.SIGUSR1, dump)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
-    service.serve(listen, db, transport=wire.INSECURE, stop=stop)
+    service.serve(listen, db, transport=INSECURE, stop=stop)
 
 
 class CoordinatorProcess:

@@ -18,7 +18,7 @@ hold, and for how long. ``coordinator/relay.py`` asks this module; it decides no
 - **No stall**: a Put that sends nothing for ``RelayLimits.stall_timeout`` seconds is dropped
   (the stall timeout of a peer's Handoff, ``fedrelay.transfer_bounds.STALL_TIMEOUT``).
 - **No compression amplification**: servers accept no compressed request
-  (``fedrelay.wire``'s server options); the bytes counted are the bytes written.
+  (``fedrelay.server``'s server options); the bytes counted are the bytes written.
 - **Expiry**: an envelope nobody fetched and discarded within ``RelayLimits.lifetime`` seconds
   of its upload is removed, with its partial upload (:meth:`Reservations.sweep`).
 
@@ -36,7 +36,8 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import signing, transfer_bounds, wire
+from fedrelay import signing, transfer_bounds
+from fedrelay.files import atomic_write
 from fedrelay.peer.transfer import TransferError
 from fedrelay.v1 import common_pb2
 
@@ -204,9 +205,9 @@ class Reservations:
         if old and old.get("sha256") != header.sha256:
             dest.unlink(missing_ok=True)  # a resealed envelope replaces the one held (same sender, checked before)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        wire.atomic_write(own, json.dumps({"sender": header.sender, "receiver": header.receiver,
-                                           "sha256": header.sha256, "bytes": total, "created": created,
-                                           "complete": False}).encode())
+        atomic_write(own, json.dumps({"sender": header.sender, "receiver": header.receiver,
+                                      "sha256": header.sha256, "bytes": total, "created": created,
+                                      "complete": False}).encode())
 
     def complete(self, dest: Path, sha256: str, size: int) -> None:
         """The envelope ``dest`` is stored whole."""
@@ -214,7 +215,7 @@ class Reservations:
         m = self.read(own) or {}
         m.update(sha256=sha256, bytes=size, complete=True)
         m.setdefault("created", time.time())
-        wire.atomic_write(own, json.dumps(m).encode())
+        atomic_write(own, json.dumps(m).encode())
 
     def release(self, dest: Path) -> None:
         """Drop the reservation of ``dest`` unless its envelope or a partial upload is held."""

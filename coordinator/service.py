@@ -31,7 +31,13 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, checks, names, params as run_params, privacy, registry, signing, text, wire
+from fedrelay import __version__, checks, names, params as run_params, privacy, registry, signing, text
+from fedrelay.addresses import split_hostport, with_port
+from fedrelay.callers import COORDINATOR_IDENTITY, caller_identity, is_operator
+from fedrelay.calls import (assignment_refusal, backoff_delays, CONTROL_TIMEOUT, EVALUATE_TIMEOUT, status_message,
+                            transfer_timeout)
+from fedrelay.server import check_bindable, make_server
+from fedrelay.transport import INSECURE, Transport
 from fedrelay.coordinator.ledger import TERMINAL, Ledger, LedgerConflict
 from fedrelay.coordinator import evaluation
 from fedrelay.coordinator.events import EventHub
@@ -53,7 +59,8 @@ from fedrelay.coordinator.tunnel import Tunnels
 from fedrelay.final_model import MODEL_SPEC_METADATA
 from fedrelay.signing import SignatureError
 from fedrelay.tasks.offers import Offer
-from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc, relay_pb2_grpc
+from fedrelay.v1 import (common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc,
+                         relay_pb2_grpc)
 
 log = logging.getLogger("fedrelay.coordinator")
 
@@ -71,7 +78,7 @@ def new_run_id() -> str:
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, ledger: Ledger, *, transport: wire.Transport = wire.INSECURE,
+    def __init__(self, ledger: Ledger, *, transport: Transport = INSECURE,
                  peer_timeout: float = DEFAULT_PEER_TIMEOUT, probe_timeout: float = 10.0,
                  relay_dir: str | Path | None = None, relay: str = ""):
         self.ledger = ledger
@@ -123,10 +130,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     # -- authorization ---------------------------------------------------------------------------
     def _as_site(self, context, claimed: str) -> None:
         """Abort with PERMISSION_DENIED unless the caller is the site ``claimed`` (TLS only)."""
-        who = wire.caller_identity(context)
+        who = caller_identity(context)
         if who is None:
             return
-        if who == wire.COORDINATOR_IDENTITY or wire.is_operator(who):
+        if who == COORDINATOR_IDENTITY or is_operator(who):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the {who} identity cannot act as a site")
         if who != claimed:
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
@@ -135,8 +142,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def _as_operator(self, context) -> None:
         """Abort with PERMISSION_DENIED unless the caller is an operator (``operator`` or
         ``operator.NAME``) or the coordinator (TLS only)."""
-        who = wire.caller_identity(context)
-        if who is not None and who != wire.COORDINATOR_IDENTITY and not wire.is_operator(who):
+        who = caller_identity(context)
+        if who is not None and who != COORDINATOR_IDENTITY and not is_operator(who):
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"{who!r} is a site identity; only the operator may call this")
 
@@ -178,7 +185,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a site that only connects out registers no address")
         if request.address:
             try:
-                wire.split_hostport(request.address)
+                split_hostport(request.address)
             except ValueError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         refused = forgotten.refusal(self.ledger, request)  # forget-peer holds against that daemon
@@ -320,7 +327,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         names.check_run_id(request.run_id)
         names.check_site_name(request.receiver, "receiver")
         names.check_hop(request.index, "index")
-        who = wire.caller_identity(context)
+        who = caller_identity(context)
         if who is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "relay grants need mutual TLS")
         self._as_site(context, who)
@@ -361,7 +368,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 log.info("run %s: told %s that %s %d waits at the relay (%s)", run_id, receiver, purpose, index,
                          reply.state)
             except grpc.RpcError as exc:
-                log.info("run %s: relay notice not delivered to %s yet: %s", run_id, receiver, wire.status_message(exc))
+                log.info("run %s: relay notice not delivered to %s yet: %s", run_id, receiver, status_message(exc))
 
     def _drop_ended_relayed(self) -> None:
         """Remove the envelopes the coordinator's relay holds for runs that have ended (and
@@ -612,7 +619,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         def tell() -> None:
             try:
                 self.tunnels.stub(t.receiver).Prepare(peer_pb2.PrepareRequest(run_id=run_id, sender=sender),
-                                                      timeout=wire.CONTROL_TIMEOUT)
+                                                      timeout=CONTROL_TIMEOUT)
             except Exception as exc:  # noqa: BLE001 - a hint
                 log.debug("run %s: could not tell %s to prepare: %s", run_id, t.receiver, exc)
 
@@ -838,13 +845,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             run = self.ledger.run(run_id)
             address = next(c["address"] for c in run["chain"] if c["name"] == site)
             try:
-                self._peer({"name": site, "address": address}).Reroute(request, timeout=wire.CONTROL_TIMEOUT)
+                self._peer({"name": site, "address": address}).Reroute(request, timeout=CONTROL_TIMEOUT)
                 self._pending.pop((run_id, site), None)
                 hops = ", ".join(f"hop {t.index} {t.sender}->{t.receiver}" for t in request.transfers
                                  if t.purpose == common_pb2.CHAIN_HOP) or "no hops"
                 self.ledger.add_event(run_id, "state", f"{site}: rerouted ({hops})", site=site)
             except grpc.RpcError as exc:
-                log.warning("reroute of %s in run %s not delivered yet: %s", site, run_id, wire.status_message(exc))
+                log.warning("reroute of %s in run %s not delivered yet: %s", site, run_id, status_message(exc))
 
     def _send_end_notices(self) -> None:
         """Tell every site of an ended run that it is over (``Peer.EndRun``), so that a site
@@ -872,7 +879,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: the site never had the run
                     log.info("end of run %s not delivered to %s yet: %s", n["run_id"], n["site"],
-                             wire.status_message(exc))
+                             status_message(exc))
                     self._end_retry[key] = now + END_NOTICE_RETRY
                     continue
                 reply = None
@@ -887,15 +894,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def _call_peer(self, site: dict, method: str, request, *, timeout: float):
         """One call to a site's peer daemon, retried with backoff while the site is unreachable
         (a restarting daemon, a dropped link) for up to ``self.eval_retry`` seconds, with the
-        daemons' one retry policy (``wire.backoff_delays``)."""
+        daemons' one retry policy (``calls.backoff_delays``)."""
         deadline = time.monotonic() + self.eval_retry
-        for delay in wire.backoff_delays():
+        for delay in backoff_delays():
             try:
                 return getattr(self._peer(site), method)(request, timeout=timeout)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay > deadline:
                     raise
-                log.warning("%s unreachable for %s (%s); retrying", site["name"], method, wire.status_message(exc))
+                log.warning("%s unreachable for %s (%s); retrying", site["name"], method, status_message(exc))
                 time.sleep(delay)
 
     def recover(self) -> list[str]:
@@ -961,7 +968,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             try:
                 self._wait_relayed_copy(run_id, site["name"])
                 reply = self._call_peer(site, "Evaluate", peer_pb2.EvaluateRequest(run_id=run_id, sha256=sha),
-                                        timeout=wire.EVALUATE_TIMEOUT)
+                                        timeout=EVALUATE_TIMEOUT)
                 checks.check_evaluation(reply, site["name"])  # counts, accuracy, seconds (InvalidName)
                 record = self.signatures.evaluation(reply, site["name"], run_id, sha)
                 stats = evaluation.site_stats(reply, len(run["class_index"]))
@@ -977,7 +984,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                           test_samples=reply.test_samples, metrics=dict(reply.metrics),
                                           record=record)
             except grpc.RpcError as exc:
-                errors.append(f"{site['name']}: {wire.status_message(exc)}")
+                errors.append(f"{site['name']}: {status_message(exc)}")
             except SignatureError as exc:
                 errors.append(f"{site['name']}: its evaluation was refused: {exc}")
             except ValueError as exc:
@@ -1030,12 +1037,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 if st.name != p.name:
                     unreachable.append(f"{p.name} at {p.address} answers as {st.name!r}")
             except grpc.RpcError as exc:
-                unreachable.append(f"{p.name} at {p.address} ({wire.status_message(exc)})")
+                unreachable.append(f"{p.name} at {p.address} ({status_message(exc)})")
         if unreachable:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "peers not reachable: " + "; ".join(unreachable))
         run_id = new_run_id()
-        operator = wire.caller_identity(context) or ""  # told to each site: its policy may check it
+        operator = caller_identity(context) or ""  # told to each site: its policy may check it
         started_by = operator or INSECURE_OPERATOR
         chain = [{"name": p.name, "address": p.address} for p in chosen.order]
         self.ledger.create_run(run_id, strategy=params["strategy"], arch=chosen.model.model, seed=request.seed,
@@ -1072,16 +1079,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             for pos in positions}
         # Every site's own policy first, before any site keeps or starts anything.
         refusal = site_policy.first_refusal(((chosen.names[pos], self._peer(chosen.order[pos]), assignments[pos])
-                                             for pos in positions), timeout=wire.CONTROL_TIMEOUT)
+                                             for pos in positions), timeout=CONTROL_TIMEOUT)
         if refusal is not None:
             self.ledger.refuse_run(run_id, *refusal, policy=True)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.ledger.run(run_id)["error"])
         for pos in positions:
             site, a = chosen.names[pos], assignments[pos]
             try:
-                self._peer(chosen.order[pos]).Assign(a, timeout=wire.CONTROL_TIMEOUT)
+                self._peer(chosen.order[pos]).Assign(a, timeout=CONTROL_TIMEOUT)
             except grpc.RpcError as exc:
-                reason, by_policy = wire.assignment_refusal(exc)
+                reason, by_policy = assignment_refusal(exc)
                 self.ledger.refuse_run(run_id, site, reason, policy=by_policy)
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.ledger.run(run_id)["error"])
         self.ledger.add_event(run_id, "assigned", "every site has its assignment")
@@ -1253,18 +1260,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         for name in dict.fromkeys(h for h in holders if h):
             stream = self._peer({"name": name, "address": self._address(name)}).FetchModel(
                 peer_pb2.FetchModelRequest(run_id=request.run_id, sha256=run["final_sha256"]),
-                timeout=wire.transfer_timeout(run["model_bytes"] or 0))
+                timeout=transfer_timeout(run["model_bytes"] or 0))
             try:
                 first = next(stream)  # the header: this site holds the model
             except grpc.RpcError as exc:
-                errors.append(f"{name}: {wire.status_message(exc)}")
+                errors.append(f"{name}: {status_message(exc)}")
                 continue
             yield first
             try:
                 yield from stream
             except grpc.RpcError as exc:
                 context.abort(grpc.StatusCode.UNAVAILABLE,
-                              f"the final model's stream from {name} broke: {wire.status_message(exc)}")
+                              f"the final model's stream from {name} broke: {status_message(exc)}")
             return
         context.abort(grpc.StatusCode.UNAVAILABLE, "cannot fetch the final model: " + "; ".join(errors))
 
@@ -1276,7 +1283,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         names.check_run_id(request.run_id)
         names.check_text(request.reason, "reason", max_chars=1000)
         self._as_operator(context)
-        who = wire.caller_identity(context) or INSECURE_OPERATOR
+        who = caller_identity(context) or INSECURE_OPERATOR
         run = self._running_run(request.run_id, context)
         if not self.ledger.cancel_run(request.run_id, who, request.reason):
             run = self.ledger.run(request.run_id)
@@ -1317,7 +1324,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         names.check_site_name(request.name, "name")
         names.check_text(request.reason, "reason", max_chars=1000)
         self._as_operator(context)
-        who = wire.caller_identity(context) or INSECURE_OPERATOR
+        who = caller_identity(context) or INSECURE_OPERATOR
         try:
             entry = self.revocations.revoke(request.name, list(request.serials), request.crl, who, request.reason)
         except RevocationRefused as exc:
@@ -1402,7 +1409,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return s
 
 
-def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: threading.Event | None = None,
+def serve(listen: str, db: str | Path, *, transport: Transport, ready: threading.Event | None = None,
           stop: threading.Event | None = None, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
           web: str | None = None, metrics_listen: str | None = None, relay_dir: str | Path | None = None,
           relay: str = "", web_hosts: list[str] | tuple[str, ...] = (), operator_listen: str | None = None) -> None:
@@ -1422,15 +1429,15 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
     ``relay`` beside the ledger), unless ``relay`` names the operator's own relay (HOST:PORT,
     told to every site at registration). A plaintext coordinator serves none (sealing needs
     certificates)."""
-    if transport.secure and transport.identity != wire.COORDINATOR_IDENTITY:
+    if transport.secure and transport.identity != COORDINATOR_IDENTITY:
         raise ValueError(f"--tls {transport.source}: this is the identity {transport.identity!r}, "
-                         f"not {wire.COORDINATOR_IDENTITY!r} (use PKI/coordinator from `coordinator init-ca`)")
+                         f"not {COORDINATOR_IDENTITY!r} (use PKI/coordinator from `coordinator init-ca`)")
     if relay:
         names.check_address(relay, "--relay")
-    wire.check_bindable(listen)  # before the ledger file is created
+    check_bindable(listen)  # before the ledger file is created
     if operator_listen:
         try:
-            wire.split_hostport(operator_listen)
+            split_hostport(operator_listen)
         except ValueError as exc:
             raise ValueError(f"--operator-listen: {exc}") from None
     ledger = Ledger(db)
@@ -1440,8 +1447,8 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
                                  relay_dir=relay_dir if transport.secure else None, relay=relay)
     guard = service.monitor.guard()
     guard.watch(service.revocations.list)  # revoked sites' calls refused, those in flight cancelled
-    server, port = wire.make_server(listen, transport=transport, guard=guard,
-                                    also=[operator_listen] if operator_listen else [])
+    server, port = make_server(listen, transport=transport, guard=guard,
+                               also=[operator_listen] if operator_listen else [])
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     if service.relay is not None:
         relay_pb2_grpc.add_RelayServicer_to_server(service.relay, server)
@@ -1449,11 +1456,11 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
     if metrics_listen:
         service.monitor.serve_http(metrics_listen)
     server.start()
-    log.info("coordinator %s listening on %s (%s), ledger %s", __version__, wire.with_port(listen, port),
+    log.info("coordinator %s listening on %s (%s), ledger %s", __version__, with_port(listen, port),
              "mutual TLS" if transport.secure else "INSECURE plaintext", db)
     if operator_listen:
         log.info("operator listener on %s (connections of its own)",
-                 wire.with_port(operator_listen, server.also_ports[0]))
+                 with_port(operator_listen, server.also_ports[0]))
     page = _start_web(web, service, server, ledger, web_hosts) if web else None
     picked = service.recover()
     if picked:

@@ -182,8 +182,8 @@ class LocalTrial:
         return ["--insecure"] if self.insecure else ["--tls", str(self.pki / identity)]
 
     def transport(self, identity: str = "operator"):
-        """A ``fedrelay.wire.Transport`` with the operator's (or coordinator's) identity."""
-        from fedrelay.wire import Transport
+        """A ``fedrelay.transport.Transport`` with the operator's (or coordinator's) identity."""
+        from fedrelay.transport import Transport
 
         return Transport.insecure() if self.insecure else Transport.from_dir(self.pki / identity)
 

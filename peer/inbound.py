@@ -3,7 +3,7 @@
 ``PeerNode.handoff`` checks a transfer against the run's plan; this module keeps the streams it
 accepted: a newer stream of the same transfer (the sender resumed after a link dropped without
 a reset) ends the older one, keeping its bytes (``claim``/``end``); a stream that sends nothing
-for ``stall_timeout`` seconds, or runs past ``wire.transfer_timeout`` of its declared size, is
+for ``stall_timeout`` seconds, or runs past ``calls.transfer_timeout`` of its declared size, is
 dropped (``watched``).
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import wire
+from fedrelay.calls import transfer_timeout
 from fedrelay.peer.transfer import TransferError
 
 
@@ -75,7 +75,7 @@ class InboundStreams:
     def watched(self, chunks, cancel: threading.Event | None = None):
         """``chunks``, read by a helper thread, with a watchdog: raises ``TransferError``
         (DEADLINE_EXCEEDED) when no message comes for ``stall_timeout`` seconds, or when the
-        stream runs past ``wire.transfer_timeout`` of its declared size; ABORTED soon after
+        stream runs past ``calls.transfer_timeout`` of its declared size; ABORTED soon after
         ``cancel`` is set (a newer stream of the same transfer took over)."""
         q: queue.Queue = queue.Queue(maxsize=4)
         done = threading.Event()
@@ -127,7 +127,7 @@ class InboundStreams:
                 if isinstance(item, BaseException):
                     raise item
                 if deadline is None and item.WhichOneof("kind") == "header":
-                    deadline = time.monotonic() + wire.transfer_timeout(item.header.total_bytes)
+                    deadline = time.monotonic() + transfer_timeout(item.header.total_bytes)
                 yield item
         finally:
             done.set()

@@ -93,9 +93,9 @@ def schema(req: dict, data=None, device: str = "cpu", emit: Emit | None = None) 
 
 
 def _read_state(path: str | Path):
-    from fedrelay import wire
+    from fedrelay.tensors import decode_state
 
-    return wire.decode_state(Path(path).read_bytes())
+    return decode_state(Path(path).read_bytes())
 
 
 def initial_state(req: dict, spec):
@@ -105,7 +105,7 @@ def initial_state(req: dict, spec):
     ``derive_seed(req["seed"], "init")``, the same at every site of a star plan). None otherwise (each site draws its own seeded init;
     a chain's first site keeps the draw it always made, so chain runs keep their digests).
     Raises ``ValueError``."""
-    from fedrelay import wire
+    from fedrelay.tensors import decode_state
     from fedrelay.models import build_seeded, check_state
 
     init = req.get("initial") or {}
@@ -113,7 +113,7 @@ def initial_state(req: dict, spec):
         data = Path(init["path"]).read_bytes()
         if hashlib.sha256(data).hexdigest() != init["sha256"]:
             raise ValueError(f"the initial-weights file changed while being read (SHA-256 is not {init['sha256']})")
-        state = wire.decode_state(data)
+        state = decode_state(data)
         try:
             check_state(state, spec)
         except ValueError as exc:
@@ -187,7 +187,9 @@ def train(req: dict, data, device: str, emit: Emit | None = None) -> dict:
     Returns ``{"event": "trained", "seconds": S, "pool": K}`` (K pool models trained). Raises
     what the training raises.
     """
-    from fedrelay import privacy, registry, wire
+    from fedrelay import privacy, registry
+    from fedrelay.files import atomic_write
+    from fedrelay.tensors import encode_state
     from fedrelay.peer import privacy as dp
     from fedrelay.peer.training import derive_seed, run_site
 
@@ -208,11 +210,11 @@ def train(req: dict, data, device: str, emit: Emit | None = None) -> dict:
         finished.append(_read_state(p))
 
     def on_model(j: int, state) -> None:
-        wire.atomic_write(pool_dir / f"model-{j}.safetensors", wire.encode_state(state))
+        atomic_write(pool_dir / f"model-{j}.safetensors", encode_state(state))
         hold_point(f"pool-{j}")
 
     def on_warmup(state) -> None:
-        wire.atomic_write(folder / "warmup.safetensors", wire.encode_state(state))
+        atomic_write(folder / "warmup.safetensors", encode_state(state))
         hold_point("warmup")
 
     r, position = int(req["round"]), int(req["position"])
@@ -229,7 +231,7 @@ def train(req: dict, data, device: str, emit: Emit | None = None) -> dict:
 
         extras = registry.load_aggregator(req["aggregator"]).site_extras(send, spec, train_set, req["options"], device)
         send = join_payload(send, extras)
-    wire.atomic_write(Path(req["outgoing"]), wire.encode_state(send))
+    atomic_write(Path(req["outgoing"]), encode_state(send))
     return {"event": "trained", "seconds": time.time() - started, "pool": len(pool) - 1}
 
 
@@ -243,7 +245,9 @@ def aggregate(req: dict, data, device: str, emit: Emit | None = None) -> dict:
     Returns ``{"event": "aggregated", "seconds": S, "models": N}``. Raises what the aggregator
     raises, ``ValueError`` for a result that is not the run's model.
     """
-    from fedrelay import registry, wire
+    from fedrelay import registry
+    from fedrelay.files import atomic_write
+    from fedrelay.tensors import encode_state
     from fedrelay.peer.aggregators import Context, Upload, split_payload
     from fedrelay.models import check_state
     from fedrelay.peer.training import derive_seed
@@ -258,7 +262,7 @@ def aggregate(req: dict, data, device: str, emit: Emit | None = None) -> dict:
     started = time.time()
     state = module.aggregate(uploads, ctx)
     check_state(state, spec)
-    wire.atomic_write(Path(req["final"]), wire.encode_state(state))
+    atomic_write(Path(req["final"]), encode_state(state))
     return {"event": "aggregated", "seconds": time.time() - started, "models": len(uploads)}
 
 

@@ -23,7 +23,12 @@ import grpc
 
 from fedrelay import purpose as purposes
 from fedrelay import (__version__, params as run_params, payload, privacy, registry, signing, tasks as task_registry,
-                      transfer_bounds, wire)
+                      transfer_bounds)
+from fedrelay.callers import COORDINATOR_IDENTITY
+from fedrelay.calls import CONTROL_TIMEOUT, backoff_delays, status_message
+from fedrelay.files import atomic_write, sha256_file
+from fedrelay.tensors import schema_digest
+from fedrelay.transport import INSECURE, Transport
 from fedrelay.task import ModelSpec, SiteData, canonical_json
 from fedrelay.tasks.offers import Offer
 from fedrelay.peer.inbound import InboundStreams, Stream
@@ -31,7 +36,6 @@ from fedrelay.peer.refusals import RefusedStreams
 from fedrelay.peer.policy import POLICY_FILE, SitePolicy
 from fedrelay.peer.monitoring import PeerMetrics
 from fedrelay.peer.reporting import RETRYABLE, CoordinatorLink, Reporter
-from fedrelay.wire import backoff_delays
 from fedrelay.peer.runs import ACTIVE, Run, sent_key
 from fedrelay.peer import relaying
 from fedrelay.peer.relaying import RelayUnavailable
@@ -63,7 +67,7 @@ class PeerNode:
 
     def __init__(self, name: str, address: str, data, state_dir: Path, device: str,
                  coordinator: CoordinatorLink | None, *, send_deadline: float = 1800.0,
-                 start_workers: bool = True, transport: wire.Transport = wire.INSECURE,
+                 start_workers: bool = True, transport: Transport = INSECURE,
                  stall_timeout: float = DEFAULT_STALL_TIMEOUT, weights_dir: Path | None = None, jobs=None,
                  extra_tasks: list[str] | tuple = (), policy: SitePolicy | None = None):
         self.transport = transport
@@ -197,7 +201,7 @@ class PeerNode:
             st = path.stat()
             key = (str(path), st.st_size, st.st_mtime_ns)
             if key not in self._digests:
-                self._digests[key] = wire.sha256_file(path)
+                self._digests[key] = sha256_file(path)
             if self._digests[key] == sha256:
                 return path
         raise ValueError(f"this site holds no initial-weights file with SHA-256 {sha256}: copy it into {folder} "
@@ -253,7 +257,7 @@ class PeerNode:
         Accepted only for a transfer of this site's part of the run's plan (a hop whose index is
         ``header.hop``, or a final copy), from the sender the plan names, whose certificate name
         must also be the header's ``sender``. A stream that sends nothing for ``stall_timeout``
-        seconds, or runs past ``wire.transfer_timeout`` of its declared size, is dropped
+        seconds, or runs past ``calls.transfer_timeout`` of its declared size, is dropped
         (DEADLINE_EXCEEDED).
 
         Resume (issue #5): the bytes of a stream from that legitimate sender that broke, stalled
@@ -335,7 +339,7 @@ class PeerNode:
         key = sent_key(t)
         run.receipts[key] = {"reported": False, "report": {
             "run_id": run.run_id, "purpose": int(t.purpose), "hop": t.index, "sender": t.sender, "receiver": self.name,
-            "payload_bytes": size, "sha256": sha, "schema_sha256": wire.schema_digest(path),
+            "payload_bytes": size, "sha256": sha, "schema_sha256": schema_digest(path),
             "received": time.time(), "route": route, "relay_wire_bytes": relay_wire_bytes}}
         run.save()
         self.metrics.kept(t.purpose, size)
@@ -390,7 +394,7 @@ class PeerNode:
             self._check_cap(run, h.total_bytes)
         dest = run.destination(t)
         if dest.exists():
-            have = wire.sha256_file(dest)
+            have = sha256_file(dest)
             if have == h.sha256:
                 raise _Duplicate(run, dest, have, h.hop)
             raise TransferError(grpc.StatusCode.ALREADY_EXISTS,
@@ -437,7 +441,7 @@ class PeerNode:
         found = {k: answer[k] for k in ("hop", "model", "extras")}
         path = self.state_dir / "schemas" / f"{key}.json"
         if not path.exists():
-            wire.atomic_write(path, json.dumps(found, sort_keys=True).encode())
+            atomic_write(path, json.dumps(found, sort_keys=True).encode())
         self._schemas[key] = {k: {n: (tuple(sd[0]), sd[1]) for n, sd in v.items()} for k, v in found.items()}
         return self._schemas[key]
 
@@ -478,7 +482,7 @@ class PeerNode:
         run = self.runs.get(run_id)
         if run is None:
             raise LookupError(f"unknown run {run_id!r}")
-        if caller is not None and caller not in (sender, wire.COORDINATOR_IDENTITY):
+        if caller is not None and caller not in (sender, COORDINATOR_IDENTITY):
             raise PermissionError(f"certificate identity {caller!r} is not {sender!r}")
         planned = [t for t in run.assignment.transfers if t.receiver == self.name and t.sender == sender]
         if not planned:
@@ -559,7 +563,7 @@ class PeerNode:
                         run_id=run.run_id, site=self.name, error=f"{type(exc).__name__}: {exc}"),
                         retry_for=300, stop=self.stop)
                 except grpc.RpcError as rpc_exc:
-                    log.error("could not report the failure: %s", wire.status_message(rpc_exc))
+                    log.error("could not report the failure: %s", status_message(rpc_exc))
 
     def _work_steps(self, run: Run) -> None:
         """Every visit of this site, in round order: wait for its hop (none at the chain's first
@@ -605,7 +609,7 @@ class PeerNode:
             t = run.upload
             if t is not None:
                 self._set_state(run, "sending", f"upload {t.index} to {t.receiver}")
-                self._deliver(run, t, outgoing, wire.sha256_file(outgoing), outgoing.stat().st_size)
+                self._deliver(run, t, outgoing, sha256_file(outgoing), outgoing.stat().st_size)
             self._set_state(run, "done", "")
             return
         final = run.final_model
@@ -616,7 +620,7 @@ class PeerNode:
             self._aggregate(run, outgoing, arrived, final)
             run.missing = missing
             run.save()
-        sha, size = wire.sha256_file(final), final.stat().st_size
+        sha, size = sha256_file(final), final.stat().st_size
         run.final_sha256 = sha
         run.save()
         self._set_state(run, "distributing", "final model to every site")
@@ -733,7 +737,7 @@ class PeerNode:
         """Send visit ``r``'s model to the next visit, or, at the chain's last visit, copy the
         final model to every other site and report it. False when a reroute changed this
         visit's route meanwhile (the caller looks again) or the daemon stops."""
-        sha = wire.sha256_file(outgoing)
+        sha = sha256_file(outgoing)
         size = outgoing.stat().st_size
         while True:
             if r not in run.visits or self.stop.is_set():
@@ -792,7 +796,7 @@ class PeerNode:
                 channel = self.transport.channel(to.address, expect=to.name)
                 try:
                     peer_pb2_grpc.PeerStub(channel).Prepare(peer_pb2.PrepareRequest(run_id=run.run_id, sender=self.name),
-                                                            timeout=wire.CONTROL_TIMEOUT)
+                                                            timeout=CONTROL_TIMEOUT)
                 finally:
                     channel.close()
             except Exception as exc:  # noqa: BLE001 - a hint
@@ -872,9 +876,9 @@ class PeerNode:
                              and run.assignment.route_version > 0 and time.monotonic() - started < REROUTE_GRACE)
                 where = f"the relay at {self.relay_address}" if relayed else f"{to.name} at {to.address}"
                 if (exc.code() not in RETRYABLE and not rerouting) or time.monotonic() + delay > deadline:
-                    raise RuntimeError(f"cannot deliver to {where}: {wire.status_message(exc)}") from exc
+                    raise RuntimeError(f"cannot deliver to {where}: {status_message(exc)}") from exc
                 log.warning("run %s: delivery to %s failed (%s); retrying in %.1f s", run.run_id, where,
-                            wire.status_message(exc), delay)
+                            status_message(exc), delay)
                 self._pause(run, delay)
                 if self.stop.is_set():
                     raise RuntimeError("daemon stopping") from exc
@@ -891,7 +895,7 @@ class PeerNode:
             run_id=run.run_id, hop=t.index, purpose=t.purpose, sender=self.name, receiver=to.name,
             payload_bytes=size, wire_bytes=counter[0], sha256=sha, started=sent.started,
             ended=sent.ended, attempts=attempts, resumed_from=sent.resumed_from, round=t.round,
-            schema_sha256=wire.schema_digest(path), route=sent.route, sealed_bytes=sent.sealed_bytes,
+            schema_sha256=schema_digest(path), route=sent.route, sealed_bytes=sent.sealed_bytes,
             relay=sent.relay, sealed_sha256=sent.sealed_sha256))
         self.metrics.delivered(t.purpose, size, counter[0], attempts, sent.resumed_from)
         run.sent.append(key)
@@ -907,14 +911,14 @@ class PeerNode:
         holds. Raises ``grpc.RpcError``, ``RelayUnavailable`` or ``SealError``."""
         if self.coordinator is None:
             raise RelayUnavailable("no coordinator to ask for the receiver's certificate")
-        ref = self.coordinator.stub.ResolveSite(cpb.ResolveSiteRequest(name=t.receiver), timeout=wire.CONTROL_TIMEOUT)
+        ref = self.coordinator.stub.ResolveSite(cpb.ResolveSiteRequest(name=t.receiver), timeout=CONTROL_TIMEOUT)
         sealed, sealed_bytes, sealed_sha = relaying.seal(self.transport, run.run_id, t, path, ref.certificate,
                                                          run.path("sealed"))
         relay = self.relay_address
         grant = None
         if self.coordinator.relay:  # the operator's relay carries only what the coordinator granted
             grant = self.coordinator.stub.GrantRelay(cpb.RelayGrantRequest(
-                run_id=run.run_id, purpose=t.purpose, index=t.index, receiver=t.receiver), timeout=wire.CONTROL_TIMEOUT)
+                run_id=run.run_id, purpose=t.purpose, index=t.index, receiver=t.receiver), timeout=CONTROL_TIMEOUT)
         sent = relaying.put(relay, self.transport, run.run_id, t, sealed, counter, cancelled=run.ended.is_set,
                             grant=grant)
         sent.route, sent.relay, sent.sealed_bytes, sent.sealed_sha256 = "relayed", relay, sealed_bytes, sealed_sha
@@ -967,12 +971,12 @@ class PeerNode:
                 if run.ended.is_set() or self.stop.is_set() or dest.exists():
                     return
                 try:
-                    if not (sealed.exists() and wire.sha256_file(sealed) == notice.sealed_sha256):
+                    if not (sealed.exists() and sha256_file(sealed) == notice.sealed_sha256):
                         relaying.fetch(relay, self.transport, rkey, t.sender, sealed, notice.sealed_bytes,
                                        notice.sealed_sha256, counter)
                     break
                 except (grpc.RpcError, TransferError) as exc:
-                    msg = wire.status_message(exc) if isinstance(exc, grpc.RpcError) else exc.message
+                    msg = status_message(exc) if isinstance(exc, grpc.RpcError) else exc.message
                     log.warning("run %s: fetching %s %d from the relay at %s failed (%s); retrying in %.1f s",
                                 run.run_id, purposes.said(t.purpose), t.index, relay, msg, delay)
                     self.stop.wait(delay)
@@ -980,7 +984,7 @@ class PeerNode:
             dest.parent.mkdir(parents=True, exist_ok=True)
             try:
                 relaying.open_envelope(self.transport, sealed, plain, run.run_id, t)
-                size, sha = plain.stat().st_size, wire.sha256_file(plain)
+                size, sha = plain.stat().st_size, sha256_file(plain)
                 self._check_model_bytes(run.assignment, plain.read_bytes(), t.purpose)
                 if dest.exists():  # the same transfer arrived directly meanwhile
                     plain.unlink(missing_ok=True)
@@ -994,7 +998,7 @@ class PeerNode:
             try:
                 relaying.discard(relay, self.transport, rkey)
             except grpc.RpcError as exc:  # the relay drops the run's envelopes when it ends anyway
-                log.info("run %s: the relay did not discard the envelope: %s", run.run_id, wire.status_message(exc))
+                log.info("run %s: the relay did not discard the envelope: %s", run.run_id, status_message(exc))
         except Exception as exc:  # noqa: BLE001 - a background thread says so and fails its run
             log.error("run %s: %s", run.run_id, exc)
             self._set_state(run, "failed", str(exc))
@@ -1003,7 +1007,7 @@ class PeerNode:
                     self.coordinator.call("ReportFailure", cpb.FailureReport(run_id=run.run_id, site=self.name,
                                                                              error=str(exc)), retry_for=300, stop=self.stop)
                 except grpc.RpcError as rpc_exc:
-                    log.error("could not report the failure: %s", wire.status_message(rpc_exc))
+                    log.error("could not report the failure: %s", status_message(rpc_exc))
         finally:
             with self._lock:
                 self._fetching.discard(key)
@@ -1025,9 +1029,9 @@ class PeerNode:
         if self.coordinator is None:
             return to
         try:
-            now = self.coordinator.stub.ResolveSite(cpb.ResolveSiteRequest(name=to.name), timeout=wire.CONTROL_TIMEOUT)
+            now = self.coordinator.stub.ResolveSite(cpb.ResolveSiteRequest(name=to.name), timeout=CONTROL_TIMEOUT)
         except grpc.RpcError as exc:
-            log.debug("could not resolve %s: %s", to.name, wire.status_message(exc))
+            log.debug("could not resolve %s: %s", to.name, status_message(exc))
             return to
         if now.address and now.address != to.address:
             log.info("%s moved from %s to %s", to.name, to.address, now.address)
@@ -1145,7 +1149,7 @@ class PeerNode:
         path = run.final_model
         if not path.exists():
             raise LookupError(f"this site holds no final model of run {run_id}")
-        have = wire.sha256_file(path)
+        have = sha256_file(path)
         if sha256 and have != sha256:
             raise LookupError(f"the final model held here has sha256 {have}, not {sha256}")
         return path
@@ -1158,7 +1162,7 @@ class PeerNode:
         (``fedrelay/signing.py``): the coordinator records only a verified one. Raises
         ``LookupError`` (no such final model here) or what the job raises."""
         path = self.final_model_path(run_id, sha256)
-        sha256 = sha256 or wire.sha256_file(path)
+        sha256 = sha256 or sha256_file(path)
         a = self.runs[run_id].assignment
         started = time.time()
         req = {"op": "evaluate", "model": str(path), "spec": self._spec(a), "class_index": list(a.class_index)}

@@ -1,7 +1,7 @@
 """Moving a model between peers: chunked streams, size and digest checks, validation.
 
 A model stream is one ``TransferHeader`` followed by the safetensors payload in chunks of at most
-``fedrelay.wire.CHUNK_BYTES``. The receiver
+``fedrelay.calls.CHUNK_BYTES``. The receiver
 
 1. checks the header (via the caller's ``check_header``: known run, expected sender and hop,
    size under the cap),
@@ -43,7 +43,10 @@ from typing import Callable, Iterable, Iterator
 
 import grpc
 
-from fedrelay import names, wire
+from fedrelay import names
+from fedrelay.calls import CHUNK_BYTES, CONTROL_TIMEOUT, transfer_timeout
+from fedrelay.files import iter_file_chunks
+from fedrelay.transport import insecure_channel
 from fedrelay.v1 import common_pb2, peer_pb2
 
 GRPC_FRAME_BYTES = 5  # gRPC length-prefixed message framing: 1 flag byte + 4 length bytes
@@ -273,7 +276,7 @@ def receive_model(
         try:
             f.truncate(size)
             while f.tell() < size:  # re-hash the bytes held: the digest covers the whole payload
-                h.update(f.read(min(wire.CHUNK_BYTES, size - f.tell())))
+                h.update(f.read(min(CHUNK_BYTES, size - f.tell())))
         except BaseException:
             f.close()
             raise
@@ -338,7 +341,7 @@ def model_stream(header: common_pb2.TransferHeader, path: Path, counter: list[in
     if counter is not None:
         counter[0] += msg.ByteSize() + GRPC_FRAME_BYTES
     yield msg
-    for block in wire.iter_file_chunks(path):
+    for block in iter_file_chunks(path):
         msg = common_pb2.ModelChunk(data=block)
         if counter is not None:
             counter[0] += msg.ByteSize() + GRPC_FRAME_BYTES
@@ -356,7 +359,7 @@ def encoded_model_stream(header: common_pb2.TransferHeader, path: Path, counter:
     raw = common_pb2.ModelChunk(header=header).SerializeToString()
     counter[0] += len(raw) + GRPC_FRAME_BYTES
     yield raw
-    for block in wire.iter_file_chunks(path, start=header.offset):
+    for block in iter_file_chunks(path, start=header.offset):
         if cancelled is not None and cancelled():
             return
         raw = encode_data_chunk(block)
@@ -399,9 +402,9 @@ def send_model(address: str, header: common_pb2.TransferHeader, path: Path, time
     """Stream the model file at ``path`` to the peer at ``address`` (Peer.Handoff).
 
     ``header.total_bytes`` and ``header.sha256`` must describe the file. ``transport`` (a
-    ``fedrelay.wire.Transport``; default plaintext) makes the channel, and with TLS ``expect``
+    ``fedrelay.transport.Transport``; default plaintext) makes the channel, and with TLS ``expect``
     names the identity the receiver's certificate must carry. ``timeout`` defaults to
-    ``wire.transfer_timeout(total_bytes)`` seconds. ``resume``: first ask the receiver how
+    ``calls.transfer_timeout(total_bytes)`` seconds. ``resume``: first ask the receiver how
     many bytes of this payload it holds from a broken earlier stream (``Peer.TransferOffset``;
     a receiver without that method counts as 0) and send only the rest. ``counter[0]``, when
     given, accumulates the bytes put on the wire, also by a call that fails. ``cancelled``,
@@ -413,16 +416,16 @@ def send_model(address: str, header: common_pb2.TransferHeader, path: Path, time
     offset_method, stream_method, parse_reply = methods
     counter = counter if counter is not None else [0]
     before = counter[0]
-    timeout = timeout if timeout is not None else wire.transfer_timeout(header.total_bytes)
+    timeout = timeout if timeout is not None else transfer_timeout(header.total_bytes)
     started = time.time()
-    channel = transport.channel(address, expect=expect) if transport is not None else wire.insecure_channel(address)
+    channel = transport.channel(address, expect=expect) if transport is not None else insecure_channel(address)
     with channel:
         offset = 0
         if resume:
             query = channel.unary_unary(offset_method, request_serializer=common_pb2.TransferHeader.SerializeToString,
                                         response_deserializer=peer_pb2.TransferOffsetReply.FromString)
             try:
-                held = query(header, timeout=wire.CONTROL_TIMEOUT)
+                held = query(header, timeout=CONTROL_TIMEOUT)
                 if not held.complete and 0 < held.offset <= header.total_bytes:
                     offset = held.offset
             except grpc.RpcError as exc:

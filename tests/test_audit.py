@@ -20,7 +20,8 @@ import grpc
 import pytest
 from typer.testing import CliRunner
 
-from fedrelay import params as run_params, signing, wire
+from fedrelay import params as run_params, signing
+from fedrelay.transport import Transport
 from fedrelay.cli.coordinator import app as coordinator_app
 from fedrelay.coordinator import audit, hashchain, pki
 from fedrelay.coordinator.ledger import Ledger
@@ -228,12 +229,12 @@ def finished(three_sites, tmp_path_factory):
     tls = {n: pki.enroll(n, root / "pki", root / f"{n}.pki") for n in names}
     address = f"127.0.0.1:{free_port()}"
     daemons = [start_thread(serve_coordinator, listen=address, db=root / "ledger.sqlite",
-                      transport=wire.Transport.from_dir(root / "pki" / "coordinator"))]
+                      transport=Transport.from_dir(root / "pki" / "coordinator"))]
     for n, d in zip(names, three_sites):
         daemons.append(start_thread(serve_peer, data_dir=d, name=n, listen=f"127.0.0.1:{free_port()}", coordinator=address,
-                              state_dir=root / "state" / n, device="cpu", transport=wire.Transport.from_dir(tls[n]),
+                              state_dir=root / "state" / n, device="cpu", transport=Transport.from_dir(tls[n]),
                               fork_workers=True))
-    client = OperatorClient(address, wire.Transport.from_dir(root / "pki" / "operator"))
+    client = OperatorClient(address, Transport.from_dir(root / "pki" / "operator"))
     try:
         while {p.name for p in client.peers()} != set(names):
             time.sleep(0.1)
@@ -417,7 +418,7 @@ def _rechain_and_reseal(finished, path, run_id: str) -> None:
     con.commit()
     con.close()
     ledger = Ledger(path)
-    ledger.sealer = Signatures(wire.Transport.from_dir(finished["pki"] / "coordinator")).seal
+    ledger.sealer = Signatures(Transport.from_dir(finished["pki"] / "coordinator")).seal
     with ledger.lock:
         ledger._db.execute("BEGIN IMMEDIATE")
         ledger._seal(run_id, time.time())
@@ -435,7 +436,7 @@ def test_a_record_signed_by_a_site_not_planned_for_it_is_named(finished, copy):
     hop = signing.parse(row["record"], cpb.HopReport)
     assert (hop.hop, hop.sender) == (1, names[0])
     hop.sender = names[2]  # site 3 claims hop 1, and signs the claim with its own (valid) key
-    other = signing.signer_for(wire.Transport.from_dir(finished["tls"][names[2]]))
+    other = signing.signer_for(Transport.from_dir(finished["tls"][names[2]]))
     forged = signing.received(other.sign(hop), names[2], other.certificate_pem)
     con.execute("INSERT OR IGNORE INTO certificates (sha256, name, pem, first_seen) VALUES (?, ?, ?, 0)",
                 (forged.certificate_sha256, names[2], forged.certificate.decode()))
@@ -463,7 +464,7 @@ def test_a_certificate_not_signed_by_the_ca_is_named(finished, copy, tmp_path, i
     receipt = signing.parse(row["record"], cpb.ReceiptReport)
     root = tmp_path / "rogue"
     pki.init_ca(root)
-    signer = signing.signer_for(wire.Transport.from_dir(pki.enroll(row["signer"], root, root / "site")))
+    signer = signing.signer_for(Transport.from_dir(pki.enroll(row["signer"], root, root / "site")))
     forged = signing.received(signer.sign(receipt), row["signer"], signer.certificate_pem)
     con.execute("INSERT INTO certificates (sha256, name, pem, first_seen) VALUES (?, ?, ?, 0)",
                 (forged.certificate_sha256, row["signer"], forged.certificate.decode()))

@@ -375,7 +375,7 @@ def test_another_federations_identity_is_refused_with_exit_4(tmp_path):
     for the coordinator's commands, the health probes and peer status alike."""
     import threading
 
-    from fedrelay import wire
+    from fedrelay.transport import Transport
     from fedrelay.coordinator import pki
     from fedrelay.coordinator.service import serve
 
@@ -384,7 +384,7 @@ def test_another_federations_identity_is_refused_with_exit_4(tmp_path):
     address = f"127.0.0.1:{closed_port()}"
     stop, ready = threading.Event(), threading.Event()
     thread = threading.Thread(target=serve, args=(address, tmp_path / "ledger.sqlite"), daemon=True,
-                              kwargs=dict(transport=wire.Transport.from_dir(tmp_path / "ours" / "coordinator"),
+                              kwargs=dict(transport=Transport.from_dir(tmp_path / "ours" / "coordinator"),
                                           ready=ready, stop=stop))
     thread.start()
     try:

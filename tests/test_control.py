@@ -306,14 +306,15 @@ class FakePeer:
     """A Peer service that answers GetStatus only, as a daemon named ``name`` of ``instance``."""
 
     def __init__(self, name: str, instance: str):
-        from fedrelay import wire
+        from fedrelay.server import make_server
+        from fedrelay.transport import INSECURE
         from fedrelay.v1 import peer_pb2, peer_pb2_grpc
 
         class Servicer(peer_pb2_grpc.PeerServicer):
             def GetStatus(self, request, context):
                 return peer_pb2.PeerStatus(name=name, instance=instance)
 
-        self.server, port = wire.make_server("127.0.0.1:0", transport=wire.INSECURE)
+        self.server, port = make_server("127.0.0.1:0", transport=INSECURE)
         peer_pb2_grpc.add_PeerServicer_to_server(Servicer(), self.server)
         self.server.start()
         self.address = f"127.0.0.1:{port}"
@@ -383,7 +384,7 @@ def test_a_send_stops_at_the_next_chunk_once_cancelled(tmp_path):
     receiver sees it break before the payload's end."""
     import hashlib
 
-    from fedrelay import wire
+    from fedrelay.server import make_server
     from fedrelay.peer.transfer import SendCancelled, add_peer_servicer, send_model
     from fedrelay.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
@@ -404,7 +405,7 @@ def test_a_send_stops_at_the_next_chunk_once_cancelled(tmp_path):
             broke.set()  # the stream ended short of the payload: refused, as a real receiver does
             context.abort(grpc.StatusCode.DATA_LOSS, "the stream ended early")
 
-    server, port = wire.make_server("127.0.0.1:0")
+    server, port = make_server("127.0.0.1:0")
     add_peer_servicer(Receiver(), server)
     server.start()
     try:

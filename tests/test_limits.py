@@ -349,12 +349,14 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("00000004000000000
 SERVER = r"""
 import resource, sys, threading
 resource.setrlimit(resource.RLIMIT_NOFILE, (200, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-from fedrelay import wire
+from fedrelay.calls import status_message
+from fedrelay.server import make_server
+from fedrelay.transport import INSECURE, Transport
 from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.service import CoordinatorService
 from fedrelay.v1 import coordinator_pb2_grpc
 ledger = Ledger(":memory:")
-server, port = wire.make_server("127.0.0.1:0")
+server, port = make_server("127.0.0.1:0")
 coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorService(ledger), server)
 server.start()
 print(port, resource.getrlimit(resource.RLIMIT_NOFILE)[0], flush=True)
@@ -373,7 +375,8 @@ def test_idle_connections_of_one_client_do_not_starve_the_operator():
 
     import grpc
 
-    from fedrelay import wire
+    from fedrelay.calls import status_message
+    from fedrelay.transport import INSECURE
     from fedrelay.v1 import coordinator_pb2_grpc
 
     if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1200:
@@ -386,13 +389,13 @@ def test_idle_connections_of_one_client_do_not_starve_the_operator():
             s = socket.create_connection(("127.0.0.1", port))
             s.sendall(PREFACE)
             held.append(s)
-        with wire.INSECURE.channel(f"127.0.0.1:{port}") as channel:
+        with INSECURE.channel(f"127.0.0.1:{port}") as channel:
             from fedrelay.v1 import coordinator_pb2 as cpb2
 
             reply = coordinator_pb2_grpc.CoordinatorStub(channel).ListPeers(cpb2.ListPeersRequest(), timeout=20)
             assert list(reply.peers) == []
     except grpc.RpcError as exc:
-        pytest.fail(f"the operator's call failed beside 300 idle connections: {wire.status_message(exc)}")
+        pytest.fail(f"the operator's call failed beside 300 idle connections: {status_message(exc)}")
     finally:
         for s in held:
             s.close()
@@ -549,7 +552,8 @@ def test_a_site_identity_makes_calls_on_a_bounded_number_of_connections(tmp_path
     from fedrelay.guard import Guard, Limits
     from conftest import image_offer_pbs
 
-    from fedrelay import wire
+    from fedrelay.server import make_server
+    from fedrelay.transport import Transport
     from fedrelay.v1 import coordinator_pb2_grpc
 
     def registration(name):
@@ -557,16 +561,16 @@ def test_a_site_identity_makes_calls_on_a_bounded_number_of_connections(tmp_path
 
     def start_coordinator(db, ids, guard):
         ledger = Ledger(db)
-        server, port = wire.make_server("127.0.0.1:0", transport=ids["coordinator"], guard=guard)
+        server, port = make_server("127.0.0.1:0", transport=ids["coordinator"], guard=guard)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
             CoordinatorService(ledger, transport=ids["coordinator"]), server)
         server.start()
         return server, f"127.0.0.1:{port}", ledger
 
     pki.init_ca(tmp_path / "pki")
-    ids = {"coordinator": wire.Transport.from_dir(tmp_path / "pki" / "coordinator"),
-           "operator": wire.Transport.from_dir(tmp_path / "pki" / "operator"),
-           "site-a": wire.Transport.from_dir(pki.enroll("site-a", tmp_path / "pki", tmp_path / "a"))}
+    ids = {"coordinator": Transport.from_dir(tmp_path / "pki" / "coordinator"),
+           "operator": Transport.from_dir(tmp_path / "pki" / "operator"),
+           "site-a": Transport.from_dir(pki.enroll("site-a", tmp_path / "pki", tmp_path / "a"))}
     server, address, ledger = start_coordinator(tmp_path / "l.sqlite", ids, Guard(Limits(per_identity_connections=2)))
 
     def connection(who):
@@ -602,12 +606,13 @@ def test_the_operator_listener_has_connections_of_its_own():
     """Connections that fill the sites' listener leave the operator's listener free."""
     import grpc
 
-    from fedrelay import wire
+    from fedrelay.server import make_server
+    from fedrelay.transport import INSECURE
     from fedrelay.v1 import coordinator_pb2_grpc
 
     ledger = Ledger(":memory:")
     service = CoordinatorService(ledger)
-    server, port = wire.make_server("127.0.0.1:0", also=["127.0.0.1:0"], max_connections=8)
+    server, port = make_server("127.0.0.1:0", also=["127.0.0.1:0"], max_connections=8)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     server.start()
     held = []
@@ -617,10 +622,10 @@ def test_the_operator_listener_has_connections_of_its_own():
             s.sendall(PREFACE)
             held.append(s)
         assert sum(closed_by_server(s) for s in held[8:9]) == 1  # over the quota: closed
-        with wire.INSECURE.channel(f"127.0.0.1:{server.also_ports[0]}") as channel:
+        with INSECURE.channel(f"127.0.0.1:{server.also_ports[0]}") as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             assert list(stub.ListPeers(cpb.ListPeersRequest(), timeout=30).peers) == []
-        with wire.INSECURE.channel(f"127.0.0.1:{port}") as channel:
+        with INSECURE.channel(f"127.0.0.1:{port}") as channel:
             with pytest.raises(grpc.RpcError) as err:
                 coordinator_pb2_grpc.CoordinatorStub(channel).ListPeers(cpb.ListPeersRequest(), timeout=30)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -632,8 +637,8 @@ def test_the_operator_listener_has_connections_of_its_own():
 
 
 def test_a_bad_operator_listen_address_names_the_flag(tmp_path):
-    from fedrelay import wire
+    from fedrelay.transport import INSECURE
     from fedrelay.coordinator.service import serve
 
     with pytest.raises(ValueError, match="--operator-listen"):
-        serve("127.0.0.1:0", tmp_path / "l.sqlite", transport=wire.INSECURE, operator_listen="nowhere")
+        serve("127.0.0.1:0", tmp_path / "l.sqlite", transport=INSECURE, operator_listen="nowhere")

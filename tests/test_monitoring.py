@@ -19,7 +19,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from fedrelay import params as run_params, wire
+from fedrelay import params as run_params
+from fedrelay.transport import INSECURE, Transport
 from fedrelay.coordinator import pki
 from fedrelay.coordinator.client import OperatorClient
 from fedrelay.health import probe
@@ -66,7 +67,7 @@ def fed(three_sites, tmp_path_factory):
     tls = {"coordinator": root / "pki" / "coordinator", "operator": root / "pki" / "operator"}
     for n in names:
         tls[n] = pki.enroll(n, root / "pki", root / f"{n}.pki")
-    ids = {k: wire.Transport.from_dir(v) for k, v in tls.items()}
+    ids = {k: Transport.from_dir(v) for k, v in tls.items()}
     handler = Lines()
     logger = logging.getLogger("fedrelay")
     old_level = logger.level
@@ -201,16 +202,16 @@ def test_health_goes_not_serving_on_shutdown_and_the_coordinator_logs_it(tmp_pat
     address = f"127.0.0.1:{free_port()}"
     try:
         thread, stop = start_thread(serve_coordinator, listen=address, db=tmp_path / "ledger.sqlite",
-                                    transport=wire.INSECURE)
-        assert probe(wire.INSECURE, address) == (True, "SERVING")
-        with wire.INSECURE.channel(address) as ch:
+                                    transport=INSECURE)
+        assert probe(INSECURE, address) == (True, "SERVING")
+        with INSECURE.channel(address) as ch:
             watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             stop.set()
             assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
             watch.cancel()
         thread.join(30)
-        ok, line = probe(wire.INSECURE, address, timeout=2)
+        ok, line = probe(INSECURE, address, timeout=2)
         assert not ok and line.startswith("UNREACHABLE")
         res = subprocess.run([str(BIN / "coordinator"), "health", "--coordinator", address, "--insecure",
                               "--timeout", "2"], capture_output=True, text=True, timeout=60)

@@ -19,7 +19,9 @@ import grpc
 import pytest
 from typer.testing import CliRunner
 
-from fedrelay import params as run_params, wire
+from fedrelay import params as run_params
+from fedrelay.callers import is_operator
+from fedrelay.transport import Transport
 from fedrelay.cli.coordinator import app as coordinator_app
 from fedrelay.cli.peer import app as peer_app
 from fedrelay.coordinator import pki
@@ -74,8 +76,8 @@ def test_no_policy_file_restricts_nothing_and_a_named_one_must_exist(tmp_path):
 
 
 def test_the_operator_identities():
-    assert wire.is_operator("operator") and wire.is_operator("operator.alice")
-    assert not any(map(wire.is_operator, ("", None, "operator.", "site-a", "coordinator", "operators")))
+    assert is_operator("operator") and is_operator("operator.alice")
+    assert not any(map(is_operator, ("", None, "operator.", "site-a", "coordinator", "operators")))
     assert pki.operator_identity("alice") == "operator.alice"
     for bad in ("Alice", "operator", "a.b", ""):
         with pytest.raises(pki.PKIError):
@@ -92,7 +94,7 @@ def test_enroll_operator_says_what_is_wrong(tmp_path):
     res = runner.invoke(coordinator_app, ["enroll", "bob", "--operator", "--ca", str(tmp_path / "pki"),
                                           "--out", str(tmp_path / "bob")])
     assert res.exit_code == 0, res.output
-    assert wire.Transport.from_dir(tmp_path / "bob").identity == "operator.bob"
+    assert Transport.from_dir(tmp_path / "bob").identity == "operator.bob"
 
 
 def test_a_site_that_connects_out_only_answers_the_policy_check_over_its_control_stream(tmp_path):
@@ -149,13 +151,13 @@ def world(three_sites, tmp_path_factory):
     rules.write_text('strategies = ["fedelmy"]\n')
     address = f"127.0.0.1:{free_port()}"
     daemons = [start_thread(serve_coordinator, listen=address, db=root / "ledger.sqlite",
-                      transport=wire.Transport.from_dir(root / "pki" / "coordinator"))]
+                      transport=Transport.from_dir(root / "pki" / "coordinator"))]
     for n, d in zip(names, three_sites):
         daemons.append(start_thread(serve_peer, data_dir=d, name=n, listen=f"127.0.0.1:{free_port()}", coordinator=address,
-                              state_dir=root / "state" / n, device="cpu", transport=wire.Transport.from_dir(tls[n]),
+                              state_dir=root / "state" / n, device="cpu", transport=Transport.from_dir(tls[n]),
                               fork_workers=True, policy=rules if n == names[1] else None))
-    ops = {"operator": OperatorClient(address, wire.Transport.from_dir(root / "pki" / "operator")),
-           "operator.alice": OperatorClient(address, wire.Transport.from_dir(root / "alice"))}
+    ops = {"operator": OperatorClient(address, Transport.from_dir(root / "pki" / "operator")),
+           "operator.alice": OperatorClient(address, Transport.from_dir(root / "alice"))}
     try:
         while {p.name for p in ops["operator"].peers()} != set(names):
             time.sleep(0.1)

@@ -107,12 +107,12 @@ def test_each_parallel_method_runs_through_the_daemons(trial, strategy, extra):
 
 
 def test_initial_weights_file_named_by_its_digest(trial, tmp_path):
-    from fedrelay import wire
+    from fedrelay.tensors import encode_state
     from fedrelay.models import build_seeded
 
     # The trial's images: 1 x 28 x 28, 10 classes (conftest).
     state = build_seeded(image_spec("cnn", 1, (28, 28), 10), 1234).state_dict()
-    data = wire.encode_state(state)
+    data = encode_state(state)
     sha = hashlib.sha256(data).hexdigest()
     # No site holds it yet: the run is refused, with where to put it, and nothing runs.
     res = start(trial, 4, "--strategy", "fedavg", "--init", "file", "--init-weights", sha, ok=False)
@@ -214,7 +214,7 @@ def test_the_aggregator_stops_waiting_at_the_upload_timeout(three_sites, tmp_pat
 def test_an_upload_without_the_aggregators_extra_tensors_is_refused(three_sites, tmp_path):
     """MA-Echo's uploads must carry its projection matrices and class counts: a bare model, or
     extras of the wrong shape, is refused before anything is kept."""
-    from fedrelay import wire
+    from fedrelay.tensors import encode_state
     from fedrelay.peer.aggregators import EXTRA
     from fedrelay.tasks.image_folder.data import load_site
     from fedrelay.models import build_seeded
@@ -227,7 +227,7 @@ def test_an_upload_without_the_aggregators_extra_tensors_is_refused(three_sites,
 
     state = build_seeded(image_spec("cnn", 1, (28, 28), 10), 1).state_dict()
     with pytest.raises(ValueError, match="tensor names differ"):
-        node._check_model_bytes(a, wire.encode_state(state), common_pb2.UPLOAD)
+        node._check_model_bytes(a, encode_state(state), common_pb2.UPLOAD)
     from fedrelay import params as run_params
     from fedrelay.peer.aggregators import join_payload
     from fedrelay.peer.aggregators import maecho
@@ -237,11 +237,11 @@ def test_an_upload_without_the_aggregators_extra_tensors_is_refused(three_sites,
     opts = run_params.options(run_params.to_dict(a.params))
     made = maecho.site_extras(state, image_spec("cnn", 1, (28, 28), 10), train, opts)
     extras = {k: v.clone() for k, v in join_payload(state, made).items()}
-    node._check_model_bytes(a, wire.encode_state(extras), common_pb2.UPLOAD)  # the real thing passes
+    node._check_model_bytes(a, encode_state(extras), common_pb2.UPLOAD)  # the real thing passes
     counts = EXTRA + "class_counts"
     extras[counts] = extras[counts][:5]
     with pytest.raises(ValueError, match="class_counts"):
-        node._check_model_bytes(a, wire.encode_state(extras), common_pb2.UPLOAD)
+        node._check_model_bytes(a, encode_state(extras), common_pb2.UPLOAD)
     # A final copy is the bare model: the extras are refused there.
     with pytest.raises(ValueError, match="tensor names differ"):
-        node._check_model_bytes(a, wire.encode_state(extras), common_pb2.FINAL_MODEL)
+        node._check_model_bytes(a, encode_state(extras), common_pb2.FINAL_MODEL)

@@ -19,7 +19,8 @@ import grpc
 import pytest
 from conftest import image_offer_pbs, image_offers
 
-from fedrelay import wire
+from fedrelay.server import make_server
+from fedrelay.transport import INSECURE
 from fedrelay.coordinator.client import OperatorClient
 from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.plan import chain_plan
@@ -60,11 +61,11 @@ def coordinator():
     stub, address)."""
     ledger = Ledger(":memory:")
     service = CoordinatorService(ledger)
-    server, port = wire.make_server("127.0.0.1:0")
+    server, port = make_server("127.0.0.1:0")
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     server.start()
     address = f"127.0.0.1:{port}"
-    with wire.INSECURE.channel(address) as channel:
+    with INSECURE.channel(address) as channel:
         yield service, ledger, coordinator_pb2_grpc.CoordinatorStub(channel), address
     server.stop(0)
     service.close()
@@ -274,7 +275,7 @@ class FakeDirectPeer:
             def Assign(self, request, context):
                 return peer_pb2.AssignReply()
 
-        self.server, port = wire.make_server("127.0.0.1:0")
+        self.server, port = make_server("127.0.0.1:0")
         peer_pb2_grpc.add_PeerServicer_to_server(Servicer(), self.server)
         self.server.start()
         self.address = f"127.0.0.1:{port}"
