@@ -42,8 +42,8 @@ from fedrelay.files import iter_file_chunks
 from fedrelay.server import make_server
 from fedrelay.transport import Transport
 from fedrelay.coordinator.relay_bounds import CapUnknown, Permit, RelayLimits, Reservations, check_grant
-from fedrelay.peer.inbound import InboundStreams, Stream
-from fedrelay.peer.transfer import TransferError, check_header_fields, held_bytes, receive_model
+from fedrelay.inbound import InboundStreams, Stream
+from fedrelay.receiving import TransferError, check_header_fields, held_bytes, receive_model
 from fedrelay.v1 import common_pb2, peer_pb2, relay_pb2, relay_pb2_grpc
 
 log = logging.getLogger("fedrelay.relay")

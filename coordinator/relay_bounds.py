@@ -22,7 +22,7 @@ hold, and for how long. ``coordinator/relay.py`` asks this module; it decides no
 - **Expiry**: an envelope nobody fetched and discarded within ``RelayLimits.lifetime`` seconds
   of its upload is removed, with its partial upload (:meth:`Reservations.sweep`).
 
-Refusals raise ``fedrelay.peer.transfer.TransferError`` with the gRPC status to answer:
+Refusals raise ``fedrelay.receiving.TransferError`` with the gRPC status to answer:
 PERMISSION_DENIED (no permit), RESOURCE_EXHAUSTED (a cap or quota).
 """
 
@@ -38,7 +38,7 @@ import grpc
 
 from fedrelay import signing, transfer_bounds
 from fedrelay.files import atomic_write
-from fedrelay.peer.transfer import TransferError
+from fedrelay.receiving import TransferError
 from fedrelay.v1 import common_pb2
 
 log = logging.getLogger("fedrelay.relay")

@@ -35,6 +35,9 @@ import json
 from pathlib import Path
 
 from fedrelay import safetensors_header
+from fedrelay.task import ModelSpec, canonical_json
+from fedrelay.tensors import decode_state, encode_state
+from fedrelay.version import __version__
 
 PREFIX = "fedrelay."
 # gRPC metadata key of the coordinator's FetchModel reply: the run's ModelSpec as JSON
@@ -73,9 +76,6 @@ def with_metadata(data: bytes, metadata: dict[str, str]) -> bytes:
 def describe(*, spec: dict, class_names, run_id: str, strategy: str, final_sha256: str) -> dict[str, str]:
     """The metadata of a final model (module docstring), as safetensors' strings; ``spec``: the
     run's ``fedrelay.ModelSpec.to_dict()``."""
-    from fedrelay import __version__
-    from fedrelay.task import canonical_json
-
     return {PREFIX + "task": spec["task"], PREFIX + "task_version": spec.get("task_version", ""),
             PREFIX + "task_sha256": spec.get("task_sha256", ""), PREFIX + "model": spec["model"],
             PREFIX + "input": canonical_json(spec.get("input") or {}),
@@ -125,8 +125,6 @@ def original_sha256(path: str | Path) -> str:
     (``fedrelay.tensors.encode_state``): for a fetched final model, the ledger's digest of the run's
     final model (``fedrelay.final_sha256``). Imports torch. Raises ``ModelFileError`` for a file
     that is not safetensors."""
-    from fedrelay.tensors import decode_state, encode_state
-
     try:
         state = decode_state(Path(path).read_bytes())
     except ValueError as exc:
@@ -151,11 +149,9 @@ def load_model(path: str | Path, device: str = "cpu", *, verify: bool = True):
     that do not fit the architecture, or (with ``verify``) tensors that do not match the digest;
     ``OSError`` when the file cannot be read.
     """
-    import torch
+    import torch  # only here: reading and writing the metadata stays free of torch
 
-    from fedrelay.tensors import decode_state, encode_state
-    from fedrelay.models import build_model
-    from fedrelay.task import ModelSpec, canonical_json
+    from fedrelay.models import build_model  # imports torch
 
     path = Path(path)
     meta = read_metadata(path)

@@ -31,7 +31,7 @@ from fedrelay.tensors import schema_digest
 from fedrelay.transport import INSECURE, Transport
 from fedrelay.task import ModelSpec, SiteData, canonical_json
 from fedrelay.tasks.offers import Offer
-from fedrelay.peer.inbound import InboundStreams, Stream
+from fedrelay.inbound import InboundStreams, Stream
 from fedrelay.peer.refusals import RefusedStreams
 from fedrelay.peer.policy import POLICY_FILE, SitePolicy
 from fedrelay.peer.monitoring import PeerMetrics
@@ -39,8 +39,8 @@ from fedrelay.peer.reporting import RETRYABLE, CoordinatorLink, Reporter
 from fedrelay.peer.runs import ACTIVE, Run, sent_key
 from fedrelay.peer import relaying
 from fedrelay.peer.relaying import RelayUnavailable
-from fedrelay.peer.transfer import (Sent, SendCancelled, TransferError, check_header_fields, held_bytes, receive_model,
-                                    remove_partials, send_model)
+from fedrelay.peer.transfer import SendCancelled, Sent, send_model
+from fedrelay.receiving import TransferError, check_header_fields, held_bytes, receive_model, remove_partials
 from fedrelay.sealing import SealError
 from fedrelay.peer.workers import InlineRunner, JobCancelled
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2, relay_pb2

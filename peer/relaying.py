@@ -32,7 +32,8 @@ from fedrelay.callers import COORDINATOR_IDENTITY
 from fedrelay.calls import CONTROL_TIMEOUT, transfer_timeout
 from fedrelay.files import sha256_file
 from fedrelay.transport import Transport
-from fedrelay.peer.transfer import Received, Sent, TransferError, held_bytes, receive_model, send_model
+from fedrelay.peer.transfer import Sent, send_model
+from fedrelay.receiving import Received, TransferError, held_bytes, receive_model
 from fedrelay.v1 import common_pb2, relay_pb2
 
 RELAY_METHODS = ("/fedrelay.v1.Relay/Offset", "/fedrelay.v1.Relay/Put", relay_pb2.RelayReceipt.FromString)

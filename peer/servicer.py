@@ -23,7 +23,8 @@ from fedrelay.calls import POLICY_REFUSAL
 from fedrelay.files import sha256_file
 from fedrelay.peer.node import PeerNode
 from fedrelay.peer.policy import PolicyRefusal
-from fedrelay.peer.transfer import TransferError, model_stream
+from fedrelay.peer.transfer import model_stream
+from fedrelay.receiving import TransferError
 from fedrelay.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("fedrelay.peer")

@@ -17,7 +17,7 @@ from fedrelay.transport import INSECURE, Transport
 from fedrelay.coordinator import pki
 from fedrelay.coordinator.relay import RelayService
 from fedrelay.peer import relaying
-from fedrelay.peer.transfer import TransferError, partial_path
+from fedrelay.receiving import TransferError, partial_path
 from fedrelay.v1 import common_pb2, relay_pb2
 
 pytestmark = pytest.mark.system

@@ -23,7 +23,7 @@ from fedrelay.coordinator import pki
 from fedrelay.coordinator.relay import RelayService, serve_relay
 from fedrelay.coordinator.relay_bounds import GRANT_SECONDS, CapUnknown, Permit, RelayLimits, issue_grant
 from fedrelay.peer import relaying
-from fedrelay.peer.transfer import partial_path
+from fedrelay.receiving import partial_path
 from fedrelay.v1 import common_pb2, relay_pb2, relay_pb2_grpc
 
 MiB = 1 << 20

@@ -379,7 +379,7 @@ def test_a_senders_failing_streams_are_reported_a_few_times_then_counted(three_s
 
     from fedrelay.peer.node import PeerNode
     from fedrelay.peer.refusals import ANNOUNCED
-    from fedrelay.peer.transfer import TransferError
+    from fedrelay.receiving import TransferError
 
     node = PeerNode("site-b", "127.0.0.1:1", load_site(three_sites[0]), tmp_path / "state", "cpu", None,
                     start_workers=False)

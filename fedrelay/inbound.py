@@ -1,7 +1,8 @@
 """Inbound model streams: at most one stream writes into a destination, and none hangs.
 
-``PeerNode.handoff`` checks a transfer against the run's plan; this module keeps the streams it
-accepted: a newer stream of the same transfer (the sender resumed after a link dropped without
+A site's ``Peer.Handoff`` (``fedrelay.peer``) and the relay's ``Relay.Put``
+(``fedrelay.coordinator.relay``) check a transfer against the run's plan; this module keeps the
+streams they accepted: a newer stream of the same transfer (the sender resumed after a link dropped without
 a reset) ends the older one, keeping its bytes (``claim``/``end``); a stream that sends nothing
 for ``stall_timeout`` seconds, or runs past ``calls.transfer_timeout`` of its declared size, is
 dropped (``watched``).
@@ -17,7 +18,7 @@ from pathlib import Path
 import grpc
 
 from fedrelay.calls import transfer_timeout
-from fedrelay.peer.transfer import TransferError
+from fedrelay.receiving import TransferError
 
 
 class Stream:
