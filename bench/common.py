@@ -7,7 +7,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -16,19 +15,6 @@ REPO = BENCH.parent
 RESULTS_JSON = BENCH / "results.json"
 RESULTS_MD = BENCH / "RESULTS.md"
 PLOTS = BENCH / "plots"
-
-
-def deploy_script(name: str):
-    """A script of ``deploy/`` (``local_trial``, ``netns_trial``) loaded as a module (deploy/ is
-    not a package: it holds what an institution copies, not a library)."""
-    import importlib.util
-
-    if str(REPO / "deploy") not in sys.path:
-        sys.path.insert(0, str(REPO / "deploy"))  # netns_trial imports local_trial
-    spec = importlib.util.spec_from_file_location(name, REPO / "deploy" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def study_workdir(args, prefix: str, default: Path) -> Path:
@@ -42,12 +28,6 @@ def study_workdir(args, prefix: str, default: Path) -> Path:
     if getattr(args, "plots", "") is None:
         args.plots = work / "plots" if args.quick else PLOTS
     return work
-
-
-def tool(name: str) -> str:
-    """Path of a console script of this environment (``peer``, ``coordinator``)."""
-    path = Path(sys.executable).parent / name
-    return str(path) if path.exists() else name
 
 
 def meta() -> dict:

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from bench.accuracy import (LABELS, Cache, Config, _load_sites, _pct, _stats, dir_key, log, make_split, site_dirs,
                             start_chain, write_synthetic_idx)
-from bench.common import REPO, RESULTS_JSON, deploy_script, meta, record, study_workdir
+from bench.common import REPO, RESULTS_JSON, meta, record, study_workdir
 from fedrelay.tasks import resolve as resolve_task
 
 METHODS = ("fedelmy", "fedseq_last_epoch", "fedseq_best_val")
@@ -620,7 +620,7 @@ def main(argv=None) -> dict:
     cache = FewShotCache(work / "cells")
     failures: list[str] = []
     log(f"workdir {work}; config {cfg.train_tag} {cfg.split_tag}, {args.rounds} rounds")
-    lt = deploy_script("local_trial")
+    from deploy import local_trial as lt
     for seed in ([] if args.publish_only else args.seeds):  # seed-major: partial results cover both Dirichlets
         for a in args.dirichlets:
             group = (cfg.train_tag, cfg.split_tag, f"rounds{args.rounds}", f"dir{a:g}-seed{seed}")

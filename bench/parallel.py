@@ -45,7 +45,7 @@ from pathlib import Path
 
 from bench.accuracy import (Cache, Config, _pct, _stats, dir_key, log, make_split, run_references, site_dirs,
                             start_chain, write_synthetic_idx)
-from bench.common import REPO, deploy_script, meta, record, study_workdir
+from bench.common import REPO, meta, record, study_workdir
 from bench.few_shot import cpu_capability
 
 CHAIN = ("fedelmy", "fedseq")
@@ -473,7 +473,7 @@ def main(argv=None) -> dict:
     cache = ParallelCache(work / "cells")
     failures: list[str] = []
     log(f"workdir {work}; config {cfg.train_tag} {cfg.star_tag} {cfg.split_tag}")
-    lt = deploy_script("local_trial")
+    from deploy import local_trial as lt
     for seed in ([] if args.publish_only else args.seeds):  # seed-major: partial results cover both Dirichlets
         for a in args.dirichlets:
             group = (cfg.train_tag, cfg.star_tag, cfg.split_tag, f"dir{a:g}-seed{seed}")

@@ -34,7 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import record, tool
+from bench.common import record
+from deploy.local_trial import tool
 
 SOCKET_SERVER = r'''
 import hashlib, os, socket, struct, sys

@@ -1,4 +1,4 @@
-"""The relay's bounds (issue 28): what one sender, one run and one envelope may make a relay
+"""The relay's bounds (docs/relay-bounds.md): what one sender, one run and one envelope may make a relay
 hold, and for how long. ``coordinator/relay.py`` asks this module; it decides nothing itself.
 
 - **Only planned transfers.** A relayed transfer needs a :class:`Permit`: the coordinator's own

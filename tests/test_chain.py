@@ -12,11 +12,10 @@ import pytest
 
 from conftest import image_offer_pbs
 
-from bench.common import deploy_script
+from deploy import local_trial
 
 pytestmark = pytest.mark.integration
 
-local_trial = deploy_script("local_trial")
 
 CHAIN = ["--models-per-site", "2", "--local-epochs", "1", "--warmup-epochs", "1", "--batch-size", "32"]
 

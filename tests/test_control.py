@@ -1,4 +1,4 @@
-"""Run control (issue 12, item 4): stopping a run, forgetting a peer, stale peers left out of the
+"""Run control (docs/how-to/watch-and-steer.md): stopping a run, forgetting a peer, stale peers left out of the
 default peer set, a second daemon under a live site's name refused, and retention (`peer prune`).
 
 One real trial (a coordinator and 3 peer daemons as processes, mutual TLS, tiny data) carries the
@@ -18,13 +18,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.common import deploy_script
+from deploy import local_trial
 from conftest import image_offers
 from fedrelay.coordinator.ledger import TERMINAL, Ledger
 
 pytestmark = pytest.mark.integration
 
-local_trial = deploy_script("local_trial")
 
 # Long enough that the first site is still training when it is stopped (~70 images per site).
 SLOW = ["--models-per-site", "3", "--local-epochs", "20", "--warmup-epochs", "20", "--batch-size", "8"]
@@ -62,7 +61,7 @@ def _site_status(trial, name: str):
 
 
 def test_stop_a_run_mid_training(trial):
-    waiter = subprocess.Popen([local_trial._tool("coordinator"), "start-chain", "--seed", "3", "--wait", "--json",
+    waiter = subprocess.Popen([local_trial.tool("coordinator"), "start-chain", "--seed", "3", "--wait", "--json",
                                *SLOW, "--coordinator", trial.coordinator, *trial.security_args()],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=trial.env)
     try:
@@ -116,7 +115,7 @@ def test_stop_a_run_mid_training(trial):
         assert all(_site_status(trial, n).name == n for n in trial.names)
         # Retention at a site, while its daemon runs: the cancelled run goes (dry run first).
         state = trial.workdir / "state" / trial.names[0]
-        peer = [local_trial._tool("peer"), "prune", "--state-dir", str(state), "--older-than", "0"]
+        peer = [local_trial.tool("peer"), "prune", "--state-dir", str(state), "--older-than", "0"]
         dry = subprocess.run([*peer, "--dry-run"], capture_output=True, text=True, timeout=60, env=trial.env)
         assert dry.returncode == 0 and f"would remove run {run_id} (cancelled" in dry.stdout
         assert (state / "runs" / run_id).is_dir()

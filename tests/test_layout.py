@@ -37,8 +37,7 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
-# Circles in modules that are being restructured elsewhere in issue 24 (each entry: the modules of
-# one circle). Remove an entry once its circle is gone; the test fails on any other circle, and on
+# Circles in modules that other changes restructure (each entry: the modules of one circle). Remove an entry once its circle is gone; the test fails on any other circle, and on
 # an entry that no longer is one.
 KNOWN_CIRCLES = [
     # split.py's split_dataset imports split_tabular inside the function; split_tabular imports

@@ -1,4 +1,4 @@
-"""Bounded per identity and per endpoint (issue 28, item 4): progress reports rate-limited per run
+"""Bounded per identity and per endpoint (docs/limits.md): progress reports rate-limited per run
 member (``coordinator/progress_limit.py``), the run page's and metrics endpoint's own connection
 limits, ``Host:`` check and cached page data (``coordinator/http_limits.py``, ``coordinator/web``,
 ``fedrelay/metrics.py``), the gRPC servers' connection bounds (``fedrelay/limits.py``) and the

@@ -1,4 +1,4 @@
-"""Operating a federation (issue #12): Prometheus metrics on both daemons, the gRPC health
+"""Operating a federation (docs/how-to/monitor.md): Prometheus metrics on both daemons, the gRPC health
 service, a site asking its own daemon for its status, and the coordinator's log lines.
 
 One coordinator and three peer daemons in this process (threads, each with its own metrics

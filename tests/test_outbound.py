@@ -1,4 +1,4 @@
-"""Sites that only connect out (issue 14): the relay (sealed envelopes, who may put and get,
+"""Sites that only connect out (docs/how-to/firewall.md): the relay (sealed envelopes, who may put and get,
 resume through it) and a real trial whose outbound-only sites get their models through it with
 the same final digest as the direct run."""
 
@@ -159,10 +159,9 @@ CHAIN = ["--models-per-site", "2", "--local-epochs", "1", "--warmup-epochs", "1"
 def test_outbound_only_sites_get_their_models_through_the_relay_with_the_same_digest(three_sites, tmp_path):
     import time
 
-    from bench.common import deploy_script
+    from deploy import local_trial
     from fedrelay.coordinator.client import OperatorClient
 
-    local_trial = deploy_script("local_trial")
     with local_trial.LocalTrial(tmp_path, three_sites) as trial:
         def run(seed: int) -> dict:
             res = trial.cli("start-chain", "--seed", str(seed), "--wait", "--json", *CHAIN, capture_output=True,
@@ -218,9 +217,9 @@ def test_outbound_only_sites_get_their_models_through_the_relay_with_the_same_di
 def test_outbound_only_needs_tls_and_no_advertised_address(three_sites, tmp_path):
     import subprocess
 
-    from bench.common import deploy_script
+    from deploy import local_trial
 
-    peer = deploy_script("local_trial")._tool("peer")
+    peer = local_trial.tool("peer")
     base = [peer, "serve", "--data", str(three_sites[0]), "--name", "site-00", "--outbound-only", "--check",
             "--state-dir", str(tmp_path / "state")]
     res = subprocess.run([*base, "--insecure"], capture_output=True, text=True, timeout=120)
@@ -303,15 +302,14 @@ def test_coordinator_relay_says_what_it_needs(federation, tmp_path):
 
 
 def test_through_the_operators_relay_senders_present_the_coordinators_grants(three_sites, tmp_path):
-    """``coordinator serve --relay HOST:PORT`` with ``coordinator relay`` there (issue 28): the
+    """``coordinator serve --relay HOST:PORT`` with ``coordinator relay`` there (docs/relay-bounds.md): the
     sender of each relayed transfer asks the coordinator for a grant and the relay takes the
     envelope with it; the run finishes with every relayed transfer done."""
     import threading
 
-    from bench.common import deploy_script
+    from deploy import local_trial
     from fedrelay.coordinator.relay import serve_relay
 
-    local_trial = deploy_script("local_trial")
     relay = f"127.0.0.1:{local_trial.free_ports(1)[0]}"
     sites = three_sites[:2]  # the shortest chain: its one hop goes through the relay
     last = sites[-1].name

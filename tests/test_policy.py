@@ -1,4 +1,4 @@
-"""A site's own policy and more than one operator (issue 26, item 3; docs/site-policy.md).
+"""A site's own policy and more than one operator (docs/site-policy.md).
 
 Unit tests of the policy file (every bad key named, no traceback); then a coordinator and three
 peer daemons in this process over mutual TLS, the middle site with a policy file that each test

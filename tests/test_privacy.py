@@ -1,4 +1,4 @@
-"""Differential privacy at the site (issue 26, item 5): DP-SGD with Opacus as an option of a run.
+"""Differential privacy at the site (docs/differential-privacy.md): DP-SGD with Opacus as an option of a run.
 
 In-process: the options' checks and the CLI's messages, DP-SGD in ``fit`` (FedELMY's regulariser
 included), the accounting and its book, BatchNorm refused. Through the daemons (coordinator and 3
@@ -194,9 +194,8 @@ CHAIN = ["--models-per-site", "2", "--local-epochs", "1", "--warmup-epochs", "1"
 
 @pytest.fixture(scope="module")
 def trial(three_sites, tmp_path_factory):
-    from bench.common import deploy_script
+    from deploy import local_trial
 
-    local_trial = deploy_script("local_trial")
     with local_trial.LocalTrial(tmp_path_factory.mktemp("privacy"), three_sites[:2]) as t:  # two sites: one hop a round
         yield t
 

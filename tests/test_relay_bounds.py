@@ -1,4 +1,4 @@
-"""The relay bounded like a peer's Handoff (issue 28, item 1): only transfers a run's plan names
+"""The relay bounded like a peer's Handoff (docs/relay-bounds.md): only transfers a run's plan names
 (the operator's relay: only with the coordinator's signed grant), the run's payload cap per
 envelope, per-run and per-sender quotas, no compressed requests, a stall timeout, and expiry of
 what is never fetched. Real relays on loopback over mutual TLS; an attacker holding one

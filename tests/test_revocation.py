@@ -1,4 +1,4 @@
-"""Revocation (issue 26, item 2), over real mutual-TLS sockets on loopback: `coordinator revoke`
+"""Revocation (docs/site-keys-and-revocation.md), over real mutual-TLS sockets on loopback: `coordinator revoke`
 signs a revocation list with the CA, the coordinator records who revoked whom and when and
 publishes the list; the revoked site's calls are refused by the coordinator and by a peer
 daemon, its calls in flight (a control stream, a model transfer) are cancelled, with no daemon

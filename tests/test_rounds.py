@@ -9,12 +9,11 @@ import json
 
 import pytest
 
-from bench.common import deploy_script
+from deploy import local_trial
 from test_reliability import finished, run_dir, show, wait_until
 
 pytestmark = pytest.mark.integration
 
-local_trial = deploy_script("local_trial")
 
 CHAIN = ["--models-per-site", "2", "--local-epochs", "1", "--warmup-epochs", "1", "--batch-size", "32"]
 

@@ -1,4 +1,4 @@
-"""Sites make their own keys (issue 26, item 1): `peer init` writes the site's key and request at
+"""Sites make their own keys (docs/site-keys-and-revocation.md): `peer init` writes the site's key and request at
 the site, `coordinator enroll --csr` signs the request, the private key never reaches the
 operator's folder; bad requests are refused with a clear message; a site-made identity speaks
 mutual TLS with the coordinator and signs reports that verify against the CA."""

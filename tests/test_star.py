@@ -1,4 +1,4 @@
-"""The parallel one-shot methods through real daemons (issue #11): a star plan around one
+"""The parallel one-shot methods through real daemons (docs/explanation/methods.md): a star plan around one
 aggregating site, over mutual TLS, driven through the CLI, on tiny synthetic data.
 
 Every site trains from the run's initial model at once and uploads its payload (model + the
@@ -16,11 +16,10 @@ import time
 import pytest
 
 from fedrelay.tasks.image_folder import spec as image_spec
-from bench.common import deploy_script
+from deploy import local_trial
 
 pytestmark = pytest.mark.integration
 
-local_trial = deploy_script("local_trial")
 
 # S = 1, E = 2, Ew = 1 on ~70 images per site: seconds per site.
 STAR = ["--models-per-site", "1", "--local-epochs", "2", "--warmup-epochs", "1", "--batch-size", "32"]

@@ -222,9 +222,9 @@ CHAIN = ["--models-per-site", "2", "--local-epochs", "2", "--warmup-epochs", "2"
 
 @pytest.fixture(scope="module")
 def trial(three_sites, tmp_path_factory):
-    from bench.common import deploy_script
+    from deploy import local_trial
 
-    with deploy_script("local_trial").LocalTrial(tmp_path_factory.mktemp("watching"), three_sites) as t:
+    with local_trial.LocalTrial(tmp_path_factory.mktemp("watching"), three_sites) as t:
         yield t
 
 

@@ -222,10 +222,9 @@ def test_the_page_follows_a_real_run_in_a_browser(three_sites, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from bench.common import deploy_script
+    from deploy import local_trial
 
     browser = chrome()
-    local_trial = deploy_script("local_trial")
     web = free_port()
     try:
         with local_trial.LocalTrial(tmp_path / "trial", three_sites, insecure=True,

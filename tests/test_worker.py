@@ -1,4 +1,4 @@
-"""Issue 13's building blocks of a light site daemon: payload validation without torch
+"""The building blocks of a light site daemon (docs/explanation/scale.md): payload validation without torch
 (fedrelay/payload.py) and host-wide worker slots (peer/slots.py)."""
 
 from __future__ import annotations
