@@ -233,22 +233,32 @@ def test_runs_whose_texts_add_up_past_the_message_cap_are_listed_in_pages(coordi
 
 
 def test_peers_and_metrics_past_the_message_cap_are_listed_in_pages(coordinator, monkeypatch):
+    from fedrelay.calls import MAX_MESSAGE_BYTES
     from fedrelay.coordinator import replies
 
     _, ledger, _, address = coordinator
+    # The replies' budgets under the message cap, and the peers' class lists, scaled down SCALE
+    # times: the same pages and cuts as at full size (three records of ~3.9 MB that take a page
+    # each, one past a reply's budget), with 1/SCALE of the bytes to make, store and send.
+    assert replies.PAGE_BYTES < replies.SUMMARY_BYTES < MAX_MESSAGE_BYTES
+    scale = 100
+    monkeypatch.setattr(replies, "PAGE_BYTES", replies.PAGE_BYTES // scale)
+    monkeypatch.setattr(replies, "SUMMARY_BYTES", replies.SUMMARY_BYTES // scale)
+    many = 30_000 // scale
+
     def long_classes(n: int) -> list[dict]:  # 128-character class names: ~3.9 MB per 30,000
         return image_offers({f"{i:06d}" + "c" * 122: (1, 1) for i in range(n)})
 
     for name in ("p-1", "p-2", "p-3"):
-        ledger.upsert_peer(name, "127.0.0.1:9", long_classes(30_000), "cpu", "x")
-    ledger.upsert_peer("p-4", "127.0.0.1:9", long_classes(90_000), "cpu", "x")  # one record past the cap
+        ledger.upsert_peer(name, "127.0.0.1:9", long_classes(many), "cpu", "x")
+    ledger.upsert_peer("p-4", "127.0.0.1:9", long_classes(3 * many), "cpu", "x")  # one record past the cap
     with OperatorClient(address) as client:
         peers = {p.name: p for p in client.peers()}
     assert {"p-1", "p-2", "p-3", "p-4"} <= set(peers)
-    assert all(len(peers[n].tasks[0].classes) == 30_000 and peers[n].classes_omitted == 0
+    assert all(len(peers[n].tasks[0].classes) == many and peers[n].classes_omitted == 0
                for n in ("p-1", "p-2", "p-3"))
     p4 = peers["p-4"]
-    assert p4.classes_omitted > 0 and len(p4.tasks[0].classes) + p4.classes_omitted == 90_000
+    assert p4.classes_omitted > 0 and len(p4.tasks[0].classes) + p4.classes_omitted == 3 * many
     # Metrics: small pages, so that a few rows take several.
     monkeypatch.setattr(replies, "PAGE_BYTES", 200)
     new_run(ledger, "metrics")
