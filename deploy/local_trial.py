@@ -418,12 +418,18 @@ def chain_args_problem(chain_args: list[str]) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def split_chain_args(argv: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """``argv`` (default: the command line's arguments) split at ``--``: (the trial's own
+    arguments, those for ``coordinator start-chain``; empty without ``--``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    chain_args: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, chain_args = argv[:i], argv[i + 1:]
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv, chain_args = split_chain_args(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", choices=DATASETS, default="fashion-mnist",
                     help="fashion-mnist (image folders, the default task) | breast-cancer (three hospitals' "

@@ -49,7 +49,8 @@ from pathlib import Path
 
 if not __package__:  # run as a script (python deploy/netns_trial.py): the checkout is where deploy/ is
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from deploy.local_trial import LocalTrial, chain_args_problem, ensure_fashion_mnist, guarded, tool  # noqa: E402
+from deploy.local_trial import (LocalTrial, chain_args_problem, ensure_fashion_mnist, guarded,  # noqa: E402
+                                split_chain_args, tool)
 
 #: The fault scenarios ``--faults`` takes, each run on its own after the undisturbed runs.
 SCENARIOS = ("kill-peer", "link-down", "kill-coordinator", "cut-transfer", "firewall")
@@ -341,11 +342,7 @@ def write_report(path: Path, sites: int, baseline: dict, disturbed: list[tuple[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    chain_args: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, chain_args = argv[:i], argv[i + 1:]
+    argv, chain_args = split_chain_args(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sites", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)

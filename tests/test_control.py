@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from deploy import local_trial
-from conftest import image_offers
+from conftest import Aborted, FakeContext, image_offers
 from fedrelay.coordinator.ledger import TERMINAL, Ledger
 
 pytestmark = pytest.mark.integration
@@ -170,18 +170,6 @@ def test_a_second_daemon_under_a_live_name_is_refused(trial, tmp_path):
 
 
 # -- the rules on their own --------------------------------------------------------------------------
-
-
-class Aborted(Exception):
-    pass
-
-
-class FakeContext:
-    def abort(self, code, message):
-        raise Aborted(code, message)
-
-    def auth_context(self):
-        return {}
 
 
 def _peers(ledger: Ledger, names: list[str], stale: list[str]) -> None:

@@ -13,6 +13,7 @@ The folders map to packages as ``pyproject.toml``'s ``[tool.setuptools.package-d
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +62,8 @@ def _resolve(name: str) -> str | None:
     return None
 
 
-def imports(module: str) -> set[str]:
+@functools.cache
+def imports(module: str) -> frozenset[str]:
     """The fedrelay modules ``module`` imports anywhere in its source (top level or inside a
     function), generated stubs left out."""
     path = MODULES[module]
@@ -81,7 +83,7 @@ def imports(module: str) -> set[str]:
         else:
             continue
         out |= {t for t in targets if t and t != module}
-    return out
+    return frozenset(out)
 
 
 def room(module: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from conftest import FakeContext, new_run
 from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.plan import chain_plan
 from fedrelay.coordinator.progress_limit import ProgressLimit
@@ -23,23 +24,6 @@ class Clock:
 
     def __call__(self):
         return self.now
-
-
-class FakeContext:
-    def abort(self, code, message):
-        raise AssertionError(f"aborted: {code} {message}")
-
-    def auth_context(self):
-        return {}
-
-    def peer(self):
-        return "ipv4:127.0.0.1:1"
-
-
-def new_run(ledger: Ledger, run_id: str, sites=("a", "b")) -> None:
-    ledger.create_run(run_id, strategy="fedelmy", arch="cnn", seed=1, params={},
-                      chain=[{"name": n, "address": "127.0.0.1:9"} for n in sites], class_index=["x"], model={},
-                      warnings=[], insecure=True, plan=chain_plan(list(sites)).to_json())
 
 
 # -- progress reports --------------------------------------------------------------------------------
@@ -96,15 +80,6 @@ import threading  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
-
-
-@pytest.fixture
-def service():
-    ledger = Ledger(":memory:")
-    svc = CoordinatorService(ledger)
-    yield svc
-    svc.close()
-    ledger.close()
 
 
 def page_client(service, base_url="http://localhost", hosts=None):
@@ -349,9 +324,7 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("00000004000000000
 SERVER = r"""
 import resource, sys, threading
 resource.setrlimit(resource.RLIMIT_NOFILE, (200, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-from fedrelay.calls import status_message
 from fedrelay.server import make_server
-from fedrelay.transport import INSECURE, Transport
 from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.service import CoordinatorService
 from fedrelay.v1 import coordinator_pb2_grpc
@@ -550,22 +523,10 @@ def test_a_site_identity_makes_calls_on_a_bounded_number_of_connections(tmp_path
     from fedrelay import signing
     from fedrelay.coordinator import pki
     from fedrelay.guard import Guard, Limits
-    from conftest import image_offer_pbs
 
-    from fedrelay.server import make_server
+    from conftest import registration, start_coordinator
     from fedrelay.transport import Transport
     from fedrelay.v1 import coordinator_pb2_grpc
-
-    def registration(name):
-        return cpb.RegisterRequest(name=name, address="127.0.0.1:9", tasks=image_offer_pbs({"Bag": (5, 1)}))
-
-    def start_coordinator(db, ids, guard):
-        ledger = Ledger(db)
-        server, port = make_server("127.0.0.1:0", transport=ids["coordinator"], guard=guard)
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-            CoordinatorService(ledger, transport=ids["coordinator"]), server)
-        server.start()
-        return server, f"127.0.0.1:{port}", ledger
 
     pki.init_ca(tmp_path / "pki")
     ids = {"coordinator": Transport.from_dir(tmp_path / "pki" / "coordinator"),

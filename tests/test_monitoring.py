@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from fedrelay.coordinator import pki
 from fedrelay.coordinator.client import OperatorClient
 from fedrelay.health import probe
 from fedrelay.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
-from conftest import free_port, start_thread
+from conftest import chain_to_the_end, free_port, start_thread, stop_threads
 
 pytestmark = pytest.mark.integration
 
@@ -84,19 +83,12 @@ def fed(three_sites, tmp_path_factory):
                                     metrics_listen=metrics[n], fork_workers=True))
     client = OperatorClient(address, ids["operator"])
     try:
-        while {p.name for p in client.peers()} != set(names):  # each registers as it starts
-            threading.Event().wait(0.1)
-        reply = client.start_chain(peers=names, order="given", seed=1, model="cnn", params=run_params.to_pb(PARAMS))
-        for _ in client.watch(reply.run_id):  # the stream ends with the run
-            pass
+        _, run = chain_to_the_end(client, names, run_params.to_pb(PARAMS))
         yield dict(root=root, tls=tls, ids=ids, names=names, address=address, peers=peers, metrics=metrics,
-                   run=client.run(reply.run_id), lines=handler.lines, daemons=daemons)
+                   run=run, lines=handler.lines, daemons=daemons)
     finally:
         client.close()
-        for t, stop in reversed(daemons):
-            stop.set()
-        for t, stop in daemons:
-            t.join(30)
+        stop_threads(daemons)
         logger.removeHandler(handler)
         logger.setLevel(old_level)
 

@@ -23,17 +23,6 @@ from fedrelay.v1 import common_pb2, relay_pb2
 pytestmark = pytest.mark.system
 
 
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory):
-    """A CA, the coordinator's identity and three sites'."""
-    root = tmp_path_factory.mktemp("pki")
-    pki.init_ca(root / "pki")
-    ids = {"coordinator": Transport.from_dir(root / "pki" / "coordinator")}
-    for name in ("site-a", "site-b", "site-c"):
-        ids[name] = Transport.from_dir(pki.enroll(name, root / "pki", root / name))
-    return ids
-
-
 @pytest.fixture
 def relay(federation, tmp_path):
     """``coordinator relay`` (the Relay service alone) on loopback, mutual TLS, keeping a copy of

@@ -27,7 +27,7 @@ from fedrelay.cli.peer import app as peer_app
 from fedrelay.coordinator import pki
 from fedrelay.peer import policy
 from fedrelay.v1 import peer_pb2
-from conftest import free_port, start_thread
+from conftest import serve_in_threads, stop_threads
 
 pytestmark = pytest.mark.integration
 
@@ -137,8 +137,6 @@ def world(three_sites, tmp_path_factory):
     ``--policy POLICY`` (a file the tests rewrite). Two operators: ``operator`` (init-ca) and
     ``operator.alice`` (enrolled with the CLI's ``enroll --operator alice``)."""
     from fedrelay.coordinator.client import OperatorClient
-    from fedrelay.coordinator.service import serve as serve_coordinator
-    from fedrelay.peer.daemon import serve as serve_peer
 
     root = tmp_path_factory.mktemp("policy")
     pki.init_ca(root / "pki")
@@ -149,13 +147,7 @@ def world(three_sites, tmp_path_factory):
     tls = {n: pki.enroll(n, root / "pki", root / f"{n}.pki") for n in names}
     rules = root / "policy.toml"
     rules.write_text('strategies = ["fedelmy"]\n')
-    address = f"127.0.0.1:{free_port()}"
-    daemons = [start_thread(serve_coordinator, listen=address, db=root / "ledger.sqlite",
-                      transport=Transport.from_dir(root / "pki" / "coordinator"))]
-    for n, d in zip(names, three_sites):
-        daemons.append(start_thread(serve_peer, data_dir=d, name=n, listen=f"127.0.0.1:{free_port()}", coordinator=address,
-                              state_dir=root / "state" / n, device="cpu", transport=Transport.from_dir(tls[n]),
-                              fork_workers=True, policy=rules if n == names[1] else None))
+    address, daemons = serve_in_threads(root, three_sites, tls, **{names[1]: {"policy": rules}})
     ops = {"operator": OperatorClient(address, Transport.from_dir(root / "pki" / "operator")),
            "operator.alice": OperatorClient(address, Transport.from_dir(root / "alice"))}
     try:
@@ -165,10 +157,7 @@ def world(three_sites, tmp_path_factory):
     finally:
         for c in ops.values():
             c.close()
-        for _, stop in reversed(daemons):
-            stop.set()
-        for t, _ in daemons:
-            t.join(30)
+        stop_threads(daemons)
 
 
 def write_policy(world, text: str) -> None:

@@ -18,8 +18,6 @@ from fedrelay.callers import COORDINATOR_IDENTITY
 from fedrelay.calls import CHUNK_BYTES
 from fedrelay.files import sha256_file
 from fedrelay.server import make_server
-from fedrelay.transport import Transport
-from fedrelay.coordinator import pki
 from fedrelay.coordinator.relay import RelayService, serve_relay
 from fedrelay.coordinator.relay_bounds import GRANT_SECONDS, CapUnknown, Permit, RelayLimits, issue_grant
 from fedrelay.peer import relaying
@@ -28,17 +26,6 @@ from fedrelay.v1 import common_pb2, relay_pb2, relay_pb2_grpc
 
 MiB = 1 << 20
 PUT = "/fedrelay.v1.Relay/Put"
-
-
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory):
-    """A CA, the coordinator's identity and three sites'."""
-    root = tmp_path_factory.mktemp("pki")
-    pki.init_ca(root / "pki")
-    ids = {"coordinator": Transport.from_dir(root / "pki" / "coordinator")}
-    for name in ("site-a", "site-b", "site-c"):
-        ids[name] = Transport.from_dir(pki.enroll(name, root / "pki", root / name))
-    return ids
 
 
 def _start(federation, folder, relay_limits: RelayLimits):

@@ -21,12 +21,10 @@ from fedrelay.server import make_server
 from fedrelay.tensors import encode_state
 from fedrelay.transport import INSECURE, Transport, TransportError
 from fedrelay.coordinator import pki
-from fedrelay.coordinator.ledger import Ledger
-from fedrelay.coordinator.service import CoordinatorService
 from fedrelay.tasks.image_folder.data import load_site
 from fedrelay.models import ModelSpec, build_model
 from fedrelay.tasks.image_folder import spec as image_spec
-from conftest import image_offer_pbs
+from conftest import registration, start_coordinator
 from fedrelay.peer.node import PeerNode
 from fedrelay.peer.reporting import CoordinatorLink
 from fedrelay.peer.servicer import PeerServicer
@@ -128,16 +126,22 @@ GOOD = model_bytes()
 
 
 # -- who may connect -----------------------------------------------------------------------------
+def channel_as(ids, who: str, address: str, expect: str) -> grpc.Channel:
+    """A channel to the server ``expect`` (its certificate name) at ``address`` as ``who``: an
+    identity of ``ids``, ``"no certificate"`` (TLS that trusts the federation's CA and presents
+    no client certificate) or ``"plaintext"``."""
+    if who == "no certificate":
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ids["site-a"].ca),
+                                   options=[("grpc.ssl_target_name_override", expect)])
+    if who == "plaintext":
+        return INSECURE.channel(address)
+    return ids[who].channel(address, expect=expect)
+
+
 @pytest.mark.parametrize("who", ["rogue-coordinator", "rogue-site-a", "expired-site-a", "no certificate", "plaintext"])
 def test_connection_without_an_enrolled_valid_certificate_is_refused(peer, ids, who):
     node, address = peer
-    if who == "no certificate":
-        ch = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ids["site-b"].ca),
-                                 options=[("grpc.ssl_target_name_override", "site-b")])
-    elif who == "plaintext":
-        ch = INSECURE.channel(address)
-    else:
-        ch = ids[who].channel(address, expect="site-b")
+    ch = channel_as(ids, who, address, "site-b")
     before = snapshot(node, "bad")
     with ch:
         for call in (lambda s: s.GetStatus(peer_pb2.StatusRequest(), timeout=5),
@@ -454,17 +458,6 @@ def test_a_cut_stream_resumes_and_a_bad_resume_loses_the_partial(peer, ids):
     healthy(ids, address)
 
 
-def start_coordinator(db: Path, ids, guard=None) -> tuple[grpc.Server, str, Ledger]:
-    """The coordinator's service over mutual TLS with a ledger at ``db`` and ``guard`` (default:
-    ``server.make_server``'s). Returns (server, address, ledger); stop and close them when done."""
-    ledger = Ledger(db)
-    server, port = make_server("127.0.0.1:0", transport=ids["coordinator"], guard=guard)
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-        CoordinatorService(ledger, transport=ids["coordinator"]), server)
-    server.start()
-    return server, f"127.0.0.1:{port}", ledger
-
-
 @pytest.fixture(scope="module")
 def coordinator(ids, tmp_path_factory):
     server, address, ledger = start_coordinator(tmp_path_factory.mktemp("ledger") / "l.sqlite", ids)
@@ -478,10 +471,6 @@ def cstub(transport: Transport, address: str, signed: bool = True) -> coordinato
     identity's key, as a peer's are (``signed=False``: sent as given)."""
     stub = coordinator_pb2_grpc.CoordinatorStub(transport.channel(address, expect="coordinator"))
     return signing.SigningStub(stub, signing.signer_for(transport)) if signed else stub
-
-
-def registration(name: str) -> cpb.RegisterRequest:
-    return cpb.RegisterRequest(name=name, address="127.0.0.1:9", tasks=image_offer_pbs({"Bag": (5, 1)}))
 
 
 def test_coordinator_takes_registrations_and_reports_only_from_the_site_itself(coordinator, ids):
@@ -531,13 +520,7 @@ def test_operator_calls_only_from_the_operator(coordinator, ids):
 @pytest.mark.parametrize("who", ["rogue-site-a", "expired-site-a", "no certificate", "plaintext"])
 def test_coordinator_refuses_connections_without_a_valid_enrolled_certificate(coordinator, ids, who):
     address, ledger = coordinator
-    if who == "no certificate":
-        ch = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ids["site-a"].ca),
-                                 options=[("grpc.ssl_target_name_override", "coordinator")])
-    elif who == "plaintext":
-        ch = INSECURE.channel(address)
-    else:
-        ch = ids[who].channel(address, expect="coordinator")
+    ch = channel_as(ids, who, address, "coordinator")
     with ch, pytest.raises(grpc.RpcError) as err:
         coordinator_pb2_grpc.CoordinatorStub(ch).Register(registration("site-a"), timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE

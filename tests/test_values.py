@@ -17,13 +17,12 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-from conftest import image_offer_pbs, image_offers
+from conftest import Aborted, FakeContext, image_offer_pbs, image_offers, new_run
 
 from fedrelay.server import make_server
 from fedrelay.transport import INSECURE
 from fedrelay.coordinator.client import OperatorClient
 from fedrelay.coordinator.ledger import Ledger
-from fedrelay.coordinator.plan import chain_plan
 from fedrelay.coordinator.service import CoordinatorService
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 
@@ -32,27 +31,6 @@ SCHEMA = "cd" * 32
 HOP = common_pb2.CHAIN_HOP
 PARAMS = dict(strategy="fedelmy", models_per_site=1, local_epochs=1, warmup_epochs=0, alpha=1.0, beta=1.0, lr=1e-3,
               batch_size=8, weight_decay=0.0, selection="best-val")
-
-
-class Aborted(Exception):
-    pass
-
-
-class FakeContext:
-    def abort(self, code, message):
-        raise Aborted(code, message)
-
-    def auth_context(self):
-        return {}
-
-    def peer(self):
-        return "ipv4:127.0.0.1:1"
-
-
-def new_run(ledger: Ledger, run_id: str, sites=("a", "b")) -> None:
-    ledger.create_run(run_id, strategy="fedelmy", arch="cnn", seed=1, params={},
-                      chain=[{"name": n, "address": "127.0.0.1:9"} for n in sites], class_index=["x"], model={},
-                      warnings=[], insecure=True, plan=chain_plan(list(sites)).to_json())
 
 
 @pytest.fixture(scope="module")
