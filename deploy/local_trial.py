@@ -202,13 +202,13 @@ class LocalTrial:
             names = dict.fromkeys(("localhost", "127.0.0.1", self.addresses[name].rsplit(":", 1)[0]))
             return [arg for h in names for arg in ("--host", h)]
 
-        def run(step: list[str], tool: str = "coordinator") -> None:
-            res = subprocess.run([tool(tool), *step], env=self.env, capture_output=True, text=True)
+        def run(step: list[str], command: str = "coordinator") -> None:
+            res = subprocess.run([tool(command), *step], env=self.env, capture_output=True, text=True)
             if res.returncode != 0:
-                raise RuntimeError(f"{tool} {' '.join(step)} failed: {res.stderr.strip()}")
+                raise RuntimeError(f"{command} {' '.join(step)} failed: {res.stderr.strip()}")
 
         def enrol(n: str) -> None:  # what the site does, then what the operator does
-            run(["init", "--name", n, "--tls", str(self.site_tls(n)), *hosts(n)], tool="peer")
+            run(["init", "--name", n, "--tls", str(self.site_tls(n)), *hosts(n)], command="peer")
             run(["enroll", "--csr", str(self.site_tls(n) / f"{n}.csr"), "--ca", str(self.pki),
                  "--out", str(self.site_tls(n))])
 
