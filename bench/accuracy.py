@@ -49,7 +49,7 @@ import time
 from itertools import permutations
 from pathlib import Path
 
-from bench.common import PLOTS, REPO, meta, record
+from bench.common import PLOTS, REPO, commits_note, failed, finish, log, meta, record
 from deploy.local_trial import tool
 from fedrelay.tasks import resolve as resolve_task
 
@@ -69,10 +69,6 @@ DEFAULT_WORKDIR = REPO / ".fedrelay" / "bench-accuracy"
 # ------------------------------------------------------------------------------------------ helpers
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 def dir_key(a: float) -> str:
     """0.5 -> 'dir0_5' (the results.json key)."""
     return "dir" + f"{a:g}".replace(".", "_")
@@ -87,6 +83,21 @@ def write_synthetic_idx(folder: Path, n_train: int = 900, n_test: int = 300, see
 
 def site_dirs(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("site-"))
+
+
+def grid_todo(args, cfg: Config, cache, work: Path, group_of):
+    """The (seed, Dirichlet) groups of a grid study (bench.few_shot, bench.parallel) with cells
+    still to compute, seed-major so that partial results cover every Dirichlet; none with
+    ``--publish-only``. Yields ``(seed, a, group, todo, dirs)``: ``group = group_of(seed, a)``
+    the cache key, ``todo`` the methods of ``args.methods`` whose cell ``cache`` lacks, ``dirs`` the
+    site folders of the split (:func:`make_split` under ``work/splits``, made once and kept)."""
+    for seed in ([] if args.publish_only else args.seeds):
+        for a in args.dirichlets:
+            group = group_of(seed, a)
+            todo = [m for m in args.methods if cache.get(*group, m) is None]
+            if todo:
+                yield seed, a, group, todo, site_dirs(make_split(
+                    work / "splits" / cfg.split_tag / f"dir{a:g}-seed{seed}", cfg, a, seed, args.source))
 
 
 class Config:
@@ -698,14 +709,9 @@ def publish(cache: Cache, cfg: Config, args, started: float, failures: list[str]
                "training code in-process (not daemon runs). Mean ± sample std over the seeds finished so far "
                "(column 'seeds').")
     notes += method_notes(cfg, args) + target_notes(figures, cfg) + progress_notes(figures, cfg, args)
-    commits: dict = {}
     cells = [c for by_seed in cache.label_skew(cfg).values() for ms in by_seed.values() for c in ms.values()]
     cells += [c for ms in cache.domain(cfg).values() for c in ms.values()]
-    for c in cells:
-        commits[c.get("commit", "not recorded")] = commits.get(c.get("commit", "not recorded"), 0) + 1
-    if commits:
-        notes.append("Commit each cached cell was computed at (cells: count): "
-                     + ", ".join(f"{k}: {v}" for k, v in sorted(commits.items())) + ".")
+    notes += commits_note(cells)
     if not args.quick:
         notes += DISCUSSION.get((cfg.train_tag, cfg.split_tag, cfg.domain_tag), [])
     notes += args.notes
@@ -820,8 +826,7 @@ def main(argv=None) -> dict:
                                 log(f"  {m}: {100 * cell['accuracy']:.2f}% in {cell['seconds']:.0f} s")
                                 publish(cache, cfg, args, started, failures)
                     except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
-                        failures.append(f"Dirichlet {a:g} seed {seed}: {exc}"[:1500])
-                        log(f"  FAILED: {exc}")
+                        failed(failures, f"Dirichlet {a:g} seed {seed}", exc)
                 for m in ref_todo:
                     cell = run_references(dirs, cfg, seed, [m])[m]
                     cell.update(dirichlet=a, seed=seed)
@@ -854,14 +859,9 @@ def main(argv=None) -> dict:
                             log(f"  order {label} {m}: {100 * cell['accuracy']:.2f}% in {cell['seconds']:.0f} s")
                             publish(cache, cfg, args, started, failures)
             except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
-                failures.append(f"domain shift: {exc}"[:1500])
-                log(f"  FAILED: {exc}")
+                failed(failures, "domain shift", exc)
 
-    data = publish(cache, cfg, args, started, failures)
-    log(f"done in {time.monotonic() - started:.0f} s; {len(failures)} failure(s)")
-    if failures and not args.quick:
-        print("\n".join(failures), file=sys.stderr)
-    return data
+    return finish(publish(cache, cfg, args, started, failures), started, failures, args.quick)
 
 
 if __name__ == "__main__":

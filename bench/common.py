@@ -1,13 +1,18 @@
-"""What every study shares: machine metadata, merging figures into results.json, RESULTS.md."""
+"""What every study shares: machine metadata, merging figures into results.json, RESULTS.md,
+and the command line, log and failures of the grid studies (accuracy, few_shot, parallel)."""
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -28,6 +33,124 @@ def study_workdir(args, prefix: str, default: Path) -> Path:
     if getattr(args, "plots", "") is None:
         args.plots = work / "plots" if args.quick else PLOTS
     return work
+
+
+def log(msg: str) -> None:
+    """One progress line on stdout, stamped ``[HH:MM:SS]``."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def failed(failures: list[str], what: str, exc: BaseException, method: str = "") -> None:
+    """Book a cell (or a group of cells) that failed: ``what: exc`` into ``failures`` (cut to
+    1,500 characters, for RESULTS.md), and a ``FAILED`` line in the log (naming ``method``)."""
+    failures.append(f"{what}: {exc}"[:1500])
+    log(f"  {method + ' ' if method else ''}FAILED: {exc}")
+
+
+def finish(data: dict, started: float, failures: list[str], quick: bool) -> dict:
+    """A grid study's last word: how long it took (``started``: ``time.monotonic()`` at its
+    start) and its failures, each again on stderr unless ``quick``; returns ``data``."""
+    log(f"done in {time.monotonic() - started:.0f} s; {len(failures)} failure(s)")
+    if failures and not quick:
+        print("\n".join(failures), file=sys.stderr)
+    return data
+
+
+QUICK = {"seeds": "0", "dirichlets": "0.5", "sites": 3, "S": 2, "E": 1, "warmup_epochs": 1}  # a --quick grid
+
+
+def grid_flags(ap: argparse.ArgumentParser, quick: str, *, seeds: str, dirichlets: str, methods, default_methods,
+               E: int, warmup_epochs: int, workdir: Path) -> None:
+    """Add the flags a grid study through the daemons (bench.few_shot, bench.parallel) has to
+    ``ap``: the grid (``--seeds``, ``--dirichlets``, ``--methods``), the sites, FedELMY's S, E,
+    E_w, alpha and beta, and where its cache, data and results go. ``quick`` is the help of
+    ``--quick``; the other arguments are the flags' defaults (``methods``: the choices)."""
+    ap.add_argument("--quick", action="store_true", help=quick)
+    ap.add_argument("--publish-only", action="store_true", help="figures from the cache; train nothing")
+    ap.add_argument("--seeds", default=seeds)
+    ap.add_argument("--dirichlets", default=dirichlets)
+    ap.add_argument("--methods", default=",".join(default_methods), help=f"subset of {','.join(methods)}")
+    ap.add_argument("--sites", type=int, default=10)
+    ap.add_argument("--max-train-per-site", type=int, default=None, help="passed to split-dataset (default: all)")
+    ap.add_argument("-S", type=int, default=5)
+    ap.add_argument("-E", type=int, default=E)
+    ap.add_argument("--warmup-epochs", type=int, default=warmup_epochs)
+    ap.add_argument("--alpha", type=float, default=0.06)
+    ap.add_argument("--beta", type=float, default=1.0)
+    ap.add_argument("--workdir", type=Path, default=None, help=f"cache and data (default {workdir})")
+    ap.add_argument("--source", type=Path, default=None, help="Fashion-MNIST IDX folder")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="default bench/results.json (--quick: results.json in the work dir)")
+    ap.add_argument("--plots", type=Path, default=None, help="default bench/plots (--quick: the work dir's plots/)")
+    ap.add_argument("--note", dest="notes", action="append", default=[], help="a line for RESULTS.md (repeatable)")
+
+
+def grid_args(ap: argparse.ArgumentParser, argv: list[str] | None, module: str, methods, **quick) -> argparse.Namespace:
+    """``argv`` parsed by ``ap`` (:func:`grid_flags` and the study's own flags), with
+    ``args.resume_command`` (:func:`resume_command` of ``module``); a ``--quick`` run takes
+    :data:`QUICK` and ``quick`` (the study's own small values, by attribute) instead of the flags;
+    then ``seeds``, ``dirichlets`` and ``methods`` become lists of int, float and str. Raises
+    ``SystemExit`` (argparse's, or naming a method not in ``methods``)."""
+    args = ap.parse_args(argv)
+    args.resume_command = resume_command(module, argv)
+    if args.quick:
+        for name, value in {**QUICK, **quick}.items():
+            setattr(args, name, value)
+    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    args.dirichlets = [float(a) for a in args.dirichlets.split(",") if a.strip()]
+    args.methods = [m for m in args.methods.split(",") if m]
+    bad = sorted(set(args.methods) - set(methods))
+    if bad:
+        raise SystemExit(f"unknown method(s) {bad}; choose from {methods}")
+    return args
+
+
+def resume_command(module: str, argv: list[str] | None) -> str:
+    """What to run to finish a grid study's cells: ``nice -n 15 python -m MODULE`` and ``argv``
+    less ``--publish-only`` and the ``--note``s."""
+    resume, skip = [], False
+    for a in argv or []:
+        if skip or a == "--publish-only" or a.startswith("--note="):
+            skip = False
+        elif a == "--note":
+            skip = True
+        else:
+            resume.append(a)
+    return (f"nice -n 15 python -m {module} " + " ".join(shlex.quote(a) for a in resume)).strip()
+
+
+def tally(cells, key: str) -> dict[str, int]:
+    """How many of the cached ``cells`` (dicts) hold each value of ``key`` (``"not recorded"``:
+    a cell without it)."""
+    counts: dict[str, int] = {}
+    for c in cells:
+        counts[c.get(key, "not recorded")] = counts.get(c.get(key, "not recorded"), 0) + 1
+    return counts
+
+
+def commits_note(cells) -> list[str]:
+    """RESULTS.md's note of the commit each cached cell was computed at (none without cells)."""
+    commits = tally(cells, "commit")
+    if not commits:
+        return []
+    return ["Commit each cached cell was computed at (cells: count): "
+            + ", ".join(f"{k}: {v}" for k, v in sorted(commits.items())) + "."]
+
+
+def study_start(argv: list[str] | None, parse, prefix: str, default: Path) -> tuple[argparse.Namespace, Path, float]:
+    """A grid study's opening: ``argv`` (None: the command line) parsed by ``parse``, its work
+    folder (:func:`study_workdir` with ``prefix`` and ``default``) and its start
+    (``time.monotonic()``). A ``--quick`` run without ``--source`` gets tiny learnable
+    Fashion-MNIST-format IDX files in ``<work>/idx`` (``bench.synthetic``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    started = time.monotonic()
+    work = study_workdir(args, prefix, default)
+    if args.quick and args.source is None:
+        from bench.synthetic import write_fashion_like
+
+        args.source = write_fashion_like(work / "idx", n_train=900, n_test=300, seed=0)
+    return args, work, started
 
 
 def meta() -> dict:
@@ -166,8 +289,6 @@ def merge(source: Path, section: str, *, results: Path = RESULTS_JSON, name: str
 
 
 if __name__ == "__main__":
-    import argparse
-
     ap = argparse.ArgumentParser(description="bench results: merge a study measured elsewhere")
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("merge", help="copy SECTION of SOURCE (a results.json) into bench/results.json")

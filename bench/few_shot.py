@@ -35,15 +35,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shlex
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from bench.accuracy import (LABELS, Cache, Config, _load_sites, _pct, _stats, dir_key, log, make_split, site_dirs,
-                            start_chain, write_synthetic_idx)
-from bench.common import REPO, RESULTS_JSON, meta, record, study_workdir
+from bench.accuracy import (LABELS, Cache, Config, _load_sites, _pct, _stats, dir_key, grid_todo,
+                            start_chain)
+from bench.common import (REPO, RESULTS_JSON, commits_note, failed, finish, grid_args, grid_flags, log, meta, record,
+                          study_start, tally)
 from fedrelay.tasks import resolve as resolve_task
 
 METHODS = ("fedelmy", "fedseq_last_epoch", "fedseq_best_val")
@@ -524,22 +523,12 @@ def publish(cache: FewShotCache, cfg: Config, args, started: float, failures: li
                "over the seeds finished.")
     notes = method_notes(cfg, args.rounds, args.ts, args.methods, cfg.sites) + discussion(figures, args.ts, args.rounds, cfg.sites, why)
     notes += progress_notes(figures, args.seeds, args.dirichlets, args.methods, args)
-    commits: dict = {}
-    for by_seed in cache.cells(cfg, args.rounds).values():
-        for ms in by_seed.values():
-            for c in ms.values():
-                commits[c.get("commit", "not recorded")] = commits.get(c.get("commit", "not recorded"), 0) + 1
-    if commits:
-        notes.append("Commit each cached cell was computed at (cells: count): "
-                     + ", ".join(f"{k}: {v}" for k, v in sorted(commits.items())) + ".")
+    cells = [c for by_seed in cache.cells(cfg, args.rounds).values() for ms in by_seed.values() for c in ms.values()]
+    notes += commits_note(cells)
     if failures:
         notes.append(f"Failures this run ({len(failures)}): " + " | ".join(failures))
     notes += args.notes
-    caps: dict = {}
-    for by_seed in cache.cells(cfg, args.rounds).values():
-        for ms in by_seed.values():
-            for c in ms.values():
-                caps[c.get("cpu_capability", "not recorded")] = caps.get(c.get("cpu_capability", "not recorded"), 0) + 1
+    caps = tally(cells, "cpu_capability")
     if caps:
         notes.append("torch's CPU capability (the kernels the training ran on) of each cached cell (cells: count): "
                      + ", ".join(f"{k}: {v}" for k, v in sorted(caps.items())) + f"; of the machine publishing: "
@@ -561,48 +550,14 @@ def publish(cache: FewShotCache, cfg: Config, args, started: float, failures: li
 
 def parse(argv):
     ap = argparse.ArgumentParser(description="Few-shot cycles (paper Table 2) through real daemons")
-    ap.add_argument("--quick", action="store_true",
-                    help="synthetic data, 3 sites, 1 seed, Dirichlet 0.5, T ∈ {1, 2}, S=2 E=1 Ew=1 (smoke run)")
-    ap.add_argument("--publish-only", action="store_true", help="figures from the cache; train nothing")
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--dirichlets", default="0.1,0.5")
-    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"subset of {','.join(METHODS)}")
     ap.add_argument("--ts", default="1,2,3,5", help="the T to publish; the chains run max(T) rounds")
-    ap.add_argument("--sites", type=int, default=10)
-    ap.add_argument("--max-train-per-site", type=int, default=None, help="passed to split-dataset (default: all)")
-    ap.add_argument("-S", type=int, default=5)
-    ap.add_argument("-E", type=int, default=1)
-    ap.add_argument("--warmup-epochs", type=int, default=1)
-    ap.add_argument("--alpha", type=float, default=0.06)
-    ap.add_argument("--beta", type=float, default=1.0)
-    ap.add_argument("--workdir", type=Path, default=None, help=f"cache and data (default {DEFAULT_WORKDIR})")
-    ap.add_argument("--source", type=Path, default=None, help="Fashion-MNIST IDX folder")
-    ap.add_argument("--results", type=Path, default=None,
-                    help="default bench/results.json (--quick: results.json in the work dir)")
     ap.add_argument("--one-shot-results", type=Path, default=RESULTS_JSON,
                     help="the results.json whose accuracy section holds the one-shot grid (T = 1 compared with it)")
-    ap.add_argument("--plots", type=Path, default=None, help="default bench/plots (--quick: the work dir's plots/)")
-    ap.add_argument("--note", dest="notes", action="append", default=[], help="a line for RESULTS.md (repeatable)")
-    args = ap.parse_args(argv)
-    resume, skip = [], False
-    for a in argv or []:  # what to run to finish the grid: not --publish-only, not the notes
-        if skip or a == "--publish-only" or a.startswith("--note="):
-            skip = False
-        elif a == "--note":
-            skip = True
-        else:
-            resume.append(a)
-    args.resume_command = ("nice -n 15 python -m bench.few_shot " + " ".join(shlex.quote(a) for a in resume)).strip()
-    if args.quick:
-        args.seeds, args.dirichlets, args.sites, args.ts = "0", "0.5", 3, "1,2"
-        args.S, args.E, args.warmup_epochs = 2, 1, 1
-    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    args.dirichlets = [float(a) for a in args.dirichlets.split(",") if a.strip()]
-    args.methods = [m for m in args.methods.split(",") if m]
+    grid_flags(ap, "synthetic data, 3 sites, 1 seed, Dirichlet 0.5, T ∈ {1, 2}, S=2 E=1 Ew=1 (smoke run)",
+               seeds="0,1,2", dirichlets="0.1,0.5", methods=METHODS, default_methods=DEFAULT_METHODS, E=1,
+               warmup_epochs=1, workdir=DEFAULT_WORKDIR)
+    args = grid_args(ap, argv, "bench.few_shot", METHODS, ts="1,2")
     args.ts = sorted({int(t) for t in args.ts.split(",") if t.strip()})
-    bad = sorted(set(args.methods) - set(METHODS))
-    if bad:
-        raise SystemExit(f"unknown method(s) {bad}; choose from {METHODS}")
     if not args.ts or args.ts[0] < 1:
         raise SystemExit("--ts: rounds are >= 1")
     args.rounds = args.ts[-1]
@@ -610,51 +565,34 @@ def parse(argv):
 
 
 def main(argv=None) -> dict:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse(argv)
-    started = time.monotonic()
-    work = study_workdir(args, "fedrelay-bench-fs-", DEFAULT_WORKDIR)
-    if args.quick and args.source is None:
-        args.source = write_synthetic_idx(work / "idx")
+    args, work, started = study_start(argv, parse, "fedrelay-bench-fs-", DEFAULT_WORKDIR)
     cfg = Config(args)
     cache = FewShotCache(work / "cells")
     failures: list[str] = []
     log(f"workdir {work}; config {cfg.train_tag} {cfg.split_tag}, {args.rounds} rounds")
     from deploy import local_trial as lt
-    for seed in ([] if args.publish_only else args.seeds):  # seed-major: partial results cover both Dirichlets
-        for a in args.dirichlets:
-            group = (cfg.train_tag, cfg.split_tag, f"rounds{args.rounds}", f"dir{a:g}-seed{seed}")
-            todo = [m for m in args.methods if cache.get(*group, m) is None]
-            if not todo:
-                continue
-            dirs = site_dirs(make_split(work / "splits" / cfg.split_tag / f"dir{a:g}-seed{seed}", cfg, a, seed,
-                                        args.source))
-            loaded, _ = _load_sites(dirs)
-            sites = {d.name: s for d, s in zip(dirs, loaded)}
-            log(f"Dirichlet {a:g} seed {seed}: starting {len(dirs)} peers for {todo}, {args.rounds} rounds")
-            try:
-                with lt.LocalTrial(work / "trial", dirs) as trial:
-                    for m in todo:
-                        try:
-                            cell = run_cell(trial, m, cfg, seed, args.rounds, sites)
-                        except RuntimeError as exc:
-                            failures.append(f"Dirichlet {a:g} seed {seed} {m}: {exc}"[:1500])
-                            log(f"  {m} FAILED: {exc}")
-                            continue
-                        cell.update(dirichlet=a)
-                        cache.put(cell, *group, m)
-                        log(f"  {m}: " + ", ".join(f"T{t} {100 * cell['T'][str(t)]['accuracy']:.2f}%"
-                                                   for t in range(1, args.rounds + 1))
-                            + f" in {cell['seconds']:.0f} s")
-                        publish(cache, cfg, args, started, failures)
-            except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
-                failures.append(f"Dirichlet {a:g} seed {seed}: {exc}"[:1500])
-                log(f"  FAILED: {exc}")
-    data = publish(cache, cfg, args, started, failures)
-    log(f"done in {time.monotonic() - started:.0f} s; {len(failures)} failure(s)")
-    if failures and not args.quick:
-        print("\n".join(failures), file=sys.stderr)
-    return data
+    for seed, a, group, todo, dirs in grid_todo(args, cfg, cache, work, lambda seed, a: (
+            cfg.train_tag, cfg.split_tag, f"rounds{args.rounds}", f"dir{a:g}-seed{seed}")):
+        loaded, _ = _load_sites(dirs)
+        sites = {d.name: s for d, s in zip(dirs, loaded)}
+        log(f"Dirichlet {a:g} seed {seed}: starting {len(dirs)} peers for {todo}, {args.rounds} rounds")
+        try:
+            with lt.LocalTrial(work / "trial", dirs) as trial:
+                for m in todo:
+                    try:
+                        cell = run_cell(trial, m, cfg, seed, args.rounds, sites)
+                    except RuntimeError as exc:
+                        failed(failures, f"Dirichlet {a:g} seed {seed} {m}", exc, m)
+                        continue
+                    cell.update(dirichlet=a)
+                    cache.put(cell, *group, m)
+                    log(f"  {m}: " + ", ".join(f"T{t} {100 * cell['T'][str(t)]['accuracy']:.2f}%"
+                                               for t in range(1, args.rounds + 1))
+                        + f" in {cell['seconds']:.0f} s")
+                    publish(cache, cfg, args, started, failures)
+        except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
+            failed(failures, f"Dirichlet {a:g} seed {seed}", exc)
+    return finish(publish(cache, cfg, args, started, failures), started, failures, args.quick)
 
 
 if __name__ == "__main__":

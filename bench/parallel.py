@@ -37,15 +37,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from bench.accuracy import (Cache, Config, _pct, _stats, dir_key, log, make_split, run_references, site_dirs,
-                            start_chain, write_synthetic_idx)
-from bench.common import REPO, meta, record, study_workdir
+from bench.accuracy import (Cache, Config, _pct, _stats, dir_key, grid_todo, run_references,
+                            start_chain)
+from bench.common import REPO, commits_note, failed, finish, grid_args, grid_flags, log, meta, record, study_start
 from bench.few_shot import cpu_capability
 
 CHAIN = ("fedelmy", "fedseq")
@@ -383,14 +381,7 @@ def publish(cache: ParallelCache, cfg: ParallelConfig, args, started: float, fai
     if missing:
         notes.append(f"{len(missing)} cell(s) of the planned grid missing: {', '.join(missing)}. To finish it (the "
                      f"cache resumes, skipping finished cells): `{args.resume_command}`.")
-    commits: dict = {}
-    for by_seed in cache.cells(cfg).values():
-        for ms in by_seed.values():
-            for c in ms.values():
-                commits[c.get("commit", "not recorded")] = commits.get(c.get("commit", "not recorded"), 0) + 1
-    if commits:
-        notes.append("Commit each cached cell was computed at (cells: count): "
-                     + ", ".join(f"{k}: {v}" for k, v in sorted(commits.items())) + ".")
+    notes += commits_note(c for by_seed in cache.cells(cfg).values() for ms in by_seed.values() for c in ms.values())
     if failures:
         notes.append(f"Failures this run ({len(failures)}): " + " | ".join(failures))
     notes += args.notes
@@ -417,103 +408,52 @@ def publish(cache: ParallelCache, cfg: ParallelConfig, args, started: float, fai
 
 def parse(argv):
     ap = argparse.ArgumentParser(description="Accuracy against communication of the one-shot methods, through daemons")
-    ap.add_argument("--quick", action="store_true",
-                    help="synthetic data, 3 sites, 1 seed, Dirichlet 0.5, S=2 E=1 Ew=1, τ=3, OFASD 1 epoch (smoke run)")
-    ap.add_argument("--publish-only", action="store_true", help="figures from the cache; train nothing")
-    ap.add_argument("--seeds", default="0,1,2,3,4")
-    ap.add_argument("--dirichlets", default="0.5,0.1")
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
-    ap.add_argument("--sites", type=int, default=10)
-    ap.add_argument("--max-train-per-site", type=int, default=None, help="passed to split-dataset (default: all)")
-    ap.add_argument("-S", type=int, default=5)
-    ap.add_argument("-E", type=int, default=5)
-    ap.add_argument("--warmup-epochs", type=int, default=5)
-    ap.add_argument("--alpha", type=float, default=0.06)
-    ap.add_argument("--beta", type=float, default=1.0)
+    grid_flags(ap, "synthetic data, 3 sites, 1 seed, Dirichlet 0.5, S=2 E=1 Ew=1, τ=3, OFASD 1 epoch (smoke run)",
+               seeds="0,1,2,3,4", dirichlets="0.5,0.1", methods=METHODS, default_methods=METHODS, E=5,
+               warmup_epochs=5, workdir=DEFAULT_WORKDIR)
     ap.add_argument("--maecho-tau", type=int, default=100)
     ap.add_argument("--maecho-eta", type=float, default=0.05)
     ap.add_argument("--ofasd-epochs", type=int, default=2)
     ap.add_argument("--ofasd-lr", type=float, default=0.01)
-    ap.add_argument("--workdir", type=Path, default=None, help=f"cache and data (default {DEFAULT_WORKDIR})")
-    ap.add_argument("--source", type=Path, default=None, help="Fashion-MNIST IDX folder")
-    ap.add_argument("--results", type=Path, default=None,
-                    help="default bench/results.json (--quick: results.json in the work dir)")
-    ap.add_argument("--plots", type=Path, default=None, help="default bench/plots (--quick: the work dir's plots/)")
-    ap.add_argument("--note", dest="notes", action="append", default=[], help="a line for RESULTS.md (repeatable)")
-    args = ap.parse_args(argv)
-    resume, skip = [], False
-    for a in argv or []:
-        if skip or a == "--publish-only" or a.startswith("--note="):
-            skip = False
-        elif a == "--note":
-            skip = True
-        else:
-            resume.append(a)
-    args.resume_command = ("nice -n 15 python -m bench.parallel " + " ".join(shlex.quote(a) for a in resume)).strip()
-    if args.quick:
-        args.seeds, args.dirichlets, args.sites = "0", "0.5", 3
-        args.S, args.E, args.warmup_epochs, args.maecho_tau, args.ofasd_epochs = 2, 1, 1, 3, 1
-    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    args.dirichlets = [float(a) for a in args.dirichlets.split(",") if a.strip()]
-    args.methods = [m for m in args.methods.split(",") if m]
-    bad = sorted(set(args.methods) - set(METHODS))
-    if bad:
-        raise SystemExit(f"unknown method(s) {bad}; choose from {METHODS}")
+    args = grid_args(ap, argv, "bench.parallel", METHODS, maecho_tau=3, ofasd_epochs=1)
     return args
 
 
 def main(argv=None) -> dict:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse(argv)
-    started = time.monotonic()
-    work = study_workdir(args, "fedrelay-bench-par-", DEFAULT_WORKDIR)
-    if args.quick and args.source is None:
-        args.source = write_synthetic_idx(work / "idx")
+    args, work, started = study_start(argv, parse, "fedrelay-bench-par-", DEFAULT_WORKDIR)
     cfg = ParallelConfig(args)
     cache = ParallelCache(work / "cells")
     failures: list[str] = []
     log(f"workdir {work}; config {cfg.train_tag} {cfg.star_tag} {cfg.split_tag}")
     from deploy import local_trial as lt
-    for seed in ([] if args.publish_only else args.seeds):  # seed-major: partial results cover both Dirichlets
-        for a in args.dirichlets:
-            group = (cfg.train_tag, cfg.star_tag, cfg.split_tag, f"dir{a:g}-seed{seed}")
-            todo = [m for m in args.methods if cache.get(*group, m) is None]
-            if not todo:
-                continue
-            dirs = site_dirs(make_split(work / "splits" / cfg.split_tag / f"dir{a:g}-seed{seed}", cfg, a, seed,
-                                        args.source))
-            daemon = [m for m in todo if m not in REFS]
-            if daemon:
-                log(f"Dirichlet {a:g} seed {seed}: starting {len(dirs)} peers for {daemon}")
-                try:
-                    with lt.LocalTrial(work / "trial", dirs) as trial:
-                        for m in daemon:
-                            try:
-                                cell = run_cell(trial, m, cfg, seed, len(dirs))
-                            except RuntimeError as exc:
-                                failures.append(f"Dirichlet {a:g} seed {seed} {m}: {exc}"[:1500])
-                                log(f"  {m} FAILED: {exc}")
-                                continue
-                            cell.update(dirichlet=a, seed=seed)
-                            cache.put(cell, *group, m)
-                            log(f"  {m}: {100 * cell['accuracy']:.2f}%, {cell['bytes']['to_model_bytes']:,} bytes "
-                                f"to the model, in {cell['seconds']:.0f} s")
-                            publish(cache, cfg, args, started, failures)
-                except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
-                    failures.append(f"Dirichlet {a:g} seed {seed}: {exc}"[:1500])
-                    log(f"  FAILED: {exc}")
-            refs = [m for m in todo if m in REFS]
-            if refs:
-                for m, cell in run_references(dirs, cfg, seed, refs).items():
-                    cell.update(dirichlet=a, seed=seed, cpu_capability=cpu_capability())
-                    cache.put(cell, *group, m)
-                    log(f"  {m}: {100 * cell['accuracy']:.2f}% in {cell['seconds']:.0f} s")
-                publish(cache, cfg, args, started, failures)
-    data = publish(cache, cfg, args, started, failures)
-    log(f"done in {time.monotonic() - started:.0f} s; {len(failures)} failure(s)")
-    if failures and not args.quick:
-        print("\n".join(failures), file=sys.stderr)
-    return data
+    for seed, a, group, todo, dirs in grid_todo(args, cfg, cache, work, lambda seed, a: (
+            cfg.train_tag, cfg.star_tag, cfg.split_tag, f"dir{a:g}-seed{seed}")):
+        daemon = [m for m in todo if m not in REFS]
+        if daemon:
+            log(f"Dirichlet {a:g} seed {seed}: starting {len(dirs)} peers for {daemon}")
+            try:
+                with lt.LocalTrial(work / "trial", dirs) as trial:
+                    for m in daemon:
+                        try:
+                            cell = run_cell(trial, m, cfg, seed, len(dirs))
+                        except RuntimeError as exc:
+                            failed(failures, f"Dirichlet {a:g} seed {seed} {m}", exc, m)
+                            continue
+                        cell.update(dirichlet=a, seed=seed)
+                        cache.put(cell, *group, m)
+                        log(f"  {m}: {100 * cell['accuracy']:.2f}%, {cell['bytes']['to_model_bytes']:,} bytes "
+                            f"to the model, in {cell['seconds']:.0f} s")
+                        publish(cache, cfg, args, started, failures)
+            except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
+                failed(failures, f"Dirichlet {a:g} seed {seed}", exc)
+        refs = [m for m in todo if m in REFS]
+        if refs:
+            for m, cell in run_references(dirs, cfg, seed, refs).items():
+                cell.update(dirichlet=a, seed=seed, cpu_capability=cpu_capability())
+                cache.put(cell, *group, m)
+                log(f"  {m}: {100 * cell['accuracy']:.2f}% in {cell['seconds']:.0f} s")
+            publish(cache, cfg, args, started, failures)
+    return finish(publish(cache, cfg, args, started, failures), started, failures, args.quick)
 
 
 if __name__ == "__main__":

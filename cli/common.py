@@ -366,3 +366,10 @@ def load_config_callback(ctx, param, value):
     if value is not None:
         ctx.default_map = {**(ctx.default_map or {}), **config_defaults(ctx, Path(value), lists=("peers",))}
     return value
+
+
+# Options both daemons' commands declare the same way.
+INSECURE = typer.Option(False, "--insecure", envvar=ENV_INSECURE, help=INSECURE_HELP)
+METRICS_LISTEN = typer.Option(None, "--metrics-listen", callback=address_callback,
+                              help="HOST:PORT to serve Prometheus metrics on (plain HTTP, /metrics; "
+                                   "unauthenticated: bind it where only your monitoring reaches) \\[default: off].")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from pathlib import Path
@@ -16,12 +17,12 @@ from rich.table import Table
 from fedrelay import params as run_params, privacy
 from fedrelay.text import safe, safe_tree
 from fedrelay.cli import exits
-from fedrelay.cli.common import (ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECURE_HELP, TLS_HELP, address_callback,
+from fedrelay.cli.common import (ENV_COORDINATOR, ENV_TLS, INSECURE, METRICS_LISTEN, TLS_HELP, address_callback,
                                  config_option, console, err_console, fail, json_option, load_config_callback,
                                  make_app, setup_logging, stop_on_sigterm, transport_from, version_option,
                                  web_callback)
 from fedrelay.coordinator.plan import ORDERS
-from fedrelay import scoring, tasks as task_registry
+from fedrelay import registry, scoring, tasks as task_registry
 from fedrelay.registry import STRATEGIES
 
 app = make_app("fedrelay coordinator: plans chains, assigns roles, keeps the ledger.",
@@ -35,7 +36,6 @@ def main(version: bool = version_option()) -> None:
 
 COORD = typer.Option("127.0.0.1:50070", "--coordinator", "-c", envvar=ENV_COORDINATOR, callback=address_callback,
                      help="HOST:PORT of the coordinator.")
-INSECURE = typer.Option(False, "--insecure", envvar=ENV_INSECURE, help=INSECURE_HELP)
 TLS = typer.Option(None, "--tls", envvar=ENV_TLS, help=TLS_HELP + " Operator commands: PKI/operator.",
                    file_okay=False)
 HOSTS = typer.Option(None, "--host", help="Host name or IP others dial this identity at (repeatable; goes in the "
@@ -91,9 +91,7 @@ def serve(
     web_host: list[str] = typer.Option([], "--web-host", help="A host name the live run page may be reached by "
                                        "(its Host: header), besides IP addresses, localhost and the --web host; "
                                        "repeat for several. Any other name is refused (DNS rebinding)."),
-    metrics_listen: str = typer.Option(None, "--metrics-listen", callback=address_callback, help="HOST:PORT to serve Prometheus metrics on "
-                                       "(plain HTTP, /metrics; unauthenticated: bind it where only your "
-                                       "monitoring reaches) \\[default: off]."),
+    metrics_listen: str = METRICS_LISTEN,
     relay_dir: Path = typer.Option(None, "--relay-dir", file_okay=False,
                                    help="Where the coordinator's relay keeps sealed payloads for sites that cannot "
                                         "be reached directly (TLS only) \\[default: the folder 'relay' beside --db]."),
@@ -185,8 +183,7 @@ def start_chain(
     order: _choice(ORDERS) = typer.Option("random", "--order",
                               help="random (fixed by --seed) | given (as --peers lists them)."),
     seed: int = typer.Option(..., "--seed", help="Fixes the order, each site's train/validation split and the training."),
-    strategy: _choice(STRATEGIES) = typer.Option("fedelmy", "--strategy", help="What each site does: "
-                                 + "; ".join(f"{s.name}: {s.summary}" for s in STRATEGIES.values()) + "."),
+    strategy: _choice(STRATEGIES) = typer.Option("fedelmy", "--strategy"),  # its help: _start_chain_signature
     rounds: int = typer.Option(1, "--rounds", "-T", help="T: passes over the chain (few-shot cycles, FedELMY "
                                "supplementary Alg. 1; warm-up in round 1 only); 1 = one-shot."),
     models_per_site: int = typer.Option(5, "--models-per-site", "-S", help="S: pool models trained per site."),
@@ -214,44 +211,24 @@ def start_chain(
         "inits, as supplementary Alg. 2 reads) | file (--init-weights) \\[default: shared]."),
     init_weights: str = typer.Option("", "--init-weights", help="--init file: the SHA-256 of a safetensors weights file "
                                      "every site holds in its --weights-dir (docs/how-to/start-a-run.md: 'A pretrained initial model')."),
-    weighting: _choice(run_params.choices("weighting")) = typer.Option(
-        "samples", "--weighting", help="fedavg: samples (weights n_k / n) | uniform."),
-    maecho_tau: int = typer.Option(100, "--maecho-tau", help="maecho: echo iterations (tau)."),
-    maecho_eta: float = typer.Option(0.05, "--maecho-eta", help="maecho: step (eta)."),
-    maecho_alpha: _choice(run_params.choices("maecho_alpha")) = typer.Option("uniform", "--maecho-alpha",
-                                     help="maecho: model weights uniform (the authors' "
-                                     "released code) | qp (Eq. 6, solved with cvxopt)."),
-    ofasd_mode: _choice(run_params.choices("ofasd_mode")) = typer.Option(
-        "block", "--ofasd-mode", help="ofasd: block (a coefficient per site and parameter tensor) | client (one per site)."),
-    ofasd_epochs: int = typer.Option(2, "--ofasd-epochs", help="ofasd: epochs of coefficient learning at the aggregator."),
-    ofasd_lr: float = typer.Option(0.01, "--ofasd-lr", help="ofasd: Adam learning rate of the coefficients."),
-    upload_timeout: float = typer.Option(3600.0, "--upload-timeout", help="Parallel methods: seconds the aggregator "
-                                         "waits for the uploads after its own training, then combines what arrived."),
-    dp_noise_multiplier: float = typer.Option(0.0, "--dp-noise-multiplier", help="Differential privacy (DP-SGD at "
-                                              "every site, docs/differential-privacy.md): the noise multiplier sigma "
-                                              "(0: DP off)."),
-    dp_epsilon: float = typer.Option(0.0, "--dp-epsilon", help="DP: a target epsilon each site spends over the run, "
-                                     "instead of --dp-noise-multiplier (0: none)."),
-    dp_max_grad_norm: float = typer.Option(1.0, "--dp-max-grad-norm", help="DP: the L2 norm each sample's gradient "
-                                           "is clipped to (C)."),
-    dp_delta: float = typer.Option(1e-5, "--dp-delta", help="DP: the delta of each site's (epsilon, delta)."),
     wait: bool = typer.Option(False, "--wait", help="Follow the run until it ends and print its summary."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (with --wait: the run summary)."),
     tls: Path = TLS,
     insecure: bool = INSECURE,
+    **declared,
 ) -> None:
     """Start a run over the registered peers: a chain (one-shot, or T rounds with --rounds), or,
-    for the parallel methods (fedavg, fedelmy-pfl, maecho, ofasd), a star around --aggregator."""
-    dp = dict(dp_noise_multiplier=dp_noise_multiplier, dp_epsilon=dp_epsilon, dp_max_grad_norm=dp_max_grad_norm,
-              dp_delta=dp_delta)
+    for the parallel methods (the strategies on a star plan, e.g. fedavg), a star around --aggregator.
+    Each method's options (after --init-weights) come from its registry entry."""
     if selection is None:  # DP-SGD's accounting does not cover best-validation selection
-        selection = "last-epoch" if privacy.enabled(dp) else "best-val"
+        selection = "last-epoch" if privacy.enabled(declared) else "best-val"
     chosen = dict(strategy=strategy, models_per_site=models_per_site, local_epochs=local_epochs,
                   warmup_epochs=warmup_epochs, alpha=alpha, beta=beta, lr=lr, batch_size=batch_size,
-                  weight_decay=weight_decay, selection=selection, init=init or "", init_sha256=init_weights.lower(),
-                  weighting=weighting, maecho_tau=maecho_tau, maecho_eta=maecho_eta, maecho_alpha=maecho_alpha,
-                  ofasd_mode=ofasd_mode, ofasd_epochs=ofasd_epochs, ofasd_lr=ofasd_lr, upload_timeout=upload_timeout,
-                  **dp)
+                  weight_decay=weight_decay, selection=selection, init=init or "", init_sha256=init_weights.lower())
+    # The declared options: those with a field of their own always (as before method_options),
+    # the others only when the strategy reads them.
+    read = {o.name for o in run_params.read_by(strategy)}
+    chosen.update({name: value for name, value in declared.items() if run_params.has_field(name) or name in read})
     try:
         run_params.check(chosen, strict=True)
         run_params.check_rounds(rounds)
@@ -277,6 +254,47 @@ def start_chain(
             console.print(f"run [bold]{safe(reply.run_id)}[/] started: {safe(' -> '.join(reply.order))}")
         return
     watch_view(client, reply.run_id, coordinator, as_json)
+
+
+def _declared_options() -> tuple:
+    """start-chain's generated options: every method's (fedrelay.registry), then DP's."""
+    return registry.all_options() + privacy.OPTIONS
+
+
+def _start_chain_signature() -> inspect.Signature:
+    """start-chain's parameters: those written out above, with ``--strategy``'s choices and help
+    from the registry, and a flag per declared option (name, type, choices, default and help from
+    its declaration, ``fedrelay.registry.Option``) where the method options go (before ``--wait``)."""
+    base = _BASE_SIGNATURE
+    out = []
+    for p in base.parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            continue
+        if p.name == "strategy":  # its choices: the annotation, read from the registry's live table
+            p = p.replace(default=typer.Option(p.default.default, *p.default.param_decls, help="What each site does: "
+                                               + "; ".join(f"{s.name}: {s.summary}" for s in STRATEGIES.values())
+                                               + "."))
+        if p.name == "wait":
+            taken = sorted({o.name for o in _declared_options()} & set(base.parameters))
+            if taken:
+                raise ValueError(f"option {taken[0]} would take start-chain's own --{taken[0].replace('_', '-')}")
+            out += [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY,
+                                      annotation=_choice(o.choices) if o.choices else o.kind,
+                                      default=typer.Option(o.default, o.flag, help=o.help))
+                    for o in _declared_options()]
+        out.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+    return base.replace(parameters=out)
+
+
+_BASE_SIGNATURE = inspect.signature(start_chain, eval_str=True)
+
+
+def _refresh_start_chain() -> None:
+    start_chain.__signature__ = _start_chain_signature()
+
+
+_refresh_start_chain()
+registry.on_change(_refresh_start_chain)
 
 
 WATCH_RECONNECT = 600.0  # seconds --wait keeps trying to reach a coordinator that went away

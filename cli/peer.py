@@ -7,13 +7,12 @@ from pathlib import Path
 import typer
 
 from fedrelay.cli import exits
-from fedrelay.cli.common import (ENV_COORDINATOR, ENV_INSECURE, ENV_TLS, INSECURE_HELP, TLS_HELP, address_callback,
+from fedrelay.cli.common import (ENV_COORDINATOR, ENV_TLS, INSECURE, METRICS_LISTEN, TLS_HELP, address_callback,
                                  config_option, err_console, fail, json_option, make_app, setup_logging,
                                  stop_on_sigterm, transport_from, version_option)
 
 app = make_app("fedrelay peer: one daemon per site (institution).", env_prefix="FEDRELAY_PEER")
 
-INSECURE = typer.Option(False, "--insecure", envvar=ENV_INSECURE, help=INSECURE_HELP)
 
 
 @app.callback()
@@ -48,9 +47,7 @@ def serve(
     weights_dir: Path = typer.Option(None, "--weights-dir", file_okay=False,
                                      help="Initial-weights files this site holds (start-chain --init file finds "
                                           "them by SHA-256) \\[default: <state-dir>/weights]."),
-    metrics_listen: str = typer.Option(None, "--metrics-listen", callback=address_callback, help="HOST:PORT to serve Prometheus metrics on "
-                                       "(plain HTTP, /metrics; unauthenticated: bind it where only your "
-                                       "monitoring reaches) \\[default: off]."),
+    metrics_listen: str = METRICS_LISTEN,
     worker_slots: int = typer.Option(3, "--worker-slots", min=1, max=64,
                                      help="At most this many worker processes (training, evaluation) at once on "
                                           "this host, shared by every site daemon of this user here."),

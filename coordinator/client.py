@@ -132,14 +132,17 @@ def planned_epochs(summary: dict) -> int:
     """The epochs a run trains in all, from its summary (``summary_dict``: strategy, params,
     order, rounds), for a progress bar: a chain warms up once (Ew) and trains S*E epochs per
     visit, T*N visits; a star plan's every site warms up and trains S*E epochs, and OFASD's
-    aggregator learns its coefficients for ``ofasd_epochs`` more."""
+    aggregator may train for more epochs (its registry entry's ``epochs_option``: OFASD's
+    ``ofasd_epochs``)."""
     from fedrelay import registry
 
     p, n, rounds = summary["params"], len(summary["order"]), summary.get("rounds") or 1
     per_site = (p.get("models_per_site") or 0) * (p.get("local_epochs") or 0)
     warmup = p.get("warmup_epochs") or 0
-    if registry.strategy(summary["strategy"]).plan == registry.STAR:
-        return (warmup + per_site) * n + ((p.get("ofasd_epochs") or 0) if summary["strategy"] == "ofasd" else 0)
+    strategy = registry.strategy(summary["strategy"])
+    if strategy.plan == registry.STAR:
+        more = registry.aggregator(strategy.aggregator).epochs_option
+        return (warmup + per_site) * n + ((p.get(more) or 0) if more else 0)
     return warmup + per_site * n * rounds
 
 

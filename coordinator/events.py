@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 DEFAULT_TAIL = 4096  # events kept in memory per run (a 100-site chain writes ~15 per site)
 KEEP_ENDED_TAILS = 16  # ended runs whose tails stay in memory (older ones are read from the ledger)
@@ -134,6 +134,29 @@ class EventHub:
             r = self._runs.get(run_id)
             if r is not None:
                 r.watchers.pop(token, None)
+
+    def watch(self, run_id: str, after_seq: int, ended: bool, is_active: Callable[[], bool]) -> Iterator[dict[str, Any]]:
+        """The run's events after ``after_seq`` as they come (rows as :meth:`events_after`), while
+        ``is_active()``, until the run has ended (``ended``: it had when the watcher asked) and
+        every event is out. Events come from memory once caught up (one ledger read at most, for
+        what is older than the tail); the hub wakes this watcher when its run has news, and at
+        least every second, to notice a watcher that went away."""
+        news = threading.Event()
+        token = self.subscribe(run_id, news.set)
+        try:
+            seq = after_seq
+            while is_active():
+                news.clear()
+                events = self.events_after(run_id, seq)
+                for e in events:
+                    seq = e["seq"]
+                    yield e
+                if not events:
+                    if ended or self.ended(run_id):
+                        return
+                    news.wait(1.0)
+        finally:
+            self.unsubscribe(run_id, token)
 
     def watchers(self, run_id: str) -> int:
         """How many watchers the run has now."""

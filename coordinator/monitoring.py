@@ -41,13 +41,12 @@ import logging
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from fedrelay import purpose as purposes
 from fedrelay.callers import caller_identity
 from fedrelay.guard import Guard, Limits
-from fedrelay.metrics import MetricsServer, code_label
+from fedrelay.metrics import DaemonMetrics
 
 CONNECT_METHOD = "/fedrelay.v1.Coordinator/Connect"
 MAX_CONTROL_STREAMS = 256  # sites that connect out only, per coordinator (a worker thread each)
@@ -58,24 +57,21 @@ RECENT_RESULTS = 20  # finished runs whose final metrics are exported (older one
 RUN_STATES = ("running", "finished", "failed", "cancelled")  # always exported, 0 when no run has them
 
 
-def _caller(context) -> str:
+def caller(context) -> str:
     """``'operator' (ipv4:10.0.0.7:5312)`` for a log line; a plaintext server has no identities."""
     who = caller_identity(context)
     return f"{who!r} ({context.peer()})" if who is not None else f"{context.peer()} (no identity: plaintext)"
 
 
-class CoordinatorMonitor:
+class CoordinatorMonitor(DaemonMetrics):
     """Metrics and event log of one coordinator (``service``: its ``CoordinatorService``, for
     the ledger and ``peer_timeout``)."""
 
     def __init__(self, service):
+        super().__init__("coordinator")
         self.service = service
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.refusals = Counter("fedrelay_coordinator_refusals", "Calls refused with a gRPC status, by method "
-                                "and status code.", ["method", "code"], registry=self.registry)
         self._progress: dict[tuple[str, str], tuple] = {}  # (run, site) -> (stage, model, epoch, epochs)
         self._lock = threading.Lock()
-        self._http: MetricsServer | None = None
         self.registry.register(_LedgerCollector(self))
         service.ledger.on_run_ended.append(self.run_ended)
 
@@ -88,21 +84,7 @@ class CoordinatorMonitor:
         limits = Limits(max_workers=Limits.max_workers + MAX_CONTROL_STREAMS, long_lived=frozenset({CONNECT_METHOD}))
         return Guard(limits, on_refusal=self.refused)
 
-    def serve_http(self, listen: str) -> str:
-        """Serve ``/metrics`` on ``listen`` (``HOST:PORT``); returns the bound address. Raises
-        ``RuntimeError`` (cannot listen) or ``ValueError`` (not HOST:PORT)."""
-        self._http = MetricsServer(listen, self.registry)
-        return self._http.address
-
-    def close(self) -> None:
-        if self._http is not None:
-            self._http.close()
-            self._http = None
-
-    # -- hooks -----------------------------------------------------------------------------------
-    def refused(self, method: str, code) -> None:
-        self.refusals.labels(method, code_label(code)).inc()
-
+    # -- hooks (and DaemonMetrics.refused) -------------------------------------------------------
     def registered(self, name: str, address: str, before: dict | None) -> None:
         """After ``Register``: ``before`` is the site's ledger row before it (None: first time)."""
         if before is None:
@@ -115,9 +97,10 @@ class CoordinatorMonitor:
         else:
             log.debug("heartbeat from %s at %s", name, address)
 
-    def run_started(self, run_id: str, strategy: str, sites: list[str], aggregator: str, context) -> None:
+    def run_started(self, run_id: str, strategy: str, sites: list[str], aggregator: str, by: str) -> None:
+        """A run started; ``by``: who asked, as :func:`caller` words it."""
         shape = f"star around {aggregator}" if aggregator else "chain"
-        log.info("run %s started by %s: %s, %s over %d sites: %s", run_id, _caller(context), strategy, shape,
+        log.info("run %s started by %s: %s, %s over %d sites: %s", run_id, by, strategy, shape,
                  len(sites), ", ".join(sites))
 
     def transfer_reported(self, request, purpose: str) -> None:

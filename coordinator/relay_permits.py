@@ -27,6 +27,7 @@ import grpc
 from fedrelay import purpose as purposes
 from fedrelay import names, transfer_bounds
 from fedrelay.calls import CONTROL_TIMEOUT, status_message
+from fedrelay.coordinator import relay_bounds
 from fedrelay.coordinator.relay_bounds import CapUnknown, Permit
 from fedrelay.v1 import common_pb2, peer_pb2
 
@@ -37,7 +38,7 @@ class RelayPermits:
     """The coordinator's word on relayed transfers.
 
     ``ledger``: the coordinator's ``Ledger``; ``planned(run_id, purpose word, index, sender,
-    receiver)``: the planned transfer or None (``CoordinatorService._planned``);
+    receiver)``: the planned transfer or None (``RunPlans.planned``);
     ``plan(run_id)``: (version, ``Plan``) of the latest plan; ``peer(site dict)``: the Peer stub
     of a site (directly or over its control stream)."""
 
@@ -66,6 +67,13 @@ class RelayPermits:
         if word is None or self.planned(run_id, word, index, sender, receiver) is None:
             raise PermissionError(f"{sender} -> {receiver} is not transfer {index} of run {run_id}'s plan")
         return Permit.for_plan(self.payload_cap(run, word, receiver), len(self.plan(run_id)[1].transfers))
+
+    def grant(self, signer, run_id: str, purpose: int, index: int, sender: str, receiver: str) -> common_pb2.RelayGrant:
+        """The coordinator's grant, signed with ``signer``, for ``sender`` to send the transfer
+        through the operator's relay (``relay_bounds.issue_grant``), within its :meth:`permit`.
+        Raises ``PermissionError`` or ``CapUnknown``."""
+        permit = self.permit(run_id, purpose, index, sender, receiver)
+        return relay_bounds.issue_grant(signer, run_id, purpose, index, sender, receiver, permit)
 
     def payload_cap(self, run: dict, word: str, receiver: str) -> int:
         """The largest payload (bytes) of a ``word`` transfer of ``run`` into ``receiver``.

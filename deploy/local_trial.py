@@ -418,9 +418,9 @@ def chain_args_problem(chain_args: list[str]) -> str | None:
     return None
 
 
-def split_chain_args(argv: list[str] | None = None) -> tuple[list[str], list[str]]:
-    """``argv`` (default: the command line's arguments) split at ``--``: (the trial's own
-    arguments, those for ``coordinator start-chain``; empty without ``--``)."""
+def split_chain_args(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """A trial script's command line (None: ``sys.argv[1:]``) split at the first ``--``: the
+    script's own options, and those it passes to ``coordinator start-chain`` (none without ``--``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
         return argv, []

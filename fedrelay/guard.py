@@ -44,6 +44,7 @@ apply (only ``shared``, the deadline and the rest); the log names the caller's a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -288,31 +289,31 @@ class Guard(grpc.ServerInterceptor):
                 return first
             return self._rest(first, request_iterator)
 
+        @contextlib.contextmanager
+        def admitted(request_iterator, context):
+            """One call: admitted (or refused), its argument read, what the servicer raises
+            answered (:meth:`_after`), its slot released at the end."""
+            slot = self._admit(context, method)
+            try:
+                arg = argument(request_iterator, context, slot)
+                try:
+                    yield arg
+                except Exception as exc:  # noqa: BLE001 - refusals are logged, the rest re-raised
+                    self._after(exc, context, slot, method)
+            finally:
+                slot.release()
+
         if handler.response_streaming:
             def behaviour(request_iterator, context):
-                slot = self._admit(context, method)
-                try:
-                    arg = argument(request_iterator, context, slot)
-                    try:
-                        yield from inner(arg, context)
-                    except Exception as exc:  # noqa: BLE001 - refusals are logged, the rest re-raised
-                        self._after(exc, context, slot, method)
-                finally:
-                    slot.release()
+                with admitted(request_iterator, context) as arg:
+                    yield from inner(arg, context)
 
             return grpc.stream_stream_rpc_method_handler(behaviour, deserializer if parse else None,
                                                      handler.response_serializer)
 
         def behaviour(request_iterator, context):  # noqa: F811 - one of the two is used
-            slot = self._admit(context, method)
-            try:
-                arg = argument(request_iterator, context, slot)
-                try:
-                    return inner(arg, context)
-                except Exception as exc:  # noqa: BLE001 - refusals are logged, the rest re-raised
-                    self._after(exc, context, slot, method)
-            finally:
-                slot.release()
+            with admitted(request_iterator, context) as arg:
+                return inner(arg, context)
 
         return grpc.stream_unary_rpc_method_handler(behaviour, deserializer if parse else None,
                                                      handler.response_serializer)

@@ -11,6 +11,9 @@ The endpoint has its own bounds (:class:`MetricsServer`): requests are served by
 trial's idle connections took 131 threads to 431), at most ``queued`` more connections wait for
 one, and a connection over that is closed at once; a request must arrive within ``timeout``
 seconds. Nothing is logged per connection (no traceback for a client that went away).
+
+:class:`DaemonMetrics` is what both daemons' metrics share: the registry, the refused calls and
+the endpoint.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import grpc
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
 
 from fedrelay import purpose as purposes
 from fedrelay.addresses import split_hostport, with_port
@@ -130,3 +133,33 @@ class MetricsServer:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class DaemonMetrics:
+    """What both daemons' metrics share (``coordinator/monitoring.py``'s ``CoordinatorMonitor``,
+    ``peer/monitoring.py``'s ``PeerMetrics`` build on it): a registry of their own (``registry``),
+    ``fedrelay_<daemon>_refusals_total{method,code}``, the calls the daemon's guard refused with a
+    gRPC status (:meth:`refused` is the guard's ``on_refusal``), and the ``/metrics`` endpoint
+    (:meth:`serve_http`, :meth:`close`). ``daemon``: ``"coordinator"`` or ``"peer"``."""
+
+    def __init__(self, daemon: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.refusals = Counter(f"fedrelay_{daemon}_refusals", "Calls refused with a gRPC status, by method and "
+                                "status code.", ["method", "code"], registry=self.registry)
+        self._http: MetricsServer | None = None
+
+    def serve_http(self, listen: str) -> str:
+        """Serve ``/metrics`` on ``listen`` (``HOST:PORT``); returns the bound address. Raises
+        ``RuntimeError`` (cannot listen) or ``ValueError`` (not HOST:PORT)."""
+        self._http = MetricsServer(listen, self.registry)
+        return self._http.address
+
+    def close(self) -> None:
+        """Stop serving ``/metrics`` (nothing when it was not served)."""
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+
+    def refused(self, method: str, code: grpc.StatusCode) -> None:
+        """Count a call to ``method`` refused with ``code``."""
+        self.refusals.labels(method, code_label(code)).inc()

@@ -230,10 +230,23 @@ def check_assignment(a) -> None:
     check_text(a.operator, "operator", max_chars=200)
 
 
+MAX_METHOD_OPTIONS = 64     # entries of TrainingParams.method_options
+MAX_OPTION_TEXT = 1_024     # characters of one method option's value
+
+
 def check_params(p) -> None:
-    """A ``TrainingParams``' string fields: labels (their values are checked by fedrelay.params)."""
-    for field in ("strategy", "selection", "init", "init_sha256", "weighting", "maecho_alpha", "ofasd_mode"):
-        check_label(getattr(p, field), f"params.{field}")
+    """A ``TrainingParams``' string fields: labels; its ``method_options``: at most
+    ``MAX_METHOD_OPTIONS`` entries, each a label naming the option and text (their values are
+    checked by fedrelay.params)."""
+    for field in p.DESCRIPTOR.fields:
+        if field.type == field.TYPE_STRING:
+            check_label(getattr(p, field.name), f"params.{field.name}")
+    if len(p.method_options) > MAX_METHOD_OPTIONS:
+        raise InvalidName("params.method_options", f"at most {MAX_METHOD_OPTIONS} entries",
+                          f"{len(p.method_options)} entries")
+    for key, value in p.method_options.items():
+        check_label(key, "params.method_options")
+        check_text(value, f"params.method_options[{key}]", max_chars=MAX_OPTION_TEXT)
 
 
 def check_transfer_header(h) -> None:
@@ -325,24 +338,25 @@ def check_registration(r) -> None:
     check_label(r.instance, "instance")
 
 
-def check_hop_report(r) -> None:
-    """``Coordinator.ReportHop``'s ``HopReport``: run id, sender, receiver, hop, SHA-256."""
+def _check_transfer(r, schema_optional: bool) -> None:
+    """A reported transfer: run id, sender, receiver, hop, the payload's SHA-256 and its
+    schema's (``schema_sha256``, which may be empty when ``schema_optional``)."""
     check_run_id(r.run_id)
     check_site_name(r.sender, "sender")
     check_site_name(r.receiver, "receiver")
     check_hop(r.hop, "hop")
     check_sha256(r.sha256)
-    check_sha256(r.schema_sha256, "schema_sha256", optional=True)
+    check_sha256(r.schema_sha256, "schema_sha256", optional=schema_optional)
+
+
+def check_hop_report(r) -> None:
+    """``Coordinator.ReportHop``'s ``HopReport``: run id, sender, receiver, hop, SHA-256."""
+    _check_transfer(r, schema_optional=True)
 
 
 def check_receipt(r) -> None:
     """``Coordinator.ReportReceipt``'s ``ReceiptReport``: run id, sender, receiver, hop, digests."""
-    check_run_id(r.run_id)
-    check_site_name(r.sender, "sender")
-    check_site_name(r.receiver, "receiver")
-    check_hop(r.hop, "hop")
-    check_sha256(r.sha256)
-    check_sha256(r.schema_sha256, "schema_sha256")
+    _check_transfer(r, schema_optional=False)
 
 
 def check_progress(r) -> None:

@@ -3,8 +3,8 @@
 Torch-free (the CLI, the coordinator and the peer daemon read it); the training side, with
 Opacus, is :mod:`fedrelay.peer.privacy`. The user's guide is ``docs/differential-privacy.md``.
 
-**The options** (``fedrelay.params.OPTIONS``, ``TrainingParams`` fields 280-283, ``coordinator
-start-chain`` flags):
+**The options** (declared once, in :data:`OPTIONS`, from which ``coordinator start-chain``'s flags,
+the checks and the wire (``TrainingParams`` fields 280-283) follow; ``fedrelay.registry.Option``):
 
 * ``dp_noise_multiplier`` (``--dp-noise-multiplier``, sigma >= 0): the Gaussian noise's standard
   deviation relative to the clipping norm (Abadi et al. 2016, "Deep Learning with Differential
@@ -20,7 +20,8 @@ start-chain`` flags):
 DP is off by default: a run without these options trains exactly as before (same arithmetic,
 same digests).
 
-**Which strategies** (:data:`STRATEGIES`): those whose every released tensor comes from a site's
+**Which strategies** (:func:`covered`, from the registry's entries: a chain strategy, or a star
+strategy whose aggregator declares ``outside_dp=""``): those whose every released tensor comes from a site's
 DP-SGD training: ``fedelmy``, ``fedseq`` (chains, one-shot or ``--rounds``), ``fedavg`` and
 ``fedelmy-pfl`` (stars). ``maecho`` (its uploads carry projection matrices computed from the
 site's raw features) and ``ofasd`` (its aggregator learns coefficients on the aggregating site's
@@ -40,14 +41,24 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-__all__ = ["STRATEGIES", "FLAGS", "DEFAULTS", "Options", "options", "check", "enabled", "planned_epochs",
+from fedrelay import registry
+from fedrelay.registry import Option
+
+__all__ = ["covered", "refusal", "OPTIONS", "FLAGS", "DEFAULTS", "Options", "options", "check", "enabled", "planned_epochs",
            "planned_epochs_of", "spent_from_stats", "describe", "describe_options", "to_pb", "from_pb"]
 
-# The strategies DP-SGD applies to (see the module docstring).
-STRATEGIES = ("fedelmy", "fedseq", "fedavg", "fedelmy-pfl")
-FLAGS = {"dp_noise_multiplier": "--dp-noise-multiplier", "dp_epsilon": "--dp-epsilon",
-         "dp_max_grad_norm": "--dp-max-grad-norm", "dp_delta": "--dp-delta"}
-DEFAULTS = {"dp_noise_multiplier": 0.0, "dp_epsilon": 0.0, "dp_max_grad_norm": 1.0, "dp_delta": 1e-5}
+# The DP options of every run (whatever its strategy: :func:`check` refuses DP on for the others).
+OPTIONS = (
+    Option("dp_noise_multiplier", float, 0.0, "Differential privacy (DP-SGD at every site, "
+           "docs/differential-privacy.md): the noise multiplier sigma (0: DP off).", minimum=0.0),
+    Option("dp_epsilon", float, 0.0, "DP: a target epsilon each site spends over the run, instead of "
+           "--dp-noise-multiplier (0: none).", minimum=0.0),
+    Option("dp_max_grad_norm", float, 1.0, "DP: the L2 norm each sample's gradient is clipped to (C).",
+           minimum=0.0, positive=True),
+    Option("dp_delta", float, 1e-5, "DP: the delta of each site's (epsilon, delta).", minimum=0.0, positive=True),
+)
+FLAGS = {o.name: o.flag for o in OPTIONS}
+DEFAULTS = {o.name: o.default for o in OPTIONS}
 BOOK = "privacy.json"   # a visit's DP steps, in its folder at the site (fedrelay.peer.privacy.Book)
 MAX_NOISE = 1000.0   # sigma; more is a typo (the model would learn nothing)
 MAX_EPSILON = 1e4
@@ -74,7 +85,7 @@ def check(d: Mapping) -> None:
     """Raise ``ValueError`` naming the flag of the first bad DP option of the run's parameters
     ``d``: a value that is not a finite number, sigma < 0 or > 1000, epsilon < 0 or > 10^4, both
     sigma and epsilon, C <= 0, delta outside (0, 1); and, with DP on, a strategy DP-SGD does not
-    cover (:data:`STRATEGIES`) or ``--selection best-val``. Unset (0) C and delta take their
+    cover (:func:`covered`) or ``--selection best-val``. Unset (0) C and delta take their
     defaults."""
     for name, flag in FLAGS.items():
         value = d.get(name, DEFAULTS[name])
@@ -98,16 +109,29 @@ def check(d: Mapping) -> None:
     if not enabled(d):
         return
     strategy = d.get("strategy", "")
-    if strategy not in STRATEGIES:
-        why = {"maecho": "its uploads carry projection matrices computed from each site's raw features",
-               "ofasd": "its aggregator learns coefficients on the aggregating site's data"}.get(
-            strategy, "it is not one of the strategies DP-SGD covers")
+    why = refusal(strategy)
+    if why:
         raise ValueError(f"--strategy {strategy}: differential privacy (--dp-noise-multiplier / --dp-epsilon) is "
-                         f"not available, {why}, outside DP-SGD's guarantee; use one of {', '.join(STRATEGIES)}")
+                         f"not available, {why}, outside DP-SGD's guarantee; use one of {', '.join(covered())}")
     if d.get("selection") == "best-val":
         raise ValueError("--selection best-val picks each model's epoch by its validation accuracy, which DP-SGD's "
                          "accounting does not cover: use --selection last-epoch with --dp-noise-multiplier / "
                          "--dp-epsilon")
+
+
+def refusal(strategy: str) -> str:
+    """Why DP-SGD at the sites does not cover what a run of ``strategy`` releases ("" when it
+    does): a chain strategy releases only its sites' DP-trained models; a star strategy, what its
+    aggregator declares (``fedrelay.registry.Aggregator.outside_dp``)."""
+    s = registry.STRATEGIES.get(strategy)
+    if s is None:
+        return "it is not one of the strategies DP-SGD covers"
+    return registry.aggregator(s.aggregator).outside_dp if s.aggregator else ""
+
+
+def covered() -> tuple[str, ...]:
+    """The registered strategies DP-SGD covers (:func:`refusal` is "")."""
+    return tuple(name for name in registry.STRATEGIES if not refusal(name))
 
 
 def options(d: Mapping) -> Options | None:

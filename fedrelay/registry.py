@@ -26,11 +26,28 @@ the uploads). An aggregator module (``fedrelay.peer.aggregators.<name>``) provid
     aggregate(uploads, ctx) -> State                          # at the aggregating site
 
 The CLI and the coordinator read the names, summaries and plans; only the peer imports modules.
+
+**Options.** A strategy or aggregator declares its options in its entry (:class:`Option`: name,
+type, default, range or choices, help); a plan's own options are :data:`PLAN_OPTIONS`. Everything
+else is derived from that one declaration: ``coordinator start-chain``'s flags (``--name-with-
+dashes``) and its ``--config`` file's keys, the checks (``fedrelay.params.check``: by the CLI, the
+coordinator and the peer, each option for the strategies that read it), the wire (an option
+without a ``TrainingParams`` field of its own travels as text in ``TrainingParams.method_options``),
+and the typed dict the peer hands the method (``fedrelay.params.options``: ``Context.options``,
+``site_extras(..., options, ...)``).
+
+**Plug-ins.** :func:`register` adds entries at run time; the environment variable
+``FEDRELAY_METHODS`` (``module:attr`` comma-separated; ``attr`` an entry or a sequence of entries)
+names entries every process (CLI, coordinator, peer daemon and its workers) registers as it
+imports this module, e.g. a method kept outside this repository.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -38,6 +55,105 @@ ARCHS = ("cnn", "resnet18", "cnn-gn")  # the model zoo (fedrelay/tasks/image_fol
 
 
 CHAIN, STAR = "chain", "star"
+PLANS = (CHAIN, STAR)
+KINDS = (int, float, str)
+PLUGINS_ENV = "FEDRELAY_METHODS"
+
+
+def _num(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def check_value(flag: str, kind: type, value, *, minimum: float | None = None, maximum: float | None = None,
+                positive: bool = False, choices: tuple[str, ...] = ()) -> None:
+    """Raise ``ValueError`` naming ``flag`` unless ``value`` is a ``kind`` (int, float: a finite
+    number, str) within ``minimum`` .. ``maximum`` (inclusive), > 0 when ``positive``, and one of
+    ``choices`` when given (strings)."""
+    if kind is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{flag} must be a string, got {value!r}")
+        if choices and value not in choices:
+            raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+        return
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{flag} must be an integer, got {value!r}")
+    else:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{flag} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{flag} must be a finite number, got {value!r}")
+    lo, hi = minimum, maximum
+    if lo is not None and hi is not None and not lo <= value <= hi:
+        raise ValueError(f"{flag} must be between {_num(lo)} and {_num(hi)}, got {value!r}")
+    if positive and value <= 0:
+        raise ValueError(f"{flag} must be > 0, got {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{flag} must be >= {_num(lo)}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{flag} must be <= {_num(hi)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a method, declared once (see the module docstring for what derives from it).
+
+    Attributes:
+        name: the run parameters' key, snake_case (``maecho_tau``); unique over every registered
+            method. Its flag is ``--`` + the name with ``-`` for ``_`` (``--maecho-tau``).
+        kind: ``int``, ``float`` or ``str``.
+        default: the value when the option is not given (of ``kind``).
+        help: one line for ``start-chain --help``.
+        minimum, maximum: the allowed range, inclusive (numbers; ``None``: unbounded).
+        positive: floats: the value must be > 0.
+        choices: strings: the allowed values (empty: any label).
+    """
+
+    name: str
+    kind: type
+    default: object
+    help: str
+    minimum: float | None = None
+    maximum: float | None = None
+    positive: bool = False
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier() or self.name != self.name.lower() or self.name.startswith("_"):
+            raise ValueError(f"option name {self.name!r} must be a lower-case Python identifier (snake_case)")
+        if self.kind not in KINDS:
+            raise ValueError(f"option {self.name}: kind must be int, float or str, got {self.kind!r}")
+        object.__setattr__(self, "choices", tuple(self.choices))
+        try:
+            self.check(self.default)
+        except ValueError as exc:
+            raise ValueError(f"option {self.name}: its default is not allowed ({exc})") from None
+
+    @property
+    def flag(self) -> str:
+        """The ``start-chain`` flag: ``--`` + the name, ``-`` for ``_``."""
+        return "--" + self.name.replace("_", "-")
+
+    def check(self, value) -> None:
+        """Raise ``ValueError`` naming :attr:`flag` unless ``value`` has the declared type and
+        lies in the declared range or choices."""
+        check_value(self.flag, self.kind, value, minimum=self.minimum, maximum=self.maximum,
+                    positive=self.positive, choices=self.choices)
+
+    def encode(self, value) -> str:
+        """``value`` as the wire's text (``TrainingParams.method_options``): ``repr`` of a
+        float (exact round trip), ``str`` of an int or a string."""
+        return repr(float(value)) if self.kind is float and not isinstance(value, bool) else str(value)
+
+    def decode(self, text: str):
+        """The wire's text as ``kind``; text that does not parse is returned as is (the check
+        then refuses it, naming the flag)."""
+        if self.kind is str:
+            return text
+        try:
+            return int(text) if self.kind is int else float(text)
+        except ValueError:
+            return text
 
 
 @dataclass(frozen=True)
@@ -48,6 +164,7 @@ class Strategy:
     module: str     # what the peer imports to run a site's local training
     aggregator: str = ""   # star plans: the aggregator (AGGREGATORS) the aggregating site runs
     init: str = "shared"   # the initial model when --init is not given (fedrelay/params.py INITS)
+    options: tuple[Option, ...] = ()   # its own options (besides its aggregator's and its plan's)
 
 
 @dataclass(frozen=True)
@@ -55,7 +172,26 @@ class Aggregator:
     name: str
     summary: str
     module: str
+    options: tuple[Option, ...] = ()   # what Context.options and site_extras' options carry for it
+    # Why it needs one initial model for every site (refuses --init per-site); "" = it does not.
+    one_initial_model: str = ""
+    # Why differential privacy at the sites (fedrelay/privacy.py) does not cover what its uploads
+    # or its result release; "" = it does (every tensor comes from a site's DP-SGD training). A
+    # new aggregator is outside DP until its entry says otherwise.
+    outside_dp: str = "it does not declare that DP-SGD covers what it releases"
+    # The option (of ``options``) giving the epochs it trains at the aggregating site after the
+    # sites' training, counted in a run's planned epochs (the progress bar); "" = none.
+    epochs_option: str = ""
 
+
+# The plans' own options: read by every strategy of the plan.
+PLAN_OPTIONS: dict[str, tuple[Option, ...]] = {
+    CHAIN: (),
+    STAR: (Option("upload_timeout", float, 3600.0, "Parallel methods: seconds the aggregator waits for the uploads "
+                  "after its own training, then combines what arrived.", minimum=0.0, positive=True),),
+}
+
+MAX_ITERATIONS = 100_000  # an int option's usual top (epochs, iterations): more is a typo, not a plan
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("fedelmy", "a model pool per site, diversity-regularised (FedELMY, Wang et al. 2024, Alg. 1)",
@@ -78,13 +214,28 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
 
 AGGREGATORS: dict[str, Aggregator] = {a.name: a for a in (
     Aggregator("mean", "one-shot FedAvg: the mean of the uploads, sample-weighted or uniform",
-               "fedrelay.peer.aggregators.mean"),
+               "fedrelay.peer.aggregators.mean", options=(
+                   Option("weighting", str, "samples", "fedavg: samples (weights n_k / n) | uniform.",
+                          choices=("samples", "uniform")),), outside_dp=""),
     Aggregator("fedelmy-pfl", "the uniform mean of the sites' pool averages (FedELMY supplementary Alg. 2)",
-               "fedrelay.peer.aggregators.fedelmy_pfl"),
+               "fedrelay.peer.aggregators.fedelmy_pfl", outside_dp=""),
     Aggregator("maecho", "MA-Echo Alg. 1: echo iterations in the null spaces of the sites' inputs",
-               "fedrelay.peer.aggregators.maecho"),
+               "fedrelay.peer.aggregators.maecho", options=(
+                   Option("maecho_tau", int, 100, "maecho: echo iterations (tau).", minimum=1, maximum=MAX_ITERATIONS),
+                   Option("maecho_eta", float, 0.05, "maecho: step (eta).", minimum=0.0, positive=True),
+                   Option("maecho_alpha", str, "uniform", "maecho: model weights uniform (the authors' released "
+                          "code) | qp (Eq. 6, solved with cvxopt).", choices=("uniform", "qp"))),
+               outside_dp="its uploads carry projection matrices computed from each site's raw features"),
     Aggregator("ofasd", "OFASD Alg. 1: per-(site, block) coefficients of unit task vectors, learned by KL "
-               "to the ensemble on the aggregating site's own data", "fedrelay.peer.aggregators.ofasd"),
+               "to the ensemble on the aggregating site's own data", "fedrelay.peer.aggregators.ofasd", options=(
+                   Option("ofasd_mode", str, "block", "ofasd: block (a coefficient per site and parameter tensor) | "
+                          "client (one per site).", choices=("block", "client")),
+                   Option("ofasd_epochs", int, 2, "ofasd: epochs of coefficient learning at the aggregator.",
+                          minimum=1, maximum=MAX_ITERATIONS),
+                   Option("ofasd_lr", float, 0.01, "ofasd: Adam learning rate of the coefficients.", minimum=0.0,
+                          positive=True)),
+               one_initial_model="composes task vectors against one initial model", epochs_option="ofasd_epochs",
+               outside_dp="its aggregator learns coefficients on the aggregating site's data"),
 )}
 
 
@@ -104,6 +255,104 @@ def aggregator(name: str) -> Aggregator:
         raise ValueError(f"unknown aggregator {name!r}: choose one of {', '.join(AGGREGATORS)}") from None
 
 
+def options_of(name: str) -> tuple[Option, ...]:
+    """The options strategy ``name`` reads: its plan's, its own and its aggregator's. Raises
+    ``ValueError`` for an unknown strategy."""
+    s = strategy(name)
+    return PLAN_OPTIONS[s.plan] + s.options + (aggregator(s.aggregator).options if s.aggregator else ())
+
+
+def all_options() -> tuple[Option, ...]:
+    """Every declared option once, in declaration order: the aggregators', the strategies', the
+    plans' (``start-chain``'s flags follow this order)."""
+    seen: dict[str, Option] = {}
+    for o in [o for a in AGGREGATORS.values() for o in a.options] + [o for s in STRATEGIES.values()
+                                                                     for o in s.options] \
+            + [o for p in PLANS for o in PLAN_OPTIONS[p]]:
+        seen.setdefault(o.name, o)
+    return tuple(seen.values())
+
+
+def defaults(options: Iterable[Option]) -> dict:
+    """``{name: default}`` of ``options``."""
+    return {o.name: o.default for o in options}
+
+
+def with_defaults(name: str, options: Mapping) -> dict:
+    """Aggregator ``name``'s declared options, each from ``options`` or at its default, plus
+    whatever else ``options`` holds: what an aggregator module reads, called directly or by the
+    peer."""
+    return {**defaults(aggregator(name).options), **options}
+
+
+_listeners: list[Callable[[], None]] = []
+
+
+def on_change(listener: Callable[[], None]) -> None:
+    """Call ``listener()`` after every :func:`register` / :func:`unregister` (the CLI rebuilds
+    its flags, ``fedrelay.params`` its tables). A listener raises ``ValueError`` to refuse the
+    registered entries (a name it already uses): :func:`register` then undoes them."""
+    _listeners.append(listener)
+
+
+def _check_entries(strategies: Mapping[str, Strategy], aggregators: Mapping[str, Aggregator]) -> None:
+    for s in strategies.values():
+        if s.plan not in PLANS:
+            raise ValueError(f"strategy {s.name}: plan must be one of {', '.join(PLANS)}, got {s.plan!r}")
+        if (s.plan == STAR) != bool(s.aggregator):
+            raise ValueError(f"strategy {s.name}: a star plan names an aggregator, a chain none")
+        if s.aggregator and s.aggregator not in aggregators:
+            raise ValueError(f"strategy {s.name}: unknown aggregator {s.aggregator!r}")
+    declared: dict[str, Option] = {}
+    for o in [o for a in aggregators.values() for o in a.options] + [o for s in strategies.values()
+                                                                     for o in s.options] \
+            + [o for p in PLANS for o in PLAN_OPTIONS[p]]:
+        if declared.setdefault(o.name, o) != o:
+            raise ValueError(f"option {o.name} is declared twice, differently")
+
+
+def register(*entries: Strategy | Aggregator) -> None:
+    """Add strategies and aggregators (an aggregator before, or with, the strategy naming it).
+    Raises ``ValueError`` for a name already taken, an unknown aggregator or plan, or an option
+    declared twice differently; nothing is added then."""
+    strategies, aggregators = dict(STRATEGIES), dict(AGGREGATORS)
+    for e in entries:
+        table = strategies if isinstance(e, Strategy) else aggregators if isinstance(e, Aggregator) else None
+        if table is None:
+            raise ValueError(f"not a registry entry: {e!r}")
+        if e.name in table:
+            raise ValueError(f"{type(e).__name__.lower()} {e.name!r} is already registered")
+        table[e.name] = e
+    _check_entries(strategies, aggregators)
+    STRATEGIES.update((k, v) for k, v in strategies.items() if k not in STRATEGIES)
+    AGGREGATORS.update((k, v) for k, v in aggregators.items() if k not in AGGREGATORS)
+    try:
+        for listener in _listeners:
+            listener()
+    except ValueError:  # e.g. an option whose name a listener's table already uses: undone
+        unregister(*entries)
+        raise
+
+
+def unregister(*entries: Strategy | Aggregator) -> None:
+    """Remove entries added by :func:`register` (tests)."""
+    for e in entries:
+        (STRATEGIES if isinstance(e, Strategy) else AGGREGATORS).pop(e.name, None)
+    for listener in _listeners:
+        listener()
+
+
+def _load_plugins(spec: str) -> None:
+    """Register the entries named by ``FEDRELAY_METHODS`` (``module:attr,...``)."""
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        module, _, attr = item.partition(":")
+        try:
+            found = getattr(importlib.import_module(module), attr or "METHODS")
+            register(*(found if isinstance(found, (tuple, list)) else (found,)))
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise RuntimeError(f"{PLUGINS_ENV}={spec}: cannot register {item!r}: {exc}") from exc
+
+
 def load(name: str):
     """Import the module that runs strategy ``name`` (peer side; imports torch)."""
     return importlib.import_module(strategy(name).module)
@@ -112,3 +361,8 @@ def load(name: str):
 def load_aggregator(name: str):
     """Import aggregator ``name``'s module (peer side; imports torch)."""
     return importlib.import_module(aggregator(name).module)
+
+
+_check_entries(STRATEGIES, AGGREGATORS)
+if os.environ.get(PLUGINS_ENV):
+    _load_plugins(os.environ[PLUGINS_ENV])

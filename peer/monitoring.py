@@ -29,20 +29,21 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily
 
 from fedrelay.guard import Guard
-from fedrelay.metrics import PURPOSES, MetricsServer, code_label
+from fedrelay.metrics import PURPOSES, DaemonMetrics
 
 
-class PeerMetrics:
+class PeerMetrics(DaemonMetrics):
     """The metrics of one site daemon (``node``: its ``PeerNode``, whose runs are read at scrape
     time)."""
 
     def __init__(self, node):
+        super().__init__("peer")
         self.node = node
-        r = self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
         self.sent = Counter("fedrelay_peer_transfers_sent", "Transfers this site delivered.", ["purpose"],
                             registry=r)
         self.sent_bytes = Counter("fedrelay_peer_sent_bytes", "Payload bytes of the delivered transfers.",
@@ -57,8 +58,6 @@ class PeerMetrics:
                                "transfers.", ["purpose"], registry=r)
         self.resumed = Counter("fedrelay_peer_resumed_bytes", "Bytes resumed deliveries did not send again.",
                                ["purpose"], registry=r)
-        self.refusals = Counter("fedrelay_peer_refusals", "Calls refused with a gRPC status, by method and "
-                                "status code.", ["method", "code"], registry=r)
         self.images_per_second = Gauge("fedrelay_peer_training_images_per_second", "Training images / seconds "
                                        "of the latest local training epoch.", registry=r)
         self.epochs_trained = Counter("fedrelay_peer_epochs_trained", "Epochs reported (training and "
@@ -69,7 +68,6 @@ class PeerMetrics:
                 c.labels(purpose)
         self._latest: tuple | None = None  # (run, stage, model, epoch, epochs) of the latest epoch
         self._lock = threading.Lock()
-        self._http: MetricsServer | None = None
         r.register(_RunCollector(self))
 
     # -- wiring ----------------------------------------------------------------------------------
@@ -77,21 +75,7 @@ class PeerMetrics:
         """Count the refusals of the daemon's server ``guard``."""
         guard.on_refusal = self.refused
 
-    def serve_http(self, listen: str) -> str:
-        """Serve ``/metrics`` on ``listen`` (``HOST:PORT``); returns the bound address. Raises
-        ``RuntimeError`` (cannot listen) or ``ValueError`` (not HOST:PORT)."""
-        self._http = MetricsServer(listen, self.registry)
-        return self._http.address
-
-    def close(self) -> None:
-        if self._http is not None:
-            self._http.close()
-            self._http = None
-
-    # -- hooks -----------------------------------------------------------------------------------
-    def refused(self, method: str, code) -> None:
-        self.refusals.labels(method, code_label(code)).inc()
-
+    # -- hooks (and DaemonMetrics.refused) -------------------------------------------------------
     def delivered(self, purpose: int, payload_bytes: int, wire_bytes: int, attempts: int, resumed_from: int) -> None:
         """A transfer (wire ``purpose``) this site sent and the receiver acknowledged."""
         p = PURPOSES.get(purpose, "other")

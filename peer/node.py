@@ -43,6 +43,7 @@ from fedrelay.peer.transfer import SendCancelled, Sent, send_model
 from fedrelay.receiving import TransferError, check_header_fields, held_bytes, receive_model, remove_partials
 from fedrelay.sealing import SealError
 from fedrelay.peer.workers import InlineRunner, JobCancelled
+from fedrelay.peer.worker_protocol import AggregateJob, EvaluateJob, SchemaJob, TrainJob
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2, relay_pb2
 
 log = logging.getLogger("fedrelay.peer")
@@ -433,7 +434,7 @@ class PeerNode:
         opts = run_params.options(run_params.to_dict(a.params)) if strategy.aggregator else {}
         req = {"op": "schema", "spec": self._spec(a), "strategy": strategy.name, "aggregator": strategy.aggregator,
                "options": opts}
-        return req, hashlib.sha256(json.dumps(req, sort_keys=True).encode()).hexdigest()[:32]
+        return SchemaJob.from_dict(req), hashlib.sha256(json.dumps(req, sort_keys=True).encode()).hexdigest()[:32]
 
     def _keep_schemas(self, key: str, answer: dict) -> dict:
         import json
@@ -670,7 +671,8 @@ class PeerNode:
         req = {**self._job_base(run), "op": "aggregate", "uploads": uploads, "final": str(final),
                "initial": self._initial(run)}
         with self._train_lock:
-            answer = self._run_job(run, req, f"aggregating {len(uploads)} models ({strategy.aggregator})")
+            answer = self._run_job(run, AggregateJob.from_dict(req),
+                                   f"aggregating {len(uploads)} models ({strategy.aggregator})")
         log.info("run %s: aggregated %d models with %s in %.1f s", run.run_id, len(uploads), strategy.aggregator,
                  answer["seconds"])
 
@@ -777,7 +779,7 @@ class PeerNode:
                                                               run.inbound(min(run.visits)) is None)
         with self._train_lock:
             self._tell_receiver(run, r)
-            answer = self._run_job(run, req, f"round {r}" if (a.rounds or 1) > 1 else "")
+            answer = self._run_job(run, TrainJob.from_dict(req), f"round {r}" if (a.rounds or 1) > 1 else "")
         log.info("run %s: round %d: trained %d pool models in %.1f s", run.run_id, r, answer["pool"],
                  answer["seconds"])
 
@@ -1169,7 +1171,7 @@ class PeerNode:
         if privacy.enabled(a.params):  # the site's spent (epsilon, delta), from every visit's book
             req.update(params=run_params.to_dict(a.params), privacy_books=[
                 str(p) for p in sorted(self.runs[run_id].folder.glob(f"**/{privacy.BOOK}"))])
-        answer = self.jobs.run(req, cancelled=self.stop.is_set)
+        answer = self.jobs.run(EvaluateJob.from_dict(req), cancelled=self.stop.is_set)
         correct, total = answer["correct"], answer["total"]
         reply = peer_pb2.EvaluateReply(site=self.name, correct=correct, test_samples=total, run_id=run_id,
                                        sha256=sha256, accuracy=correct / total if total else 0.0,

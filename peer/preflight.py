@@ -70,6 +70,7 @@ def check_serve_options(*, data_dir: Path, name: str, listen: str, coordinator: 
     """
     from fedrelay.peer.daemon import check_outbound, check_state_dir
     from fedrelay.peer.worker import Worker, resolve_device
+    from fedrelay.peer.worker_protocol import Describe
     from fedrelay.task import DataError, DataSummary
 
     advertise = advertise or None  # "" (an empty FEDRELAY_ADVERTISE): not given
@@ -98,7 +99,7 @@ def check_serve_options(*, data_dir: Path, name: str, listen: str, coordinator: 
     extra = [t for t in tasks or () if ":" in t]
     offered = task_registry.installed(extra=extra, only=tasks)
     usable = {n: i.sha256 for n, i in offered.items() if isinstance(i, task_registry.Installed)}
-    found = Worker().describe({"data": str(data_dir), "device": "cpu", "tasks": usable, "extra_tasks": extra})["tasks"]
+    found = Worker().answer(Describe(data=str(data_dir), device="cpu", tasks=usable, extra_tasks=extra)).tasks
     offers = []
     for name, inst in offered.items():
         got = found.get(name, {"error": f"{type(inst).__name__}: {inst}"})

@@ -5,26 +5,18 @@ time (``peer/jobs.py``) and exits when its stdin closes, at once, even in the mi
 daemon ended it, or died: its files are written atomically, so a restarted daemon resumes from the
 last persisted step). Its memory, GPU memory included, goes with it.
 
-Protocol: one JSON object per line. Requests on stdin, answers on stdout (stderr: log lines):
-
-* ``{"op": "prepare", "data": DIR, "device": "cpu"|"cuda:N", "deterministic": bool, "task": NAME,
-  "task_sha256": HEX, "extra_tasks": [module:attr ...]}`` first: sets the device's kernels as the
-  daemon's settings say (``training.use_deterministic_kernels``; torch's thread settings are left
-  at their defaults), loads the task (its digest checked against ``task_sha256`` when given) and
-  reads the site folder with it (``Task.load``: e.g. a corrupt image is an error naming the file;
-  whatever the loader raises becomes a ``DataError`` naming the task, the folder and that error),
-  pays the first optimiser's one-time cost; answers ``{"event": "ready", "seconds": S, "train": N,
-  "test": N, "device": D}`` (``device``: ``auto`` resolved).
-* ``{"op": "describe", "data": DIR, "device": ..., "tasks": {NAME: SHA256}, "extra_tasks": [...]}``:
-  the daemon's start-up check: for each task, load it, ``describe`` the folder and ``load`` it
-  (every sample read once), answering ``{"event": "described", "device": D, "seconds": S,
-  "tasks": {NAME: {"summary": DataSummary dict, "models": [...], "positive_class": str|None}
-  or {"error": "Type: message"}}}``.
-* a job: ``{"op": "schema" | "train" | "aggregate" | "evaluate", ...}`` (``peer/jobs.py``); while it
-  runs, progress lines ``{"event": "epoch", ...}``; then its answer.
-
-A request that fails answers ``{"event": "error", "error": "Type: message"}`` and the worker goes
-on; an unreadable line ends it with exit code 2.
+The protocol, its requests and answers, is described once, as typed messages, in
+``peer/worker_protocol.py``: one JSON object per line, requests on stdin, answers on stdout
+(stderr: log lines). ``Prepare`` first: sets the device's kernels as the daemon's settings say
+(``training.use_deterministic_kernels``; torch's thread settings are left at their defaults),
+loads the task (its digest checked against ``task_sha256`` when given) and reads the site folder
+with it (``Task.load``: e.g. a corrupt image is an error naming the file; whatever the loader
+raises becomes a ``DataError`` naming the task, the folder and that error), pays the first
+optimiser's one-time cost; answers ``Ready``. ``Describe`` is the daemon's start-up check: for
+each task, load it, ``describe`` the folder and ``load`` it (every sample read once), answering
+``Described``. A job (``peer/jobs.py``) writes ``Epoch`` lines while it runs, then its answer.
+A request that fails (a malformed one included) is answered ``Error`` and the worker goes on
+(exit code 2: see ``peer/worker_protocol.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +28,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from fedrelay.peer.worker_protocol import (Answer, Describe, Described, Error, Prepare, Ready, Request, SchemaJob,
+                                           as_request, request_from_dict)
 
 
 def resolve_device(device: str) -> str:
@@ -59,13 +54,44 @@ def resolve_device(device: str) -> str:
 
 class Worker:
     """A site's data and device, and the jobs run on them (also used in-process by
-    ``peer.workers.InlineRunner``, with data already decoded)."""
+    ``peer.workers.InlineRunner``, with data already decoded).
+
+    :meth:`answer` takes and gives typed messages (``peer/worker_protocol.py``); :meth:`handle`,
+    :meth:`prepare` and :meth:`describe` take a message or its JSON object and give the answer's
+    JSON object (what the worker process writes)."""
 
     def __init__(self, data=None, device: str = "cpu") -> None:
         self.data = data
         self.device = device
 
-    def prepare(self, req: dict) -> dict:
+    def prepare(self, req: Prepare | dict) -> dict:
+        """``Prepare`` (see the module docstring): the ``Ready`` answer's JSON object."""
+        return self.answer(req if isinstance(req, Prepare) else Prepare.from_dict(req)).to_dict()
+
+    def describe(self, req: Describe | dict) -> dict:
+        """The daemon's start-up check of every task it offers (see the module docstring): the
+        ``Described`` answer's JSON object."""
+        return self.answer(req if isinstance(req, Describe) else Describe.from_dict(req)).to_dict()
+
+    def handle(self, req: Request | dict, emit=None) -> dict:
+        """Answer one request (``Prepare``, ``Describe`` or a job): the answer's JSON object.
+        Raises ``ProtocolError`` for a malformed request and what the job raises."""
+        return self.answer(as_request(req), emit).to_dict()
+
+    def answer(self, req: Request, emit=None) -> Answer:
+        """Answer one typed request; ``emit(Epoch)`` is told a job's progress. Raises what the
+        job raises, ``RuntimeError`` for a job (other than a schema) before ``Prepare``."""
+        if isinstance(req, Prepare):
+            return self._prepare(req)
+        if isinstance(req, Describe):
+            return self._describe(req)
+        from fedrelay.peer import jobs
+
+        if self.data is None and not isinstance(req, SchemaJob):
+            raise RuntimeError(f"{req.NAME} before prepare")
+        return jobs.answer(req, self.data, self.device, emit)
+
+    def _prepare(self, req: Prepare) -> Ready:
         started = time.time()
         import torch
 
@@ -73,29 +99,28 @@ class Worker:
         from fedrelay.peer.training import use_deterministic_kernels
         from fedrelay.task import DataError
 
-        self.device = resolve_device(req.get("device", "cpu"))
-        if req.get("deterministic", True):
+        self.device = resolve_device(req.device)
+        if req.deterministic:
             use_deterministic_kernels(self.device)
-        name, root = req.get("task") or tasks.DEFAULT, Path(req["data"])
-        task = tasks.load(name, req.get("task_sha256", ""), req.get("extra_tasks", ()))
+        name, root = req.task or tasks.DEFAULT, Path(req.data)
+        task = tasks.load(name, req.task_sha256, req.extra_tasks)
         try:
             self.data = _checked(task.load(root))
         except Exception as exc:  # noqa: BLE001 - the task's own code: say whose it is and what it raised
             raise DataError(f"task {name!r} cannot read {root}: {type(exc).__name__}: {exc}") from exc
         torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # torch._dynamo's import, paid now
-        return {"event": "ready", "seconds": time.time() - started, "device": self.device,
-                "train": self.data.num_samples("train"), "test": self.data.num_samples("test")}
+        return Ready(seconds=time.time() - started, device=self.device, train=self.data.num_samples("train"),
+                     test=self.data.num_samples("test"))
 
-    def describe(self, req: dict) -> dict:
-        """The daemon's start-up check of every task it offers (see the module docstring)."""
+    def _describe(self, req: Describe) -> Described:
         started = time.time()
         from fedrelay import tasks
 
-        self.device = resolve_device(req.get("device", "cpu"))
-        root, found = Path(req["data"]), {}
-        for name, sha256 in req["tasks"].items():
+        self.device = resolve_device(req.device)
+        root, found = Path(req.data), {}
+        for name, sha256 in req.tasks.items():
             try:
-                task = tasks.load(name, sha256, req.get("extra_tasks", ()))
+                task = tasks.load(name, sha256, req.extra_tasks)
                 summary = task.describe(root).check()
                 data = _checked(task.load(root))
                 if data.summary().to_dict()["classes"] != summary.to_dict()["classes"]:
@@ -106,19 +131,7 @@ class Worker:
                 del data
             except Exception as exc:  # noqa: BLE001 - a task that cannot read the folder is reported, not fatal
                 found[name] = {"error": f"{type(exc).__name__}: {exc}"}
-        return {"event": "described", "device": self.device, "seconds": time.time() - started, "tasks": found}
-
-    def handle(self, req: dict, emit) -> dict:
-        """Answer one request (``prepare`` or a job). Raises what the job raises."""
-        if req["op"] == "prepare":
-            return self.prepare(req)
-        if req["op"] == "describe":
-            return self.describe(req)
-        from fedrelay.peer import jobs
-
-        if self.data is None and req["op"] != "schema":
-            raise RuntimeError(f"{req['op']} before prepare")
-        return jobs.run(req, self.data, self.device, emit)
+        return Described(device=self.device, seconds=time.time() - started, tasks=found)
 
 
 def _checked(data):
@@ -145,8 +158,8 @@ def main() -> int:
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_read_stdin, args=(lines,), daemon=True, name="stdin").start()
 
-    def emit(event: dict) -> None:
-        sys.stdout.write(json.dumps(event) + "\n")
+    def emit(event: Answer) -> None:
+        sys.stdout.write(event.to_json() + "\n")
         sys.stdout.flush()
 
     while True:
@@ -154,18 +167,19 @@ def main() -> int:
         if not line.strip():
             continue
         try:
-            req = json.loads(line)
-            req["op"]
+            obj = json.loads(line)
+            if not isinstance(obj["op"], str):
+                raise TypeError(f"op is {obj['op']!r}")
         except (ValueError, KeyError, TypeError) as exc:
             print(f"worker: unreadable request: {exc}", file=sys.stderr, flush=True)
             return 2
         try:
-            answer = worker.handle(req, emit)
-        except Exception as exc:  # noqa: BLE001 - the daemon gets every failure as an answer
+            answer = worker.answer(request_from_dict(obj), emit)
+        except Exception as exc:  # noqa: BLE001 - the daemon gets every failure (a malformed request too) as an answer
             import traceback
 
             traceback.print_exc(file=sys.stderr)
-            answer = {"event": "error", "error": f"{type(exc).__name__}: {exc}"}
+            answer = Error(error=f"{type(exc).__name__}: {exc}")
         emit(answer)
 
 

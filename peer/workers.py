@@ -2,7 +2,8 @@
 
 ``WorkerProcess`` is one ``python -m fedrelay.peer.worker`` child, started with ``subprocess``
 (not fork: the daemon has gRPC threads), or forked from a template process that has imported
-torch (``peer/forking.py``, ``peer serve --fork-workers``), and spoken to in JSON lines. A worker that exits or is
+torch (``peer/forking.py``, ``peer serve --fork-workers``), and spoken to in the typed messages of
+``peer/worker_protocol.py`` (one JSON object per line). A worker that exits or is
 killed mid-request (a crash, SIGKILL, the kernel's out-of-memory killer: return code -9) raises
 ``WorkerDied``, whose message names the exit code or signal and the last lines the worker wrote
 to stderr.
@@ -39,6 +40,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from fedrelay.peer.worker_protocol import (Describe, Epoch, Error, Job, Prepare, ProtocolError, Request, SchemaJob,
+                                           answer_from_dict, as_request)
+
 __all__ = ["WorkerDied", "WorkerError", "JobCancelled", "WorkerProcess", "WorkerPool", "InlineRunner"]
 
 log = logging.getLogger("fedrelay.peer")
@@ -52,7 +56,8 @@ class WorkerDied(RuntimeError):
 
 
 class WorkerError(RuntimeError):
-    """The worker answered a request with an error (``"Type: message"``)."""
+    """The worker answered a request with an error (``"Type: message"``), or with a line that is
+    not the request's answer (``"ProtocolError: ..."``)."""
 
 
 class JobCancelled(Exception):
@@ -70,7 +75,7 @@ class WorkerProcess:
         self.slot = slot
         self._tail: collections.deque[str] = collections.deque(maxlen=stderr_lines)
         self._answers: queue.Queue = queue.Queue()
-        self.prepared: dict | None = None  # the answer to "prepare", once given
+        self.prepared: dict | None = None  # the answer to Prepare (its JSON object), once given
         try:
             if fork:  # from the template that has imported torch (peer/forking.py)
                 from fedrelay.peer.forking import ForkedProcess
@@ -93,11 +98,20 @@ class WorkerProcess:
         return self.proc.pid
 
     def _read_stdout(self) -> None:
+        """Answers into the queue: typed messages, a ``ProtocolError`` for a JSON object that is
+        no answer; other lines (a library's print) go to the stderr tail."""
         for line in self.proc.stdout:
             try:
-                self._answers.put(json.loads(line))
+                obj = json.loads(line)
             except ValueError:
+                obj = None
+            if not isinstance(obj, dict):
                 self._tail.append(f"(stdout) {line.rstrip()}")
+                continue
+            try:
+                self._answers.put(answer_from_dict(obj))
+            except ProtocolError as exc:
+                self._answers.put(exc)
         self._answers.put(None)  # end of stream: the worker is gone
 
     def _read_stderr(self) -> None:
@@ -116,35 +130,39 @@ class WorkerProcess:
         tail = "; ".join(line for line in self._tail if line)[-1500:]
         return how + (f"; last stderr: {tail}" if tail else "")
 
-    def request(self, req: dict, timeout: float | None = None, on_event: EventCallback | None = None,
+    def request(self, req: Request | dict, timeout: float | None = None, on_event: EventCallback | None = None,
                 cancelled: Callable[[], bool] | None = None, poll: float = 0.25) -> dict:
-        """Send one request and wait for its answer; progress lines (``{"event": "epoch"}``) go
-        to ``on_event`` meanwhile. Raises ``WorkerDied`` (the worker ended first), ``WorkerError``
-        (it answered an error), ``TimeoutError`` (no answer within ``timeout`` seconds) or
+        """Send one request (``peer/worker_protocol.py``; a JSON object is checked as its
+        message first) and wait for its answer: the answer's JSON object, checked against the
+        message the request expects. Progress (``Epoch``) goes to ``on_event`` meanwhile, as its
+        JSON object. Raises ``ProtocolError`` (a malformed request: nothing is sent),
+        ``WorkerDied`` (the worker ended first), ``WorkerError`` (it answered an error, or not
+        the request's answer), ``TimeoutError`` (no answer within ``timeout`` seconds) or
         ``JobCancelled`` (``cancelled()`` turned true: the worker is closed at once); what
         ``on_event`` raises ends the worker too and propagates."""
+        req = as_request(req)
         until = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             try:
-                self.proc.stdin.write(json.dumps(req) + "\n")
+                self.proc.stdin.write(req.to_json() + "\n")
                 self.proc.stdin.flush()
             except (BrokenPipeError, OSError):
                 pass  # the answer queue says it ended
             while True:
                 if cancelled is not None and cancelled():
                     self.close(grace=0)
-                    raise JobCancelled(req.get("op"))
+                    raise JobCancelled(req.NAME)
                 wait = poll if until is None else min(poll, until - time.monotonic())
                 if wait <= 0:
-                    raise TimeoutError(f"worker {self.pid} did not answer {req.get('op')!r} in {timeout} s")
+                    raise TimeoutError(f"worker {self.pid} did not answer {req.NAME!r} in {timeout} s")
                 try:
                     answer = self._answers.get(timeout=wait)
                 except queue.Empty:
                     continue
-                if answer is not None and answer.get("event") == "epoch":
+                if isinstance(answer, Epoch):
                     if on_event is not None:
                         try:
-                            on_event(answer)
+                            on_event(answer.to_dict())
                         except BaseException:
                             self.close(grace=0)
                             raise
@@ -152,10 +170,15 @@ class WorkerProcess:
                 break
         if answer is None:
             self._answers.put(None)
-            raise WorkerDied(f"worker process {self.pid} ended during {req.get('op')!r}: {self.reason()}")
-        if answer.get("event") == "error":
-            raise WorkerError(answer.get("error", "unknown error"))
-        return answer
+            raise WorkerDied(f"worker process {self.pid} ended during {req.NAME!r}: {self.reason()}")
+        if isinstance(answer, ProtocolError):
+            raise WorkerError(f"ProtocolError: worker {self.pid}, asked {req.NAME!r}: {answer}")
+        if isinstance(answer, Error):
+            raise WorkerError(answer.error)
+        if not isinstance(answer, req.ANSWER):
+            raise WorkerError(f"ProtocolError: worker {self.pid} answered {answer.NAME!r} to {req.NAME!r}, not "
+                              f"{req.ANSWER.NAME!r}")
+        return answer.to_dict()
 
     def close(self, grace: float = 5.0) -> None:
         """End the worker (idempotent; stdin closed, then SIGTERM, then SIGKILL after ``grace``
@@ -185,7 +208,7 @@ class _Warm:
     requests (which need no data: they are answered as soon as torch is imported), then
     prepared. Each prefetch callback is called once, with the answer or None (failed)."""
 
-    def __init__(self, worker: WorkerProcess, prepare: dict, prefetch: list[tuple[dict, Callable]],
+    def __init__(self, worker: WorkerProcess, prepare: Prepare, prefetch: list[tuple[Job, Callable]],
                  sender: str = "", started: float | None = None):
         self.worker = worker
         self.sender = sender
@@ -195,7 +218,7 @@ class _Warm:
         threading.Thread(target=self._prepare, args=(prepare, prefetch), daemon=True,
                          name=f"warm-{worker.pid}").start()
 
-    def _prepare(self, prepare: dict, prefetch) -> None:
+    def _prepare(self, prepare: Prepare, prefetch) -> None:
         pending = list(prefetch)
         try:
             while pending:
@@ -241,26 +264,25 @@ class WorkerPool:
         self._lock = threading.Lock()
         self.started = 0  # worker processes started (for tests and metrics)
         self.preempted = 0  # warm workers closed to give their slot to a job (for tests and the log)
+        self._busy: set[WorkerProcess] = set()  # the workers running a job now (busy_pids)
 
-    def _prepare_request(self, spec: dict | None = None) -> dict:
-        """The worker's ``prepare``: the site's data read by the task of ``spec`` (a job's
-        ``SPEC``; the default task when None), its digest pinned to the run's."""
-        req = {"op": "prepare", "data": self.data_dir, "device": self.device, "deterministic": self.deterministic,
-               "extra_tasks": self.extra_tasks}
-        if spec:
-            req["task"], req["task_sha256"] = spec["task"], spec.get("task_sha256", "")
-        return req
+    def _prepare_request(self, spec: dict | None = None) -> Prepare:
+        """The worker's ``Prepare``: the site's data read by the task of ``spec`` (a job's
+        ``spec``; the default task when None), its digest pinned to the run's."""
+        task = {"task": spec["task"], "task_sha256": spec.get("task_sha256", "")} if spec else {}
+        return Prepare(data=self.data_dir, device=self.device, deterministic=self.deterministic,
+                       extra_tasks=list(self.extra_tasks), **task)
 
     def _new_worker(self, slot) -> WorkerProcess:
         self.started += 1
         return WorkerProcess(slot=slot, env=self.env, fork=self.fork)
 
-    def warm(self, run_id: str, prefetch: list[tuple[dict, Callable]] = (), spec: dict | None = None,
+    def warm(self, run_id: str, prefetch: list[tuple[Job, Callable]] = (), spec: dict | None = None,
              sender: str = "") -> bool:
         """Start a worker ahead for ``run_id`` (whose model is ``spec``), asked for by its planned
         ``sender``, if the run has none, the sender holds none for another run, and a slot is
-        free now; the ``prefetch`` requests (e.g. the run's payload schemas) are asked first,
-        their answers (None: failed) passed to their callbacks. The worker is closed after
+        free now; the ``prefetch`` jobs (e.g. the run's ``SchemaJob``) are asked first, their
+        answers' JSON objects (None: failed) passed to their callbacks. The worker is closed after
         ``warm_timeout`` seconds unused. True when a worker was started (False: the callbacks
         are not called)."""
         self._expire()
@@ -331,30 +353,45 @@ class WorkerPool:
                 raise JobCancelled("the daemon is stopping")
         return self._new_worker(slot)
 
-    def run(self, req: dict, *, run_id: str | None = None, on_event: EventCallback | None = None,
+    def run(self, req: Job | dict, *, run_id: str | None = None, on_event: EventCallback | None = None,
             cancelled: Callable[[], bool] | None = None, on_wait: Callable[[str], None] | None = None,
             on_start: Callable[[], None] | None = None, retries: int = 1) -> dict:
-        """Run the job ``req`` (``peer/jobs.py``) on a worker (``run_id``'s warm one if any) that
-        is closed afterwards; ``on_start()`` is called once the worker is ready, as the job is
-        sent. A worker that dies is replaced ``retries`` times. Raises
-        ``WorkerDied``, ``WorkerError`` (the job failed: its message), ``JobCancelled``
+        """Run the job ``req`` (``peer/jobs.py``; a typed job of ``peer/worker_protocol.py`` or
+        its JSON object) on a worker (``run_id``'s warm one if any) that is closed afterwards:
+        the answer's JSON object (``WorkerProcess.request``). ``on_start()`` is called once the
+        worker is ready, as the job is sent; ``on_event`` gets each ``Epoch``'s JSON object. A
+        worker that dies is replaced ``retries`` times. Raises ``ProtocolError`` (a malformed
+        job), ``WorkerDied``, ``WorkerError`` (the job failed: its message), ``JobCancelled``
         (``cancelled()`` turned true, or the daemon stops while waiting for a slot), and what
         ``on_event`` raises."""
+        job = as_request(req)
+        if not isinstance(job, Job):
+            raise ProtocolError(f"{job.NAME!r} is not a job")
         for attempt in range(retries + 1):
             worker = self._take(run_id, on_wait)
+            with self._lock:
+                self._busy.add(worker)
             try:
-                if worker.prepared is None and req["op"] != "schema":
-                    worker.prepared = worker.request(self._prepare_request(req.get("spec")), cancelled=cancelled)
+                if worker.prepared is None and not isinstance(job, SchemaJob):
+                    worker.prepared = worker.request(self._prepare_request(job.spec), cancelled=cancelled)
                 if on_start is not None:
                     on_start()
-                return worker.request(req, on_event=on_event, cancelled=cancelled)
+                return worker.request(job, on_event=on_event, cancelled=cancelled)
             except WorkerDied as exc:
                 if attempt == retries:
                     raise
-                log.warning("%s; running the %s job again on a new worker", exc, req["op"])
+                log.warning("%s; running the %s job again on a new worker", exc, job.NAME)
             finally:
+                with self._lock:
+                    self._busy.discard(worker)
                 worker.close()
         raise AssertionError("unreachable")
+
+    def busy_pids(self) -> list[int]:
+        """The process ids of the workers running this pool's jobs now (a fault drill or a test
+        kills exactly those)."""
+        with self._lock:
+            return sorted(w.pid for w in self._busy)
 
     def check(self, tasks: dict[str, str]) -> dict:
         """The daemon's start-up check in one worker, closed afterwards: each of ``tasks``
@@ -364,8 +401,8 @@ class WorkerPool:
         ``JobCancelled`` (the daemon stops while waiting for a slot)."""
         worker = self._take(None, None)
         try:
-            return worker.request({"op": "describe", "data": self.data_dir, "device": self.device, "tasks": tasks,
-                                   "extra_tasks": self.extra_tasks})
+            return worker.request(Describe(data=self.data_dir, device=self.device, tasks=dict(tasks),
+                                           extra_tasks=list(self.extra_tasks)))
         finally:
             worker.close()
 
@@ -396,19 +433,20 @@ class InlineRunner:
     def drop(self, run_id: str) -> None:
         pass
 
-    def run(self, req: dict, *, run_id: str | None = None, on_event: EventCallback | None = None,
+    def run(self, req: Job | dict, *, run_id: str | None = None, on_event: EventCallback | None = None,
             cancelled: Callable[[], bool] | None = None, on_wait=None, on_start=None, retries: int = 0) -> dict:
+        job = as_request(req)
         if on_start is not None:
             on_start()
 
-        def emit(event: dict) -> None:
+        def emit(event: Epoch) -> None:
             if cancelled is not None and cancelled():
-                raise JobCancelled(req.get("op"))
+                raise JobCancelled(job.NAME)
             if on_event is not None:
-                on_event(json.loads(json.dumps(event)))  # as a worker's line would be
+                on_event(json.loads(event.to_json()))  # as a worker's line would be
 
         try:
-            return json.loads(json.dumps(self.worker.handle(req, emit)))
+            return json.loads(self.worker.answer(job, emit).to_json())
         except JobCancelled:
             raise
         except Exception as exc:  # noqa: BLE001 - the same error a worker would answer

@@ -193,7 +193,7 @@ def test_stale_peers_are_left_out_of_the_default_set_and_refused_by_name():
     _peers(ledger, ["a", "b", "c"], stale=["b"])
     service = CoordinatorService(ledger, peer_timeout=120)
     warnings: list[str] = []
-    kept = service._fresh_peers([], warnings, FakeContext())
+    kept = service.runs.fresh_peers([], warnings)
     assert [p["name"] for p in kept] == ["a", "c"]
     assert len(warnings) == 1 and "stale" in warnings[0] and "b (last seen 600 s ago)" in warnings[0]
     with pytest.raises(Aborted) as err:

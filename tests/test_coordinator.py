@@ -111,7 +111,7 @@ def test_a_restarted_coordinator_recomputes_the_reroutes_from_the_ledger():
     led.reroute("r", replan(names, 1, plan, {"b"}, plan.visits[0]).to_json(), [("b", "down")])
     service = CoordinatorService(led)
     assert service.recover() == ["r"]
-    pending = {site: r for (run, site), r in service._pending.items() if run == "r"}
+    pending = {site: r for (run, site), r in service.owed.reroutes.items() if run == "r"}
     assert sorted(pending) == ["a", "c", "e"]  # e: the last site copies the final model to fewer sites
 
     def hops(r, **match):

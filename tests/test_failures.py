@@ -32,16 +32,17 @@ def test_an_evaluation_that_breaks_fails_the_run_with_its_reason():
     def broken(run_id):
         raise KeyError("per_site")
 
-    service._evaluate_run = broken
-    service._submit_evaluation("r")
-    service._eval_pool.shutdown(wait=True)  # the done-callback runs before shutdown returns
+    service.evaluator.submit("r", evaluate=broken)
+    service.evaluator.pool.shutdown(wait=True)  # the done-callback runs before shutdown returns
     run = ledger.run("r")
     assert run["status"] == "failed" and "KeyError" in run["error"] and "evaluation" in run["error"]
 
 
 def test_a_monitor_step_that_raises_does_not_end_the_monitor():
-    """An exception in _send_reroutes used to end the monitor thread silently, and with it every
+    """An exception in the reroutes' step used to end the monitor thread silently, and with it every
     later reroute and end notice."""
+    from fedrelay.coordinator.routing import start_monitor
+
     ledger = Ledger(":memory:")
     service = CoordinatorService(ledger)
     ticks, enough = [], threading.Event()
@@ -54,9 +55,8 @@ def test_a_monitor_step_that_raises_does_not_end_the_monitor():
         if len(ticks) >= 3:
             enough.set()
 
-    service._send_reroutes, service._send_end_notices = reroutes, notices
     stop = threading.Event()
-    service.start_monitor(stop, interval=0.01)
+    start_monitor(service.ledger, service.routing.check_route, [reroutes, notices], stop, interval=0.01)
     try:
         assert enough.wait(10), "the monitor stopped after the first failure"
     finally:

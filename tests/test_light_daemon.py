@@ -10,12 +10,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
 import pytest
 
 from fedrelay.peer.slots import HostSlots
+from fedrelay.peer.worker_protocol import Prepare, TrainJob
 from fedrelay.peer.workers import WorkerPool
 from fedrelay.v1 import peer_pb2, peer_pb2_grpc
 
@@ -66,52 +68,51 @@ def test_an_idle_site_daemon_imports_no_torch_and_stays_small(three_sites, tmp_p
         proc.wait(30)
 
 
-def _job_workers() -> list[int]:
-    """This process's worker children: ``python -m fedrelay.peer.worker`` exactly (a fork server
-    that an earlier test left, whose command line lists the module among its preloads, is not one:
-    killing "every child that mentions the worker" killed it too and failed under load)."""
-    out = []
-    for pid in _children(os.getpid()):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:  # gone meanwhile
-            continue
-        if argv[1:3] == [b"-m", b"fedrelay.peer.worker"]:
-            out.append(pid)
-    return out
+def _wait_for(path: Path, limit: float = 300.0) -> None:
+    """Until ``path`` exists (a bound for a broken build, not a timing margin)."""
+    deadline = time.monotonic() + limit
+    while not path.exists():
+        assert time.monotonic() < deadline, f"timed out waiting for {path.name}"
+        time.sleep(0.02)
 
 
-def _train_request(site: Path, folder: Path, class_index: list[str]) -> dict:
+def _train_request(site: Path, folder: Path, class_index: list[str]) -> TrainJob:
     params = {"strategy": "fedelmy", "models_per_site": 2, "local_epochs": 1, "warmup_epochs": 1, "alpha": 1.0,
               "beta": 1.0, "lr": 1e-3, "batch_size": 32, "weight_decay": 1e-4, "selection": "best-val"}
     from fedrelay.tasks.image_folder import spec as image_spec
 
-    return {"op": "train", "spec": image_spec("cnn", 1, (28, 28), len(class_index)).to_dict(),
-            "params": params, "seed": 5, "class_index": class_index, "site": site.name, "aggregator": "",
-            "options": {}, "position": 0, "round": 1, "folder": str(folder), "received": None,
-            "outgoing": str(folder / "outgoing.safetensors"), "initial": None}
+    return TrainJob(spec=image_spec("cnn", 1, (28, 28), len(class_index)).to_dict(), params=params, seed=5,
+                    class_index=class_index, site=site.name, aggregator="", options={}, position=0, round=1,
+                    folder=str(folder), received=None, outgoing=str(folder / "outgoing.safetensors"), initial=None)
 
 
 def test_a_worker_killed_mid_training_is_replaced_and_gives_the_same_model(three_sites, tmp_path):
-    """SIGKILL of the worker during the second pool model: the pool starts another worker, which
-    resumes from the persisted warm-up and first pool model; the model equals an undisturbed
-    run's, bit for bit."""
+    """SIGKILL of the worker held after its first pool model (``peer/jobs.py``'s hold point, so
+    the job cannot finish first): the pool starts another worker, which resumes from the
+    persisted warm-up and first pool model; the model equals an undisturbed run's, bit for bit.
+    The worker killed is the one the pool runs the job on (``busy_pids``), no other process."""
+    from fedrelay.peer.jobs import HOLD_ENV
     from fedrelay.tasks.image_folder.scan import scan_site
 
     site = three_sites[0]
     classes = [f"{i}" for i in range(10)]
     classes = sorted(set(scan_site(site).class_names) | set(classes))
-    pool = WorkerPool(site, "cpu", HostSlots(2, tmp_path / "slots"))
-    pool.run(_train_request(site, tmp_path / "a", classes))
+    holds = tmp_path / "holds"
+    holds.mkdir()
+    pool = WorkerPool(site, "cpu", HostSlots(2, tmp_path / "slots"), env={**os.environ, HOLD_ENV: str(holds)})
+    pool.run(_train_request(site, tmp_path / "a", classes))  # no hold file: undisturbed
     assert pool.started == 1
 
     killed = []
+    (holds / "hold-pool-1").touch()
 
     def on_event(info: dict) -> None:
-        if info["model"] == 2 and not killed:
-            for pid in _job_workers():
+        if info["model"] == 1 and not killed:  # pool model 1's last epoch: it is persisted, then held
+            _wait_for(holds / "held-pool-1")
+            killed.extend(pool.busy_pids())
+            for pid in killed:
                 os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
+            (holds / "hold-pool-1").unlink()  # the next worker resumes after it and is not held
 
     pool.run(_train_request(site, tmp_path / "b", classes), on_event=on_event)
     assert len(killed) == 1 and pool.started == 3  # the one job worker killed was replaced once
@@ -128,8 +129,8 @@ def test_a_second_death_fails_the_job_with_its_reason(three_sites, tmp_path):
     site = three_sites[0]
     pool = WorkerPool(site, "cpu", HostSlots(1, tmp_path / "slots"))
 
-    def kill_workers() -> None:  # as the job is sent, once the worker is ready
-        for pid in _job_workers():
+    def kill_workers() -> None:  # as the job is sent, once the worker is ready: the pool's own worker
+        for pid in pool.busy_pids():
             os.kill(pid, signal.SIGKILL)
 
     with pytest.raises(WorkerDied, match="killed by SIGKILL"):
@@ -177,7 +178,7 @@ def test_forked_workers_train_the_same_model_and_say_how_they_died(three_sites, 
     assert digest[0] == digest[1]
     worker = WorkerProcess(fork=True)
     try:
-        assert worker.request({"op": "prepare", "data": str(site), "device": "cpu"})["event"] == "ready"
+        assert worker.request(Prepare(data=str(site), device="cpu"))["event"] == "ready"
         assert Path(f"/proc/{worker.pid}/status").exists() and worker.pid not in _children(os.getpid())
         os.kill(worker.pid, signal.SIGKILL)
         with pytest.raises(WorkerDied, match="killed by SIGKILL"):

@@ -401,6 +401,12 @@ def test_connections_per_identity_are_bounded_within_the_idle_window():
 
 
 # -- Prepare: warm workers ---------------------------------------------------------------------------
+from fedrelay.peer.worker_protocol import TrainJob  # noqa: E402
+
+TRAIN = TrainJob(spec={"task": "image-folder"}, params={}, seed=0, class_index=[], site="site-a", aggregator="",
+                 options={}, position=0, round=1, folder="/nowhere", outgoing="/nowhere/out")  # a fake worker's job
+
+
 class FakeWorker:
     """A worker process stand-in: answers every request at once, frees its host slot on close."""
 
@@ -410,7 +416,7 @@ class FakeWorker:
         self.proc = type("Proc", (), {"poll": staticmethod(lambda: None)})()
 
     def request(self, req, **kw):
-        return {"op": req["op"]}
+        return {"op": req.NAME}
 
     def close(self, grace=None):
         if not self.closed:
@@ -450,14 +456,14 @@ def test_one_sender_cannot_pin_the_worker_slots(pool):
     answers = []
 
     def job():
-        answers.append(pool.run({"op": "train"}, run_id="legit"))
+        answers.append(pool.run(TRAIN, run_id="legit"))
         done.set()
 
     threading.Thread(target=job, daemon=True).start()
     assert done.wait(30), "the job waited for a slot held by a worker started ahead"
     assert answers == [{"op": "train"}] and pool.preempted == 1 and pool.workers[0].closed  # the oldest went
     # The run's own warm worker is used by its job, not preempted.
-    assert pool.run({"op": "train"}, run_id="r4") == {"op": "train"} and pool.workers[1].closed
+    assert pool.run(TRAIN, run_id="r4") == {"op": "train"} and pool.workers[1].closed
     # Left unused: closed after warm_timeout; the run's end closes its own at once.
     pool.test_clock.now += 121
     pool._expire()

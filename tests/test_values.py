@@ -167,8 +167,8 @@ def test_an_evaluation_with_values_out_of_range_fails_the_run_and_records_nothin
     new_run(ledger, "r")
     ledger.update_run("r", final_sha256=SHA, final_site="b")
     answers = {"a": reply, "b": peer_pb2.EvaluateReply(site="b", correct=8, test_samples=10, accuracy=0.8)}
-    service._call_peer = lambda site, method, request, timeout: answers[site["name"]]
-    service._evaluate_run("r")
+    service.evaluator.call_peer = lambda site, method, request, timeout: answers[site["name"]]
+    service.evaluator.evaluate_run("r")
     run = ledger.run("r")
     assert run["status"] == "failed" and f"a's EvaluateReply.{field} must be" in run["error"], run["error"]
     assert ledger.evaluations("r") == [] or all(e["site"] == "b" for e in ledger.evaluations("r"))
@@ -181,9 +181,9 @@ def test_a_genuine_evaluation_still_finishes_the_run():
     service = CoordinatorService(ledger)
     new_run(ledger, "r")
     ledger.update_run("r", final_sha256=SHA, final_site="b")
-    service._call_peer = lambda site, method, request, timeout: peer_pb2.EvaluateReply(
+    service.evaluator.call_peer = lambda site, method, request, timeout: peer_pb2.EvaluateReply(
         site=site["name"], correct=8, test_samples=10, accuracy=0.8, seconds=0.1)
-    service._evaluate_run("r")
+    service.evaluator.evaluate_run("r")
     assert (ledger.run("r")["status"], ledger.run("r")["accuracy"]) == ("finished", 0.8)
     service.close()
 
@@ -412,8 +412,8 @@ def test_an_end_notice_quoting_a_long_or_odd_error_is_one_the_sites_take():
             taken.append(request)
             return peer_pb2.EndRunReply(state="ended")
 
-    service._peer = lambda site: Site()
-    service._send_end_notices()
+    service.notices.stub = lambda site: Site()
+    service.notices.send_end_notices()
     assert len(taken) == 2 and ledger.pending_end_notices() == []
     assert taken[0].reason.startswith("b: xxx") and len(taken[0].reason) == names.MAX_TEXT
     service.close()

@@ -159,6 +159,7 @@ def test_worker_process_evaluates_and_a_killed_one_says_why(three_sites, tmp_pat
     from fedrelay.tasks.image_folder.data import load_site
     from fedrelay.models import build_seeded
     from fedrelay.tasks.image_folder import spec as image_spec
+    from fedrelay.peer.worker_protocol import EvaluateJob, Prepare, ProtocolError, SchemaJob
     from fedrelay.peer.workers import WorkerDied, WorkerError, WorkerProcess
 
     site = load_site(three_sites[0])
@@ -171,22 +172,49 @@ def test_worker_process_evaluates_and_a_killed_one_says_why(three_sites, tmp_pat
     slots = HostSlots(1, tmp_path / "slots")
     worker = WorkerProcess(slot=slots.try_acquire())
     try:
-        ready = worker.request({"op": "prepare", "data": str(three_sites[0]), "device": "cpu"}, timeout=120)
+        ready = worker.request(Prepare(data=str(three_sites[0]), device="cpu"), timeout=120)
         assert ready["train"] == sum(site.train_counts.values())
-        schema = worker.request({"op": "schema", "spec": spec, "strategy": "fedelmy"}, timeout=60)
+        schema = worker.request(SchemaJob(spec=spec, strategy="fedelmy"), timeout=60)
         assert "classifier.3.bias" in schema["model"] and schema["hop"] == schema["model"]
         assert schema["extras"] == {}
         assert payload.payload_bytes({k: (tuple(s), d) for k, (s, d) in schema["model"].items()}) > 0
-        got = worker.request({"op": "evaluate", "model": str(model), "spec": spec, "class_index": classes},
-                             timeout=60)
+        got = worker.request(EvaluateJob(model=str(model), spec=spec, class_index=classes), timeout=60)
         assert got["total"] == site.num_samples("test") and 0 <= got["correct"] <= got["total"]
         with pytest.raises(WorkerError, match="FileNotFoundError"):
-            worker.request({"op": "evaluate", "model": str(tmp_path / "none"), "spec": spec,
-                            "class_index": classes}, timeout=60)
+            worker.request(EvaluateJob(model=str(tmp_path / "none"), spec=spec, class_index=classes), timeout=60)
+        with pytest.raises(ProtocolError, match="'schema': missing field"):  # refused here, nothing sent
+            worker.request({"op": "schema", "spec": spec}, timeout=60)
         assert slots.try_acquire() is None  # the worker's slot is held
         os.kill(worker.pid, signal.SIGKILL)
         with pytest.raises(WorkerDied, match="killed by SIGKILL"):
-            worker.request({"op": "schema", "spec": spec}, timeout=60)
+            worker.request(SchemaJob(spec=spec, strategy="fedelmy"), timeout=60)
     finally:
         worker.close()
     assert slots.held() == 0
+
+
+def test_a_worker_answers_a_malformed_request_and_ends_at_an_unreadable_line():
+    """The worker's end of peer/worker_protocol.py: a request with an unknown op or a missing
+    field is answered with an error naming it, and the worker goes on; a line that is not a JSON
+    object with an op ends it with exit code 2."""
+    from fedrelay.peer.worker_protocol import Error, parse_answer
+
+    proc = subprocess.Popen([sys.executable, "-m", "fedrelay.peer.worker"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        answers = []
+        for line in ['{"op": "fly"}', '{"op": "evaluate", "model": "/m"}',
+                     '{"op": "schema", "spec": {}, "strategy": 5}']:
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()  # one at a time: a worker ends as soon as its stdin closes
+            answers.append(parse_answer(proc.stdout.readline()))
+        proc.stdin.write("not json\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == 2 and "unreadable request" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert all(isinstance(a, Error) for a in answers)
+    assert "unknown worker request op 'fly'" in answers[0].error
+    assert "'evaluate': missing field(s) 'spec', 'class_index'" in answers[1].error
+    assert "field 'strategy' must be string, not int 5" in answers[2].error

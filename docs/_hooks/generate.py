@@ -35,6 +35,12 @@ BENCH_TOKEN = re.compile(r"(?<!\\)\{\{bench ([A-Za-z0-9_.\-]+)(?: ([^}]*))?\}\}"
 GENERATED = "<!-- generated at build time by docs/_hooks/generate.py; do not edit -->\n\n"
 
 
+def _page(title: str, intro: str) -> list[str]:
+    """A generated page's first lines: its ``# title``, the do-not-edit mark and its introduction
+    (one paragraph)."""
+    return [f"# {title}", "", GENERATED.strip(), "", intro, ""]
+
+
 # -- figures from bench/results.json -------------------------------------------------------------
 
 def _results() -> dict:
@@ -129,10 +135,9 @@ def cli_markdown() -> str:
     def is_argument(p):
         return p.param_type_name == "argument"
 
-    lines = ["# Command-line reference", "", GENERATED.strip(), "",
-             "Generated from the typer apps themselves (`fedrelay/cli/`): every command, argument and "
-             "option, its type or choices, its default and its help text, exactly as `--help` has them.",
-             ""]
+    lines = _page("Command-line reference",
+                  "Generated from the typer apps themselves (`fedrelay/cli/`): every command, argument and "
+                  "option, its type or choices, its default and its help text, exactly as `--help` has them.")
     for prog, module in APPS:
         app = importlib.import_module(module).app
         group = typer.main.get_command(app)
@@ -199,11 +204,11 @@ def ledger_markdown() -> str:
             cols = re.findall(r"(?:^|,)\s*(\w+)\s+(?:TEXT|INTEGER|REAL|BLOB)", code)
             for col in cols:
                 comments[(table, col)] = note.strip()
-    lines = ["# Ledger schema", "", GENERATED.strip(), "",
-             "The coordinator keeps its only state in one SQLite file (`coordinator serve --db`). "
-             "These are its tables, generated from `coordinator/ledger.py` (`SCHEMA`); the notes are "
-             "the schema's own comments. Times are unix seconds (REAL). `coordinator audit` opens "
-             "the file read-only; see [Read the ledger and audit a run](../how-to/ledger-and-audit.md).", ""]
+    lines = _page("Ledger schema",
+                  "The coordinator keeps its only state in one SQLite file (`coordinator serve --db`). "
+                  "These are its tables, generated from `coordinator/ledger.py` (`SCHEMA`); the notes are "
+                  "the schema's own comments. Times are unix seconds (REAL). `coordinator audit` opens "
+                  "the file read-only; see [Read the ledger and audit a run](../how-to/ledger-and-audit.md).")
     tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table' "
                                        "AND name NOT LIKE 'sqlite_%' ORDER BY rowid")]
     for t in tables:
@@ -270,11 +275,11 @@ def _type_name(field, maps: dict | None = None) -> str:
 def protocol_markdown() -> str:
     """Services, methods, messages, fields and enums of the wire contract, with the .proto comments."""
     fds = _proto_set()
-    lines = ["# Wire protocol", "", GENERATED.strip(), "",
-             "fedrelay's daemons speak gRPC (protobuf, package `fedrelay.v1`), over mutual TLS unless "
-             "`--insecure`. Generated from `proto/fedrelay/v1/*.proto` (the comments are the files' "
-             "own); `make proto` regenerates the Python stubs in `fedrelay/v1/`. Models travel as "
-             "safetensors payloads in 1 MiB `ModelChunk`s, never as pickles.", ""]
+    lines = _page("Wire protocol",
+                  "fedrelay's daemons speak gRPC (protobuf, package `fedrelay.v1`), over mutual TLS unless "
+                  "`--insecure`. Generated from `proto/fedrelay/v1/*.proto` (the comments are the files' "
+                  "own); `make proto` regenerates the Python stubs in `fedrelay/v1/`. Models travel as "
+                  "safetensors payloads in 1 MiB `ModelChunk`s, never as pickles.")
     for fd in sorted(fds.file, key=lambda f: f.name):
         if not fd.name.startswith("fedrelay/"):
             continue
@@ -345,11 +350,11 @@ def benchmarks_markdown() -> str:
     finally:
         sys.path.remove(str(ROOT))
     data = _results()
-    lines = ["# Benchmark results", "", GENERATED.strip(), "",
-             "Every figure on this page is read from `bench/results.json` when the site is built "
-             "(the studies of `bench/` write it; see [Benchmarks](benchmarks.md)). Timings move by "
-             "about ±25% between runs on shared 2-core machines; each comparison is against a "
-             "reference measured in the same run.", ""]
+    lines = _page("Benchmark results",
+                  "Every figure on this page is read from `bench/results.json` when the site is built "
+                  "(the studies of `bench/` write it; see [Benchmarks](benchmarks.md)). Timings move by "
+                  "about ±25% between runs on shared 2-core machines; each comparison is against a "
+                  "reference measured in the same run.")
     lines += sections_markdown(data)
     text = "\n".join(lines) + "\n"
     return text.replace("](plots/", "](bench-plots/")

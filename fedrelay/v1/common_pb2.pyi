@@ -1,3 +1,4 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -34,7 +35,14 @@ class ModelSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., num_classes: _Optional[int] = ..., task: _Optional[str] = ..., task_version: _Optional[str] = ..., task_sha256: _Optional[str] = ..., input_json: _Optional[str] = ...) -> None: ...
 
 class TrainingParams(_message.Message):
-    __slots__ = ("strategy", "models_per_site", "local_epochs", "warmup_epochs", "alpha", "beta", "lr", "batch_size", "weight_decay", "selection", "init", "init_sha256", "weighting", "maecho_tau", "maecho_eta", "maecho_alpha", "ofasd_mode", "ofasd_epochs", "ofasd_lr", "upload_timeout", "dp_noise_multiplier", "dp_epsilon", "dp_max_grad_norm", "dp_delta")
+    __slots__ = ("strategy", "models_per_site", "local_epochs", "warmup_epochs", "alpha", "beta", "lr", "batch_size", "weight_decay", "selection", "init", "init_sha256", "weighting", "maecho_tau", "maecho_eta", "maecho_alpha", "ofasd_mode", "ofasd_epochs", "ofasd_lr", "upload_timeout", "dp_noise_multiplier", "dp_epsilon", "dp_max_grad_norm", "dp_delta", "method_options")
+    class MethodOptionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     MODELS_PER_SITE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_EPOCHS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +67,7 @@ class TrainingParams(_message.Message):
     DP_EPSILON_FIELD_NUMBER: _ClassVar[int]
     DP_MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     DP_DELTA_FIELD_NUMBER: _ClassVar[int]
+    METHOD_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     strategy: str
     models_per_site: int
     local_epochs: int
@@ -83,7 +92,8 @@ class TrainingParams(_message.Message):
     dp_epsilon: float
     dp_max_grad_norm: float
     dp_delta: float
-    def __init__(self, strategy: _Optional[str] = ..., models_per_site: _Optional[int] = ..., local_epochs: _Optional[int] = ..., warmup_epochs: _Optional[int] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., lr: _Optional[float] = ..., batch_size: _Optional[int] = ..., weight_decay: _Optional[float] = ..., selection: _Optional[str] = ..., init: _Optional[str] = ..., init_sha256: _Optional[str] = ..., weighting: _Optional[str] = ..., maecho_tau: _Optional[int] = ..., maecho_eta: _Optional[float] = ..., maecho_alpha: _Optional[str] = ..., ofasd_mode: _Optional[str] = ..., ofasd_epochs: _Optional[int] = ..., ofasd_lr: _Optional[float] = ..., upload_timeout: _Optional[float] = ..., dp_noise_multiplier: _Optional[float] = ..., dp_epsilon: _Optional[float] = ..., dp_max_grad_norm: _Optional[float] = ..., dp_delta: _Optional[float] = ...) -> None: ...
+    method_options: _containers.ScalarMap[str, str]
+    def __init__(self, strategy: _Optional[str] = ..., models_per_site: _Optional[int] = ..., local_epochs: _Optional[int] = ..., warmup_epochs: _Optional[int] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., lr: _Optional[float] = ..., batch_size: _Optional[int] = ..., weight_decay: _Optional[float] = ..., selection: _Optional[str] = ..., init: _Optional[str] = ..., init_sha256: _Optional[str] = ..., weighting: _Optional[str] = ..., maecho_tau: _Optional[int] = ..., maecho_eta: _Optional[float] = ..., maecho_alpha: _Optional[str] = ..., ofasd_mode: _Optional[str] = ..., ofasd_epochs: _Optional[int] = ..., ofasd_lr: _Optional[float] = ..., upload_timeout: _Optional[float] = ..., dp_noise_multiplier: _Optional[float] = ..., dp_epsilon: _Optional[float] = ..., dp_max_grad_norm: _Optional[float] = ..., dp_delta: _Optional[float] = ..., method_options: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SiteRef(_message.Message):
     __slots__ = ("name", "address", "certificate")

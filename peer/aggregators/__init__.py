@@ -20,6 +20,12 @@ Every module provides::
     def aggregate(uploads: Sequence[Upload], ctx: Context) -> State
         # the final model: exactly the run model's keys, shapes and dtypes (new contiguous CPU tensors)
 
+``options`` (and ``Context.options``) is the run's typed option dict (``fedrelay.params.options``):
+the options the module's registry entry declares (``fedrelay.registry.Aggregator.options``), each
+given or at its declared default, already checked against its declaration, plus the run's own
+(``init``, the DP options, the plan's ``upload_timeout``). Called directly, a module fills what
+is missing with ``fedrelay.registry.with_defaults``.
+
 All of this is pure computation: no files, no network.  On the CPU every function is
 deterministic (same inputs and seed, bit-identical output); uploads are combined in the order
 given (the caller sorts them by site), and any number of them from one up works (a dead site's
@@ -37,6 +43,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from fedrelay import registry
 from fedrelay.models import ModelSpec
 from ..states import State
 from ..training import TrainConfig
@@ -45,7 +52,8 @@ __all__ = ["EXTRA", "METHODS", "Upload", "Context", "split_payload", "join_paylo
 
 EXTRA = "extra."  # prefix of every extra tensor's name inside a payload (safetensors dict)
 
-METHODS = ("mean", "fedelmy_pfl", "maecho", "ofasd")  # the modules of this package, by name
+# The modules of this package, by name, as the registry's entries name them (fedrelay/registry.py).
+METHODS = tuple(a.module.rpartition(".")[2] for a in registry.AGGREGATORS.values() if a.module.startswith(__name__ + "."))
 
 
 @dataclass(frozen=True)

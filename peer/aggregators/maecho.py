@@ -99,7 +99,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from fedrelay import tasks
+from fedrelay import registry, tasks
 
 from fedrelay.models import ModelSpec, build_model, check_state
 from ..states import State, build_loaded
@@ -209,9 +209,8 @@ class _Options:
 
 
 def _options(options: dict) -> _Options:
-    tau = options.get("maecho_tau", 100)
-    eta = options.get("maecho_eta", 0.05)
-    alpha = options.get("maecho_alpha", "uniform")
+    options = registry.with_defaults("maecho", options)  # the defaults: its registry entry
+    tau, eta, alpha = options["maecho_tau"], options["maecho_eta"], options["maecho_alpha"]
     c = options.get("maecho_c", 0.5)
     norm = options.get("maecho_norm", True)
     if isinstance(tau, bool) or not isinstance(tau, int) or tau < 0:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from fedrelay import registry
 from fedrelay.models import ModelSpec
 from ..states import State, average_states
 from ..training import check_data
@@ -32,7 +33,7 @@ WEIGHTINGS = ("uniform", "samples")
 
 
 def _weighting(options: dict) -> str:
-    weighting = options.get("weighting", "samples")
+    weighting = registry.with_defaults("mean", options)["weighting"]  # the default: its registry entry
     if weighting not in WEIGHTINGS:
         raise ValueError(f"mean: weighting must be one of {WEIGHTINGS}, got {weighting!r}")
     return weighting

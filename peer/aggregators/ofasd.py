@@ -69,7 +69,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
-from fedrelay import tasks
+from fedrelay import registry, tasks
 
 from fedrelay.models import ModelSpec, build_model, check_state
 from ..states import State, build_loaded
@@ -84,9 +84,8 @@ _EVAL_BATCH = 512
 
 
 def _options(options: dict) -> tuple[str, int, float]:
-    mode = options.get("ofasd_mode", "block")
-    epochs = options.get("ofasd_epochs", 2)
-    lr = options.get("ofasd_lr", 0.01)
+    options = registry.with_defaults("ofasd", options)  # the defaults: its registry entry
+    mode, epochs, lr = options["ofasd_mode"], options["ofasd_epochs"], options["ofasd_lr"]
     if mode not in MODES:
         raise ValueError(f"ofasd_mode must be one of {MODES}, got {mode!r}")
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:

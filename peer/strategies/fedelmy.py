@@ -33,8 +33,9 @@ from fedrelay import tasks
 from fedrelay.task import Task
 
 from fedrelay.models import ModelSpec, build_model, state_signature
-from ..states import State, average_states, build_loaded, check_signature, flatten, param_names
-from ..training import EpochCallback, ModelCallback, TrainConfig, check_site_data, derive_seed, fit, seeded_generator
+from ..states import State, average_states, build_loaded, flatten, param_names
+from ..training import (EpochCallback, ModelCallback, TrainConfig, check_site_data, derive_seed, fill_pool, fit,
+                        seeded_generator)
 
 __all__ = [
     "train_pool",
@@ -51,19 +52,9 @@ __all__ = [
 # --------------------------------------------------------------------------- the pool (lines 5-16)
 
 
-def train_pool(
-    m0: Mapping[str, Tensor],
-    spec: ModelSpec,
-    train,
-    val,
-    cfg: TrainConfig,
-    seed: int,
-    device,
-    *,
-    finished: Sequence[Mapping[str, Tensor]] = (),
-    on_epoch: EpochCallback | None = None,
-    on_model: ModelCallback | None = None,
-) -> tuple[State, list[State]]:
+def train_pool(m0: Mapping[str, Tensor], spec: ModelSpec, train, val, cfg: TrainConfig, seed: int, device, *,
+               finished: Sequence[Mapping[str, Tensor]] = (), on_epoch: EpochCallback | None = None,
+               on_model: ModelCallback | None = None) -> tuple[State, list[State]]:
     """Build one site's FedELMY model pool (paper Algorithm 1 lines 5-16, Eq. 6-9).
 
     ``pool = [m0] + list(finished)``; then for ``j = len(finished)+1 .. S``: build the
@@ -91,27 +82,20 @@ def train_pool(
     task = tasks.resolve(spec)
     with torch.random.fork_rng(devices=[]):
         reference = build_model(spec)
-    expected = state_signature(reference)
     names = param_names(reference)
-    check_signature(m0, expected, "m0")
-    finished = list(finished)
-    if len(finished) > cfg.models_per_site:
-        raise ValueError(f"{len(finished)} finished models but models_per_site is {cfg.models_per_site}")
-    for j, state in enumerate(finished, start=1):
-        check_signature(state, expected, f"finished model {j}")
-    pool: list = [m0, *finished]  # line 5: M = {m0}, plus the models a resumed site already has
-    m0_params = [m0[name] for name in names]
-    for j in range(len(finished) + 1, cfg.models_per_site + 1):
+
+    def pool_model(j: int, pool: list[State]) -> State:  # lines 7-13 for model j of the pool so far
         start = average_states(pool)  # line 8, Eq. 6
         model = build_loaded(spec, start)
+        m0_params = [m0[name] for name in names]
         pool_params = [[member[name] for name in names] for member in (*pool, start)]
-        state = train_one_model(  # lines 9-13
+        return train_one_model(  # lines 9-13
             model, train, val, cfg, seeded_generator(derive_seed(seed, "pool", j)), device,
             index=j, m0_params=m0_params, pool_params=pool_params, on_epoch=on_epoch, task=task,
         )
-        pool.append(state)  # line 14
-        if on_model is not None:
-            on_model(j, state)
+
+    # line 5: M = {m0}, plus the models a resumed site already has; line 14 appends each new one
+    pool = fill_pool(m0, state_signature(reference), cfg.models_per_site, finished, pool_model, on_model)
     return average_states(pool), pool  # line 16, Eq. 5
 
 
@@ -128,20 +112,10 @@ def models_to_keep(cfg: TrainConfig) -> int:
 # --------------------------------------------------------------------------- one pool model (lines 9-13)
 
 
-def train_one_model(
-    model: nn.Module,
-    train,
-    val,
-    cfg: TrainConfig,
-    generator: torch.Generator,
-    device,
-    *,
-    index: int = 0,
-    m0_params: Sequence[Tensor] | None = None,
-    pool_params: Sequence[Sequence[Tensor]] | None = None,
-    on_epoch: EpochCallback | None = None,
-    task: Task,
-) -> State:
+def train_one_model(model: nn.Module, train, val, cfg: TrainConfig, generator: torch.Generator, device, *,
+                    index: int = 0, m0_params: Sequence[Tensor] | None = None,
+                    pool_params: Sequence[Sequence[Tensor]] | None = None, on_epoch: EpochCallback | None = None,
+                    task: Task) -> State:
     """Train ``model`` for ``cfg.local_epochs`` epochs and return the selected state.
 
     Paper Algorithm 1 lines 9-13 (Eq. 9); implementation-notes section 1.2/1.4.  A
@@ -168,12 +142,8 @@ def train_one_model(
     last-epoch weights.
 
     Args:
-        model: moved to ``device`` in place.
-        train: ``(inputs N x ..., int64 N)``, non-empty.
-        val: same layout, may be empty.
-        generator: CPU ``torch.Generator`` for the batch order (consumed).
-        device: ``"cpu"``, ``"cuda"``, a ``torch.device``...
-        task: the run's task (batches, loss, optimiser).
+        model, train, val, generator, device, task: as :func:`fedrelay.peer.training.fit`
+            takes them (the model is moved to ``device`` in place; ``train`` non-empty).
         index: the ``"model"`` reported to ``on_epoch`` (:func:`train_pool` passes the
             real 1-based model index).
         on_epoch: called after each epoch with ``{"stage": "pool", "model": index,

@@ -18,24 +18,15 @@ from fedrelay import tasks
 
 from fedrelay.models import ModelSpec, expected_signature
 from ..states import State, build_loaded, check_signature
-from ..training import EpochCallback, ModelCallback, TrainConfig, check_site_data, derive_seed, fit, seeded_generator
+from ..training import (EpochCallback, ModelCallback, TrainConfig, check_site_data, derive_seed, fill_pool, fit,
+                        seeded_generator)
 
 __all__ = ["train", "models_to_keep", "train_fedseq"]
 
 
-def train(
-    m0: Mapping[str, Tensor],
-    spec: ModelSpec,
-    train,
-    val,
-    cfg: TrainConfig,
-    seed: int,
-    device,
-    *,
-    finished: Sequence[Mapping[str, Tensor]] = (),
-    on_epoch: EpochCallback | None = None,
-    on_model: ModelCallback | None = None,
-) -> tuple[State, list[State]]:
+def train(m0: Mapping[str, Tensor], spec: ModelSpec, train, val, cfg: TrainConfig, seed: int, device, *,
+          finished: Sequence[Mapping[str, Tensor]] = (), on_epoch: EpochCallback | None = None,
+          on_model: ModelCallback | None = None) -> tuple[State, list[State]]:
     """One FedSeq visit: :func:`train_fedseq` from ``m0``, sending the trained model.
 
     ``on_model(1, trained)`` is called with the newly trained model so that the caller can
@@ -48,17 +39,10 @@ def train(
         ValueError: more than one ``finished`` state, a state that does not fit ``spec``, or
             what :func:`train_fedseq` raises.
     """
-    finished = list(finished)
-    if len(finished) > 1:
-        raise ValueError(f"fedseq trains one model per site; got {len(finished)} finished states")
-    if finished:
-        check_signature(finished[0], expected_signature(spec), "finished model 1")
-        trained = finished[0]
-    else:
-        trained = train_fedseq(m0, spec, train, val, cfg, seed, device, on_epoch=on_epoch)
-        if on_model is not None:
-            on_model(1, trained)
-    return trained, [m0, trained]
+    pool = fill_pool(m0, expected_signature(spec), models_to_keep(cfg), finished,
+                     lambda j, pool: train_fedseq(m0, spec, train, val, cfg, seed, device, on_epoch=on_epoch),
+                     on_model)
+    return pool[1], pool
 
 
 def models_to_keep(cfg: TrainConfig) -> int:
@@ -66,16 +50,8 @@ def models_to_keep(cfg: TrainConfig) -> int:
     return 1
 
 
-def train_fedseq(
-    m0: Mapping[str, Tensor],
-    spec: ModelSpec,
-    train,
-    val,
-    cfg: TrainConfig,
-    seed: int,
-    device,
-    on_epoch: EpochCallback | None = None,
-) -> State:
+def train_fedseq(m0: Mapping[str, Tensor], spec: ModelSpec, train, val, cfg: TrainConfig, seed: int, device,
+                 on_epoch: EpochCallback | None = None) -> State:
     """The FedSeq baseline at one site: one model from ``m0``, plain CE, S*E epochs.
 
     Same optimiser, batching and selection as FedELMY's pool models
