@@ -1,5 +1,5 @@
-"""Receiving a model stream into a file, as both daemons do: a site's ``Peer.Handoff`` and
-``Peer.FetchModel`` download (``fedrelay.peer``) and the relay's ``Relay.Put``
+"""Receiving a model stream into a file, as both daemons do: a site's ``Peer.Handoff`` and its
+fetch of a relayed envelope (``fedrelay.peer``), and the relay's ``Relay.Put``
 (``fedrelay.coordinator.relay``).
 
 A model stream is one ``TransferHeader`` followed by the safetensors payload in chunks of at most
