@@ -49,7 +49,8 @@ import time
 from itertools import permutations
 from pathlib import Path
 
-from bench.common import PLOTS, REPO, commits_note, deploy_script, failed, finish, log, meta, record, tool
+from bench.common import PLOTS, REPO, commits_note, failed, finish, log, meta, record
+from deploy.local_trial import tool
 from fedrelay.tasks import resolve as resolve_task
 
 CHAIN_METHODS = ("fedelmy", "fedseq_best_val", "fedseq_last_epoch", "pool_only", "pool_d1", "pool_d2")
@@ -799,7 +800,7 @@ def main(argv=None) -> dict:
     bad = sorted(set(methods) - set(METHODS)) + sorted(set(args.domain_methods.split(",")) - set(DOMAIN_METHODS))
     if bad:
         raise SystemExit(f"unknown method(s) {bad}; choose from {METHODS}")
-    lt = deploy_script("local_trial")
+    from deploy import local_trial as lt
     failures: list[str] = []
     log(f"workdir {work}; config {cfg.train_tag} {cfg.split_tag}")
 

@@ -41,7 +41,9 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from bench.common import PLOTS, deploy_script, record, tool
+from bench.common import PLOTS, record
+from deploy.local_trial import tool
+from bench.measures import process_tree_rss, training_times
 
 
 def lo_bytes() -> int:
@@ -123,8 +125,6 @@ class TreePeaks:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        from bench.scale import process_tree_rss
-
         while not self._stop.wait(self.period):
             for name, pid in self.pids.items():
                 self.peaks[name] = max(self.peaks[name], process_tree_rss([pid]))
@@ -159,22 +159,6 @@ def baseline_rss(training_step: bool = False, batch_size: int = 128) -> int:
     return int(out.strip()) * 1024
 
 
-def training_times(events: list[dict]) -> tuple[float, dict[str, float]]:
-    """(chain wall seconds, site -> training seconds) from a run's event log."""
-    start = next(e["time"] for e in events if e["kind"] == "started")
-    end = next(e["time"] for e in events if e["kind"] == "final")
-    began, spent = {}, {}
-    for e in events:
-        if e["kind"] != "state":
-            continue
-        state = json.loads(e["data"]).get("state")
-        if state == "training":
-            began[e["site"]] = e["time"]
-        elif state in ("sending", "distributing") and e["site"] in began:
-            spent[e["site"]] = e["time"] - began[e["site"]]
-    return end - start, spent
-
-
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 
@@ -183,13 +167,13 @@ def pool_distances(run_dir: Path):
     running statistics excluded, as in d1 and d2)."""
     import torch
 
-    from fedrelay import wire
+    from fedrelay.tensors import decode_state
 
     files = [run_dir / "received.safetensors"] + sorted((run_dir / "pool").glob("model-*.safetensors"),
                                                         key=lambda p: int(p.stem.split("-")[1]))
     flat = []
     for f in files:
-        state = wire.decode_state(f.read_bytes())
+        state = decode_state(f.read_bytes())
         flat.append(torch.cat([v.flatten().double() for k, v in sorted(state.items())
                                if v.is_floating_point() and not k.endswith(BUFFERS)]))
     n = len(flat)
@@ -269,8 +253,8 @@ def main(argv=None) -> dict:
 
     from fedrelay.coordinator.client import OperatorClient
 
-    lt = deploy_script("local_trial")
-    netns = deploy_script("netns_trial")
+    from deploy import local_trial as lt
+    from deploy import netns_trial as netns
     usable, why = netns.netns_available()
     if args.netns and not usable:
         raise SystemExit(f"--netns: {why}")

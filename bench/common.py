@@ -22,19 +22,6 @@ RESULTS_MD = BENCH / "RESULTS.md"
 PLOTS = BENCH / "plots"
 
 
-def deploy_script(name: str):
-    """A script of ``deploy/`` (``local_trial``, ``netns_trial``) loaded as a module (deploy/ is
-    not a package: it holds what an institution copies, not a library)."""
-    import importlib.util
-
-    if str(REPO / "deploy") not in sys.path:
-        sys.path.insert(0, str(REPO / "deploy"))  # netns_trial imports local_trial
-    spec = importlib.util.spec_from_file_location(name, REPO / "deploy" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def study_workdir(args, prefix: str, default: Path) -> Path:
     """A study's work folder: ``args.workdir``, else a new temporary folder named ``prefix...``
     for a ``--quick`` smoke run, else ``default``. An ``args.results`` or ``args.plots`` left
@@ -164,12 +151,6 @@ def study_start(argv: list[str] | None, parse, prefix: str, default: Path) -> tu
 
         args.source = write_fashion_like(work / "idx", n_train=900, n_test=300, seed=0)
     return args, work, started
-
-
-def tool(name: str) -> str:
-    """Path of a console script of this environment (``peer``, ``coordinator``)."""
-    path = Path(sys.executable).parent / name
-    return str(path) if path.exists() else name
 
 
 def meta() -> dict:

@@ -41,8 +41,8 @@ from pathlib import Path
 
 from bench.accuracy import (LABELS, Cache, Config, _load_sites, _pct, _stats, dir_key, grid_todo,
                             start_chain)
-from bench.common import (REPO, RESULTS_JSON, commits_note, deploy_script, failed, finish, grid_args, grid_flags,
-                          log, meta, record, study_start, tally)
+from bench.common import (REPO, RESULTS_JSON, commits_note, failed, finish, grid_args, grid_flags, log, meta, record,
+                          study_start, tally)
 from fedrelay.tasks import resolve as resolve_task
 
 METHODS = ("fedelmy", "fedseq_last_epoch", "fedseq_best_val")
@@ -86,12 +86,12 @@ def settled(trial, run: dict, timeout: float = 60.0) -> dict:
 def evaluate_payload(data: bytes, spec, sites: dict, class_index: list[str]) -> dict[str, tuple[int, int]]:
     """site -> (correct, total) of a safetensors model on each site's test split, the way a
     daemon evaluates a final model (peer/node.py ``PeerNode.evaluate``)."""
-    from fedrelay import wire
+    from fedrelay.tensors import decode_state
     from fedrelay.models import build_model
     from fedrelay.peer.training import evaluate
 
     model = build_model(spec)
-    model.load_state_dict(wire.decode_state(data))
+    model.load_state_dict(decode_state(data))
     out = {}
     for name, site in sites.items():
         images, labels = site.tensors("test", class_index)
@@ -570,7 +570,7 @@ def main(argv=None) -> dict:
     cache = FewShotCache(work / "cells")
     failures: list[str] = []
     log(f"workdir {work}; config {cfg.train_tag} {cfg.split_tag}, {args.rounds} rounds")
-    lt = deploy_script("local_trial")
+    from deploy import local_trial as lt
     for seed, a, group, todo, dirs in grid_todo(args, cfg, cache, work, lambda seed, a: (
             cfg.train_tag, cfg.split_tag, f"rounds{args.rounds}", f"dir{a:g}-seed{seed}")):
         loaded, _ = _load_sites(dirs)

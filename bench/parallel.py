@@ -43,8 +43,7 @@ from pathlib import Path
 
 from bench.accuracy import (Cache, Config, _pct, _stats, dir_key, grid_todo, run_references,
                             start_chain)
-from bench.common import (REPO, commits_note, deploy_script, failed, finish, grid_args, grid_flags, log, meta,
-                          record, study_start)
+from bench.common import REPO, commits_note, failed, finish, grid_args, grid_flags, log, meta, record, study_start
 from bench.few_shot import cpu_capability
 
 CHAIN = ("fedelmy", "fedseq")
@@ -426,7 +425,7 @@ def main(argv=None) -> dict:
     cache = ParallelCache(work / "cells")
     failures: list[str] = []
     log(f"workdir {work}; config {cfg.train_tag} {cfg.star_tag} {cfg.split_tag}")
-    lt = deploy_script("local_trial")
+    from deploy import local_trial as lt
     for seed, a, group, todo, dirs in grid_todo(args, cfg, cache, work, lambda seed, a: (
             cfg.train_tag, cfg.star_tag, cfg.split_tag, f"dir{a:g}-seed{seed}")):
         daemon = [m for m in todo if m not in REFS]

@@ -30,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import REPO, deploy_script, meta, record, study_workdir, tool
+from bench.common import REPO, meta, record, study_workdir
+from deploy.local_trial import tool
 
 SECTION = "privacy"
 DEFAULT_WORKDIR = REPO / ".fedrelay" / "bench-privacy"
@@ -205,7 +206,7 @@ def main(argv=None) -> dict:
     failures: list[str] = []
     todo = [(m, e) for e in epsilons for m in methods if not cell_path(work, s, m, e).exists()]
     if todo and not args.publish_only:
-        lt = deploy_script("local_trial")
+        from deploy import local_trial as lt
         dirs = split(work, s, source)
         with lt.LocalTrial(work / "trial", dirs) as trial:
             for m, e in todo:

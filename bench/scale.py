@@ -1,4 +1,4 @@
-"""Issue 13's scale study, the coordinator's part: its cost per hop from 3 to 100 sites.
+"""The scale study (docs/explanation/scale.md), the coordinator's part: its cost per hop from 3 to 100 sites.
 
 A real coordinator (``fedrelay.coordinator.service.serve``, plaintext gRPC on loopback) runs in
 its own process; this process plays N synthetic sites: each has a small fake ``Peer`` server
@@ -39,6 +39,7 @@ from pathlib import Path
 import grpc
 
 from bench.common import record
+from bench.measures import process_tree_rss, training_times
 
 S, E, EW = 2, 1, 1
 MODEL_BYTES = 210_000  # about the small CNN's safetensors size (the coordinator only checks consistency)
@@ -86,7 +87,7 @@ def serve_coordinator(listen: str, db: str, stats: str) -> None:
     """The coordinator's process: ``serve`` with a counted ledger; SIGUSR1 writes the counts to
     ``stats`` (JSON: n, writes, reads)."""
     import fedrelay.coordinator.service as service
-    from fedrelay import wire
+    from fedrelay.transport import INSECURE
 
     counter, asked = WriteCounter(), [0]
     service.Ledger = counted_ledger(counter)
@@ -100,7 +101,7 @@ def serve_coordinator(listen: str, db: str, stats: str) -> None:
     signal.signal(signal.SIGUSR1, dump)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
-    service.serve(listen, db, transport=wire.INSECURE, stop=stop)
+    service.serve(listen, db, transport=INSECURE, stop=stop)
 
 
 class CoordinatorProcess:
@@ -415,32 +416,11 @@ def fake_peer(name: str, listen: str, coordinator: str) -> None:
     peer.server.stop(0)
 
 
-def process_tree_rss(pids: list[int]) -> int:
-    """Sum of the resident set sizes (bytes) of ``pids`` and their children."""
-    total, seen = 0, set()
-    todo = list(pids)
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, ValueError):
-            pass
-    return total
-
-
 def launcher_dry_run(n: int, work: Path, start_concurrency: int) -> dict:
     """``deploy/local_trial.py``'s LocalTrial at ``n`` sites with fake daemons (this module's
     ``--fake-peer``): ports, staggered start-up, the readiness wait, logs and teardown."""
-    from bench.common import deploy_script
 
-    lt = deploy_script("local_trial")
+    from deploy import local_trial as lt
     lt.raise_open_files_limit()
 
     class DryTrial(lt.LocalTrial):
@@ -494,7 +474,7 @@ def _rss(pid: int) -> int:
 
 
 def _split(n: int, work: Path, source: Path | None, seed: int = 0, dirichlet: float = 0.5) -> list[Path]:
-    from bench.common import tool
+    from deploy.local_trial import tool
 
     out = work / f"sites-{n}"
     if not (out / "split.json").exists():
@@ -510,13 +490,11 @@ def real_chain(n: int, work: Path, source: Path | None, chain_args: list[str], s
     idle daemon memory once all registered, peak total memory of every process (coordinator,
     daemons, their workers) during the run, wall times, the ledger's total against (n-1)·M, the
     sites evaluated, and the chain's overhead (run start to final model against the sum of the
-    sites' training times, each site's "training" to "sending" events: ``bench.chain``'s
-    measure)."""
-    from bench.chain import training_times
-    from bench.common import deploy_script
+    sites' training times, each site's "training" to "sending" events:
+    ``bench.measures.training_times``)."""
     from fedrelay.coordinator.client import OperatorClient
 
-    lt = deploy_script("local_trial")
+    from deploy import local_trial as lt
     lt.raise_open_files_limit()
     sites = _split(n, work, source)
     t0 = time.monotonic()
@@ -550,7 +528,7 @@ def real_chain(n: int, work: Path, source: Path | None, chain_args: list[str], s
 
 
 def real_study(ns: list[int], work: Path, source: Path | None, publish: bool, start_concurrency: int) -> dict:
-    """Issue 13's real-chain figures: the 100-site chain (S = 2, E = 1, Ew = 1) and the 10-site
+    """The scale study's real-chain figures: the 100-site chain (S = 2, E = 1, Ew = 1) and the 10-site
     chain with the demo's parameters (S = 5, E = 2, Ew = 2), published under ``scale.chains``."""
     rows = []
     for n in ns:
@@ -594,7 +572,7 @@ def real_study(ns: list[int], work: Path, source: Path | None, publish: bool, st
 
 
 def main(argv=None) -> dict | None:
-    ap = argparse.ArgumentParser(description="Issue 13's scale study (the coordinator's part)")
+    ap = argparse.ArgumentParser(description="The scale study (the coordinator's part)")
     ap.add_argument("--serve-coordinator", nargs=3, metavar=("LISTEN", "DB", "STATS"), help=argparse.SUPPRESS)
     ap.add_argument("--fake-peer", nargs=3, metavar=("NAME", "LISTEN", "COORDINATOR"), help=argparse.SUPPRESS)
     ap.add_argument("--coordinator-only", action="store_true", help="synthetic sites against a real coordinator")

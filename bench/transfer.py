@@ -34,7 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import record, tool
+from bench.common import record
+from deploy.local_trial import tool
 
 SOCKET_SERVER = r'''
 import hashlib, os, socket, struct, sys
@@ -102,7 +103,8 @@ def main(argv=None) -> dict:
     import grpc
     import torch
 
-    from fedrelay import wire
+    from fedrelay.tensors import encode_state
+    from fedrelay.transport import insecure_channel
     from fedrelay.coordinator.plan import chain_plan
     from fedrelay.models import build_model
     from fedrelay.tasks.image_folder import spec as image_spec
@@ -128,7 +130,7 @@ def main(argv=None) -> dict:
         procs.append(sock)
         sock_port = int(sock.stdout.readline())
         address = f"127.0.0.1:{port}"
-        channel = wire.insecure_channel(address)
+        channel = insecure_channel(address)
         stub = peer_pb2_grpc.PeerStub(channel)
         grpc.channel_ready_future(channel).result(timeout=120)
         while True:  # the daemon answers once its data is loaded
@@ -140,7 +142,7 @@ def main(argv=None) -> dict:
         rows, figures = [], {}
         for label, spec in models:
             torch.manual_seed(0)
-            data = wire.encode_state(build_model(spec).state_dict())
+            data = encode_state(build_model(spec).state_dict())
             path = work / f"{label}.safetensors"
             path.write_bytes(data)
             size, digest = len(data), hashlib.sha256(data).hexdigest()

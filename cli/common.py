@@ -24,12 +24,12 @@ TLS_HELP = ("Mutual TLS identity: a folder with key.pem, cert.pem and ca.pem (fr
 
 
 def transport_from(tls, insecure: bool):
-    """The ``fedrelay.wire.Transport`` for ``--tls DIR`` or ``--insecure`` (exactly one of them).
+    """The ``fedrelay.transport.Transport`` for ``--tls DIR`` or ``--insecure`` (exactly one of them).
 
     Exits with a clear error when neither or both are given, or the folder is unusable; warns
     on stderr for ``--insecure``.
     """
-    from fedrelay.wire import Transport, TransportError
+    from fedrelay.transport import Transport, TransportError
 
     if tls is not None and insecure:
         tls, insecure = _drop_environment_default(tls, insecure)

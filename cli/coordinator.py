@@ -54,7 +54,7 @@ def _client(address: str, tls: Path | None, insecure: bool):
 
 
 def _rpc_fail(exc: grpc.RpcError, address: str) -> None:
-    from fedrelay.wire import transport_mismatch
+    from fedrelay.transport import transport_mismatch
 
     details = exc.details() or ""
     tls_words = any(w in details for w in ("ssl", "SSL", "TLS", "Tls", "verif", "handshake"))
@@ -839,12 +839,12 @@ def health(coordinator: str = COORD,
     """Probe the coordinator's gRPC health service: prints one line; exits 0 when SERVING, 1 for
     another answer, 3 when nothing answers, 4 when it refuses the caller."""
     transport = transport_from(tls, insecure)
-    from fedrelay import wire
+    from fedrelay.callers import COORDINATOR_IDENTITY
     from fedrelay.cli.common import report_health
     from fedrelay.health import probe_result
 
     report_health("coordinator", coordinator,
-                  probe_result(transport, coordinator, expect=wire.COORDINATOR_IDENTITY, timeout=timeout), as_json)
+                  probe_result(transport, coordinator, expect=COORDINATOR_IDENTITY, timeout=timeout), as_json)
 
 
 AUDIT_SHOWN = 10  # problems listed after the first (the rest are counted)
@@ -869,7 +869,8 @@ def audit(
     every hops/receipts/evaluations row, and the coordinator's seal. Names the first record that
     does not verify. Exit 0: verified; 1: something does not verify; 5: a plaintext run (its
     records are unsigned: consistent, but nothing proves who wrote them)."""
-    from fedrelay.coordinator.audit import AuditError, bundle_from_ledger, load_bundle, load_ca_file, verify, write_bundle
+    from fedrelay.coordinator.audit import (AuditError, bundle_from_ledger, load_bundle, load_ca_file, verify,
+                                            write_bundle)
 
     if bundle is not None and export is not None:
         fail("--export writes the bundle of a run in a ledger (--db); --bundle already is one")

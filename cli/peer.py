@@ -186,17 +186,18 @@ def status(
     import grpc
     from rich.table import Table
 
-    from fedrelay import wire
+    from fedrelay.calls import CONTROL_TIMEOUT, status_message
+    from fedrelay.transport import transport_mismatch
     from fedrelay.cli.common import console
     from fedrelay.text import safe
     from fedrelay.v1 import peer_pb2, peer_pb2_grpc
 
     try:
         with transport.channel(peer, expect=_own_site(transport)) as ch:
-            st = peer_pb2_grpc.PeerStub(ch).GetStatus(peer_pb2.StatusRequest(), timeout=wire.CONTROL_TIMEOUT)
+            st = peer_pb2_grpc.PeerStub(ch).GetStatus(peer_pb2.StatusRequest(), timeout=CONTROL_TIMEOUT)
     except grpc.RpcError as exc:
-        hint = wire.transport_mismatch(exc, peer, transport.secure, what="peer")
-        fail(hint or f"peer at {peer}: {wire.status_message(exc)}",
+        hint = transport_mismatch(exc, peer, transport.secure, what="peer")
+        fail(hint or f"peer at {peer}: {status_message(exc)}",
              exits.USAGE if hint else exits.for_rpc_error(exc.code(), exc.details() or ""))
     if as_json:
         import json
@@ -240,10 +241,10 @@ def _print_link(st) -> None:
 def _own_site(transport) -> str | None:
     """The identity a daemon's certificate must name when dialled with ``transport``: a site's
     own identity asks its own daemon; the coordinator's and operator's dial by address."""
-    from fedrelay import wire
+    from fedrelay.callers import COORDINATOR_IDENTITY, is_operator
 
     who = transport.identity
-    return who if who and who != wire.COORDINATOR_IDENTITY and not wire.is_operator(who) else None
+    return who if who and who != COORDINATOR_IDENTITY and not is_operator(who) else None
 
 
 @app.command()
@@ -320,7 +321,7 @@ def install_cert(
     cert.pem and ca.pem beside the key: the folder is then `peer serve --tls`."""
     from fedrelay.cli.common import console
     from fedrelay.identity import IdentityError, copy_certificate
-    from fedrelay.wire import Transport, TransportError
+    from fedrelay.transport import Transport, TransportError
 
     try:
         copy_certificate(source, tls)

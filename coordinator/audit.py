@@ -133,7 +133,7 @@ def _read_bundle(con: sqlite3.Connection, run_id: str) -> dict[str, Any]:
 
 def write_bundle(bundle: dict[str, Any], path: str | Path) -> None:
     """Write ``bundle`` as one JSON file at ``path`` (atomically). Raises ``OSError``."""
-    from fedrelay.wire import atomic_write
+    from fedrelay.files import atomic_write
 
     atomic_write(path, (json.dumps(bundle, indent=1, sort_keys=True) + "\n").encode())
 

@@ -14,7 +14,11 @@ from typing import Callable, Iterator
 import grpc
 
 from fedrelay import purpose as purposes
-from fedrelay import params as run_params, privacy, wire
+from fedrelay import params as run_params, privacy
+from fedrelay.callers import COORDINATOR_IDENTITY
+from fedrelay.calls import CONTROL_TIMEOUT
+from fedrelay.files import atomic_write
+from fedrelay.transport import INSECURE, Transport
 from fedrelay.coordinator.live import BUSY
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2
 
@@ -193,23 +197,24 @@ class OperatorClient:
     runs, peers, fetch-model, the live view of ``--wait``).
 
     ``address``: the coordinator's ``HOST:PORT``. ``transport``: mutual TLS with the operator's
-    identity (``wire.Transport.from_dir("pki/operator")``; the coordinator answers only the
-    ``operator`` and ``coordinator`` identities), or ``wire.Transport.insecure()`` for a
+    identity (``transport.Transport.from_dir("pki/operator")``; the coordinator answers only the
+    ``operator`` and ``coordinator`` identities), or ``transport.Transport.insecure()`` for a
     coordinator started with ``--insecure``. A context manager: ``with OperatorClient(...) as
     client:`` closes its channel at the end.
 
     Every method raises ``grpc.RpcError`` when the coordinator refuses or cannot be reached:
     ``exc.code()`` is e.g. ``INVALID_ARGUMENT`` (a bad parameter; ``exc.details()`` names it),
     ``NOT_FOUND`` (an unknown run), ``FAILED_PRECONDITION``, ``PERMISSION_DENIED`` (a wrong
-    identity) or ``UNAVAILABLE`` (not reachable; ``fedrelay.wire.transport_mismatch`` tells a
+    identity) or ``UNAVAILABLE`` (not reachable; ``fedrelay.transport.transport_mismatch`` tells a
     TLS/plaintext mismatch).
 
     Example::
 
-        from fedrelay import params, wire
+        from fedrelay import params
+        from fedrelay.transport import Transport
         from fedrelay.coordinator.client import OperatorClient
 
-        with OperatorClient("127.0.0.1:50070", wire.Transport.from_dir("pki/operator")) as client:
+        with OperatorClient("127.0.0.1:50070", Transport.from_dir("pki/operator")) as client:
             chosen = dict(strategy="fedelmy", models_per_site=5, local_epochs=2, warmup_epochs=2, alpha=1.0,
                           beta=1.0, lr=1e-3, batch_size=128, weight_decay=1e-4, selection="best-val")
             params.check(chosen)
@@ -220,9 +225,9 @@ class OperatorClient:
             client.fetch_model(reply.run_id, "final.safetensors")
     """
 
-    def __init__(self, address: str, transport: wire.Transport = wire.INSECURE):
+    def __init__(self, address: str, transport: Transport = INSECURE):
         self.address = address
-        self._channel = transport.channel(address, expect=wire.COORDINATOR_IDENTITY)
+        self._channel = transport.channel(address, expect=COORDINATOR_IDENTITY)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     def close(self) -> None:
@@ -295,14 +300,14 @@ class OperatorClient:
     def run(self, run_id: str) -> dict:
         """One run's summary as a dict (:func:`summary_dict`: the JSON of ``coordinator show
         --json``); works while the run is in progress. ``NOT_FOUND`` for an unknown run."""
-        return summary_dict(self.stub.GetRun(cpb.GetRunRequest(run_id=run_id), timeout=wire.CONTROL_TIMEOUT))
+        return summary_dict(self.stub.GetRun(cpb.GetRunRequest(run_id=run_id), timeout=CONTROL_TIMEOUT))
 
     def runs(self) -> list[dict]:
         """Every run in the ledger, as :func:`summary_dict` dicts, in the order they were
         created (asked for page by page: ``ListRunsReply.next_after``)."""
         out, after = [], ""
         while True:
-            reply = self.stub.ListRuns(cpb.ListRunsRequest(after=after), timeout=wire.CONTROL_TIMEOUT)
+            reply = self.stub.ListRuns(cpb.ListRunsRequest(after=after), timeout=CONTROL_TIMEOUT)
             out.extend(summary_dict(s) for s in reply.runs)
             if not reply.next_after or reply.next_after == after:
                 return out
@@ -314,7 +319,7 @@ class OperatorClient:
         asked for page by page (``ListPeersReply.next_after``)."""
         out, after = [], ""
         while True:
-            reply = self.stub.ListPeers(cpb.ListPeersRequest(after=after), timeout=wire.CONTROL_TIMEOUT)
+            reply = self.stub.ListPeers(cpb.ListPeersRequest(after=after), timeout=CONTROL_TIMEOUT)
             out.extend(reply.peers)
             if not reply.next_after or reply.next_after == after:
                 return out
@@ -327,7 +332,7 @@ class OperatorClient:
         (NOT_FOUND: unknown run)."""
         out, offset = [], 0
         while True:
-            reply = self.stub.GetMetrics(cpb.GetRunRequest(run_id=run_id, offset=offset), timeout=wire.CONTROL_TIMEOUT)
+            reply = self.stub.GetMetrics(cpb.GetRunRequest(run_id=run_id, offset=offset), timeout=CONTROL_TIMEOUT)
             out.extend(metric_dict(m) for m in reply.rows)
             if reply.next_offset <= offset:
                 return out
@@ -341,14 +346,14 @@ class OperatorClient:
         recorded with it. Returns the run summary (:func:`summary_dict`). Raises
         ``grpc.RpcError``: NOT_FOUND (unknown run), FAILED_PRECONDITION (the run already ended)."""
         return summary_dict(self.stub.StopRun(cpb.StopRunRequest(run_id=run_id, reason=reason),
-                                              timeout=wire.CONTROL_TIMEOUT))
+                                              timeout=CONTROL_TIMEOUT))
 
     def forget_peer(self, name: str) -> cpb.ForgetPeerReply:
         """Remove the registered peer ``name`` from the ledger; the reply holds its name and the
         address it was registered with. The daemon registered under that name is refused from
         then on; a daemon started there afterwards registers anew. Raises ``grpc.RpcError``: NOT_FOUND (no such peer),
         FAILED_PRECONDITION (it is a site of a running run)."""
-        return self.stub.ForgetPeer(cpb.ForgetPeerRequest(name=name), timeout=wire.CONTROL_TIMEOUT)
+        return self.stub.ForgetPeer(cpb.ForgetPeerRequest(name=name), timeout=CONTROL_TIMEOUT)
 
     def revoke(self, name: str, serials: list[int], crl_der: bytes, reason: str = "") -> cpb.RevocationReply:
         """Publish the CA-signed revocation list ``crl_der`` that revokes site ``name``'s
@@ -358,7 +363,7 @@ class OperatorClient:
         published, or without the serials), PERMISSION_DENIED (not the operator)."""
         return self.stub.Revoke(cpb.RevocationRequest(name=name, reason=reason, crl=crl_der,
                                                       serials=[f"{s:x}" for s in serials]),
-                                timeout=wire.CONTROL_TIMEOUT)
+                                timeout=CONTROL_TIMEOUT)
 
     def fetch_model(self, run_id: str, out: Path) -> tuple[str, int]:
         """Download the run's final model to ``out`` (a file path; written atomically, mode
@@ -397,6 +402,6 @@ class OperatorClient:
         spec, run = json.loads(spec_json), self.run(run_id)
         data = final_model.with_metadata(data, final_model.describe(
             spec=spec, class_names=run["class_index"], run_id=run_id, strategy=run["strategy"], final_sha256=h.sha256))
-        wire.atomic_write(out, data)
+        atomic_write(out, data)
         os.chmod(out, 0o644)
         return h.sha256, h.total_bytes

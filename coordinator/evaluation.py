@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from fedrelay import checks, privacy, scoring, wire
+from fedrelay import checks, privacy, scoring
+from fedrelay.calls import EVALUATE_TIMEOUT, backoff_delays, status_message
 from fedrelay.signing import SignatureError
 from fedrelay.v1 import peer_pb2
 
@@ -106,15 +107,15 @@ class Evaluator:
     def call_with_retry(self, site: dict, method: str, request, *, timeout: float):
         """One call to a site's peer daemon, retried with backoff while the site is unreachable
         (a restarting daemon, a dropped link) for up to ``eval_retry`` seconds, with the
-        daemons' one retry policy (``wire.backoff_delays``). Raises ``grpc.RpcError``."""
+        daemons' one retry policy (``calls.backoff_delays``). Raises ``grpc.RpcError``."""
         deadline = time.monotonic() + self.eval_retry
-        for delay in wire.backoff_delays():
+        for delay in backoff_delays():
             try:
                 return getattr(self.stub(site), method)(request, timeout=timeout)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay > deadline:
                     raise
-                log.warning("%s unreachable for %s (%s); retrying", site["name"], method, wire.status_message(exc))
+                log.warning("%s unreachable for %s (%s); retrying", site["name"], method, status_message(exc))
                 time.sleep(delay)
 
     def submit(self, run_id: str, evaluate: Callable[[str], None] | None = None) -> None:
@@ -157,7 +158,7 @@ class Evaluator:
             try:
                 self.wait_relayed_copy(run_id, site["name"])
                 reply = self.call_peer(site, "Evaluate", peer_pb2.EvaluateRequest(run_id=run_id, sha256=sha),
-                                       timeout=wire.EVALUATE_TIMEOUT)
+                                       timeout=EVALUATE_TIMEOUT)
                 checks.check_evaluation(reply, site["name"])  # counts, accuracy, seconds (InvalidName)
                 record = self.signatures.evaluation(reply, site["name"], run_id, sha)
                 stats = site_stats(reply, len(run["class_index"]))
@@ -173,7 +174,7 @@ class Evaluator:
                                           test_samples=reply.test_samples, metrics=dict(reply.metrics),
                                           record=record)
             except grpc.RpcError as exc:
-                errors.append(f"{site['name']}: {wire.status_message(exc)}")
+                errors.append(f"{site['name']}: {status_message(exc)}")
             except SignatureError as exc:
                 errors.append(f"{site['name']}: its evaluation was refused: {exc}")
             except ValueError as exc:

@@ -7,7 +7,7 @@ from typing import Callable, Iterator
 
 import grpc
 
-from fedrelay import wire
+from fedrelay.calls import status_message, transfer_timeout
 from fedrelay.coordinator.refusal import Refused
 from fedrelay.v1 import peer_pb2
 
@@ -34,17 +34,17 @@ def stream(run: dict, holders: list[str], stub: Callable, address: Callable[[str
     for name in dict.fromkeys(h for h in holders if h):
         chunks = stub({"name": name, "address": address(name)}).FetchModel(
             peer_pb2.FetchModelRequest(run_id=run["run_id"], sha256=run["final_sha256"]),
-            timeout=wire.transfer_timeout(run["model_bytes"] or 0))
+            timeout=transfer_timeout(run["model_bytes"] or 0))
         try:
             first = next(chunks)  # the header: this site holds the model
         except grpc.RpcError as exc:
-            errors.append(f"{name}: {wire.status_message(exc)}")
+            errors.append(f"{name}: {status_message(exc)}")
             continue
         yield first
         try:
             yield from chunks
         except grpc.RpcError as exc:
             raise Refused(grpc.StatusCode.UNAVAILABLE,
-                          f"the final model's stream from {name} broke: {wire.status_message(exc)}") from None
+                          f"the final model's stream from {name} broke: {status_message(exc)}") from None
         return
     raise Refused(grpc.StatusCode.UNAVAILABLE, "cannot fetch the final model: " + "; ".join(errors))

@@ -11,7 +11,8 @@ from typing import Callable
 
 import grpc
 
-from fedrelay import params as run_params, purpose as purposes, registry, wire
+from fedrelay import params as run_params, purpose as purposes, registry
+from fedrelay.calls import CONTROL_TIMEOUT, assignment_refusal, status_message
 from fedrelay.coordinator import site_policy
 from fedrelay.coordinator.plan import PeerInfo, Plan, PlanError, chain_plan, choose_sites, pick_aggregator, star_plan
 from fedrelay.coordinator.refusal import Refused
@@ -127,7 +128,7 @@ class Runs:
                 if st.name != p.name:
                     unreachable.append(f"{p.name} at {p.address} answers as {st.name!r}")
             except grpc.RpcError as exc:
-                unreachable.append(f"{p.name} at {p.address} ({wire.status_message(exc)})")
+                unreachable.append(f"{p.name} at {p.address} ({status_message(exc)})")
         if unreachable:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "peers not reachable: " + "; ".join(unreachable))
         run_id = new_run_id()
@@ -176,16 +177,16 @@ class Runs:
             for pos in positions}
         # Every site's own policy first, before any site keeps or starts anything.
         refusal = site_policy.first_refusal(((chosen.names[pos], self.stub(chain[pos]), assignments[pos])
-                                             for pos in positions), timeout=wire.CONTROL_TIMEOUT)
+                                             for pos in positions), timeout=CONTROL_TIMEOUT)
         if refusal is not None:
             self.ledger.refuse_run(run_id, *refusal, policy=True)
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, self.ledger.run(run_id)["error"])
         for pos in positions:
             site, a = chosen.names[pos], assignments[pos]
             try:
-                self.stub(chain[pos]).Assign(a, timeout=wire.CONTROL_TIMEOUT)
+                self.stub(chain[pos]).Assign(a, timeout=CONTROL_TIMEOUT)
             except grpc.RpcError as exc:
-                reason, by_policy = wire.assignment_refusal(exc)
+                reason, by_policy = assignment_refusal(exc)
                 self.ledger.refuse_run(run_id, site, reason, policy=by_policy)
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, self.ledger.run(run_id)["error"]) from None
 

@@ -44,7 +44,7 @@ import time
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from fedrelay import purpose as purposes
-from fedrelay import wire
+from fedrelay.callers import caller_identity
 from fedrelay.guard import Guard, Limits
 from fedrelay.metrics import DaemonMetrics
 
@@ -59,7 +59,7 @@ RUN_STATES = ("running", "finished", "failed", "cancelled")  # always exported, 
 
 def caller(context) -> str:
     """``'operator' (ipv4:10.0.0.7:5312)`` for a log line; a plaintext server has no identities."""
-    who = wire.caller_identity(context)
+    who = caller_identity(context)
     return f"{who!r} ({context.peer()})" if who is not None else f"{context.peer()} (no identity: plaintext)"
 
 

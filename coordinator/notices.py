@@ -10,7 +10,8 @@ from typing import Callable
 
 import grpc
 
-from fedrelay import names, text, wire
+from fedrelay import names, text
+from fedrelay.calls import status_message
 from fedrelay import purpose as purposes
 from fedrelay.coordinator.ledger import TERMINAL
 from fedrelay.coordinator.owed import Owed
@@ -70,7 +71,7 @@ class Notices:
                 log.info("run %s: told %s that %s %d waits at the relay (%s)", run_id, receiver, purpose, index,
                          reply.state)
             except grpc.RpcError as exc:
-                log.info("run %s: relay notice not delivered to %s yet: %s", run_id, receiver, wire.status_message(exc))
+                log.info("run %s: relay notice not delivered to %s yet: %s", run_id, receiver, status_message(exc))
 
     def drop_ended_relayed(self) -> None:
         """Remove the envelopes the coordinator's relay holds for runs that have ended (and
@@ -121,7 +122,7 @@ class Notices:
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: the site never had the run
                     log.info("end of run %s not delivered to %s yet: %s", n["run_id"], n["site"],
-                             wire.status_message(exc))
+                             status_message(exc))
                     self.owed.end_retry[key] = now + END_NOTICE_RETRY
                     continue
                 reply = None

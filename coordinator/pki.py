@@ -14,7 +14,7 @@ private key and a certificate signing request (CSR) at the site; ``enroll --csr 
 --out DIR`` (:func:`sign_csr`) writes ``DIR/{cert.pem,ca.pem}``: the private key never leaves the
 site. :func:`enroll` (``enroll NAME --out DIR`` without ``--csr``) does both halves in one process,
 so the key is made where the CA is: **for local trials only** (the demo, tests on one machine).
-Such a folder is what ``--tls DIR`` reads (``fedrelay.wire.Transport.from_dir``). Private keys
+Such a folder is what ``--tls DIR`` reads (``fedrelay.transport.Transport.from_dir``). Private keys
 are written with mode 0600.
 
 Identity is the certificate's subject common name (CN), also put in the SAN as a DNS name so a
@@ -35,8 +35,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedrelay import identity, names, wire
-from fedrelay.wire import CA_FILE, CERT_FILE, COORDINATOR_IDENTITY, KEY_FILE, OPERATOR_IDENTITY
+from fedrelay import identity, names
+from fedrelay.callers import COORDINATOR_IDENTITY, OPERATOR_IDENTITY, OPERATOR_PREFIX, is_operator
+from fedrelay.transport import CA_FILE, CERT_FILE, KEY_FILE
 
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
 CA_DAYS = 3650
@@ -71,7 +72,7 @@ def operator_identity(name: str) -> str:
     """The certificate name of the further operator ``name``: ``operator.NAME``. Raises
     ``PKIError`` unless ``name`` is a valid site-style name (one DNS label, not reserved)."""
     check_name(name)
-    return wire.OPERATOR_PREFIX + name
+    return OPERATOR_PREFIX + name
 
 
 def _issue(name: str, ca_cert: x509.Certificate, ca_key, hosts, *, days: float,
@@ -239,9 +240,9 @@ def enroll(name: str, ca: str | Path, out: str | Path, *, hosts=DEFAULT_HOSTS, d
     always added). ``days``: validity from ``not_before`` (default: now). Returns ``out``.
     Raises ``PKIError`` for a bad name or an unusable CA.
     """
-    further_operator = wire.is_operator(name) and name != wire.OPERATOR_IDENTITY
+    further_operator = is_operator(name) and name != OPERATOR_IDENTITY
     if further_operator:
-        check_name(name[len(wire.OPERATOR_PREFIX):])  # a further operator (operator_identity)
+        check_name(name[len(OPERATOR_PREFIX):])  # a further operator (operator_identity)
     elif not allow_reserved:
         check_name(name)
     out = Path(out)

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 import grpc
 
-from fedrelay import wire
+from fedrelay.addresses import split_hostport
 from fedrelay.coordinator import forgotten
 from fedrelay.coordinator.refusal import Refused
 from fedrelay.coordinator.revocations import RevocationRefused
@@ -55,7 +55,7 @@ class Registrar:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a site that only connects out registers no address")
         if request.address:
             try:
-                wire.split_hostport(request.address)
+                split_hostport(request.address)
             except ValueError as exc:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         refused = forgotten.refusal(self.ledger, request)  # forget-peer holds against that daemon

@@ -35,10 +35,15 @@ from typing import Callable
 import grpc
 
 from fedrelay import purpose as purposes
-from fedrelay import names, signing, wire
+from fedrelay import names, signing
+from fedrelay.addresses import with_port
+from fedrelay.callers import COORDINATOR_IDENTITY, caller_identity
+from fedrelay.files import iter_file_chunks
+from fedrelay.server import make_server
+from fedrelay.transport import Transport
 from fedrelay.coordinator.relay_bounds import CapUnknown, Permit, RelayLimits, Reservations, check_grant
-from fedrelay.peer.inbound import InboundStreams, Stream
-from fedrelay.peer.transfer import TransferError, check_header_fields, held_bytes, receive_model
+from fedrelay.inbound import InboundStreams, Stream
+from fedrelay.receiving import TransferError, check_header_fields, held_bytes, receive_model
 from fedrelay.v1 import common_pb2, peer_pb2, relay_pb2, relay_pb2_grpc
 
 log = logging.getLogger("fedrelay.relay")
@@ -87,7 +92,7 @@ class RelayService(relay_pb2_grpc.RelayServicer):
         return m if m is not None and m.get("complete", True) and path.exists() else None
 
     def _caller(self, context) -> str:
-        who = wire.caller_identity(context)
+        who = caller_identity(context)
         if who is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "the relay needs mutual TLS: payloads are sealed to the receiver's certificate key")
@@ -236,7 +241,7 @@ class RelayService(relay_pb2_grpc.RelayServicer):
         yield common_pb2.ModelChunk(header=common_pb2.TransferHeader(
             run_id=k.run_id, hop=k.index, purpose=k.purpose, sender=meta["sender"], receiver=k.receiver,
             total_bytes=meta["bytes"], sha256=meta["sha256"], offset=request.offset))
-        for block in wire.iter_file_chunks(path, start=request.offset):
+        for block in iter_file_chunks(path, start=request.offset):
             yield common_pb2.ModelChunk(data=block)
 
     def Discard(self, request: relay_pb2.RelayKey, context) -> relay_pb2.RelayDiscardReply:
@@ -260,7 +265,7 @@ class RelayService(relay_pb2_grpc.RelayServicer):
         return sorted(p.name for p in self.folder.iterdir() if p.is_dir()) if self.folder.is_dir() else []
 
 
-def serve_relay(listen: str, folder: str | Path, *, transport: wire.Transport, stop: threading.Event | None = None,
+def serve_relay(listen: str, folder: str | Path, *, transport: Transport, stop: threading.Event | None = None,
                 ready: threading.Event | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
                 limits: RelayLimits | None = None,
                 on_stored: Callable[[Path], None] | None = None, bound: list | None = None,
@@ -277,7 +282,7 @@ def serve_relay(listen: str, folder: str | Path, *, transport: wire.Transport, s
     signed by the CA) or ``RuntimeError`` (cannot listen)."""
     if not transport.secure:
         raise ValueError("the relay needs mutual TLS (--tls PKI/coordinator): payloads are sealed to certificate keys")
-    if transport.identity != wire.COORDINATOR_IDENTITY:
+    if transport.identity != COORDINATOR_IDENTITY:
         raise ValueError(f"--tls {transport.source}: the relay runs with the coordinator's identity (PKI/coordinator), "
                          f"not {transport.identity!r}")
     from fedrelay import revocation
@@ -290,12 +295,12 @@ def serve_relay(listen: str, folder: str | Path, *, transport: wire.Transport, s
         raise ValueError(str(exc)) from None
     service = RelayService(folder, coordinator_cert=transport.cert, on_stored=on_stored,
                            limits=limits if limits is not None else RelayLimits(max_bytes=max_bytes))
-    server, port = wire.make_server(listen, transport=transport, guard=guard)
+    server, port = make_server(listen, transport=transport, guard=guard)
     relay_pb2_grpc.add_RelayServicer_to_server(service, server)
     server.start()
-    log.info("relay listening on %s (mutual TLS), envelopes in %s", wire.with_port(listen, port), folder)
+    log.info("relay listening on %s (mutual TLS), envelopes in %s", with_port(listen, port), folder)
     if bound is not None:
-        bound.append(wire.with_port(listen, port))
+        bound.append(with_port(listen, port))
     if ready is not None:
         ready.set()
     try:

@@ -1,4 +1,4 @@
-"""The relay's bounds (issue 28): what one sender, one run and one envelope may make a relay
+"""The relay's bounds (docs/relay-bounds.md): what one sender, one run and one envelope may make a relay
 hold, and for how long. ``coordinator/relay.py`` asks this module; it decides nothing itself.
 
 - **Only planned transfers.** A relayed transfer needs a :class:`Permit`: the coordinator's own
@@ -18,11 +18,11 @@ hold, and for how long. ``coordinator/relay.py`` asks this module; it decides no
 - **No stall**: a Put that sends nothing for ``RelayLimits.stall_timeout`` seconds is dropped
   (the stall timeout of a peer's Handoff, ``fedrelay.transfer_bounds.STALL_TIMEOUT``).
 - **No compression amplification**: servers accept no compressed request
-  (``fedrelay.wire``'s server options); the bytes counted are the bytes written.
+  (``fedrelay.server``'s server options); the bytes counted are the bytes written.
 - **Expiry**: an envelope nobody fetched and discarded within ``RelayLimits.lifetime`` seconds
   of its upload is removed, with its partial upload (:meth:`Reservations.sweep`).
 
-Refusals raise ``fedrelay.peer.transfer.TransferError`` with the gRPC status to answer:
+Refusals raise ``fedrelay.receiving.TransferError`` with the gRPC status to answer:
 PERMISSION_DENIED (no permit), RESOURCE_EXHAUSTED (a cap or quota).
 """
 
@@ -36,8 +36,9 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import signing, transfer_bounds, wire
-from fedrelay.peer.transfer import TransferError
+from fedrelay import signing, transfer_bounds
+from fedrelay.files import atomic_write
+from fedrelay.receiving import TransferError
 from fedrelay.v1 import common_pb2
 
 log = logging.getLogger("fedrelay.relay")
@@ -204,9 +205,9 @@ class Reservations:
         if old and old.get("sha256") != header.sha256:
             dest.unlink(missing_ok=True)  # a resealed envelope replaces the one held (same sender, checked before)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        wire.atomic_write(own, json.dumps({"sender": header.sender, "receiver": header.receiver,
-                                           "sha256": header.sha256, "bytes": total, "created": created,
-                                           "complete": False}).encode())
+        atomic_write(own, json.dumps({"sender": header.sender, "receiver": header.receiver,
+                                      "sha256": header.sha256, "bytes": total, "created": created,
+                                      "complete": False}).encode())
 
     def complete(self, dest: Path, sha256: str, size: int) -> None:
         """The envelope ``dest`` is stored whole."""
@@ -214,7 +215,7 @@ class Reservations:
         m = self.read(own) or {}
         m.update(sha256=sha256, bytes=size, complete=True)
         m.setdefault("created", time.time())
-        wire.atomic_write(own, json.dumps(m).encode())
+        atomic_write(own, json.dumps(m).encode())
 
     def release(self, dest: Path) -> None:
         """Drop the reservation of ``dest`` unless its envelope or a partial upload is held."""

@@ -25,7 +25,8 @@ from typing import Callable
 import grpc
 
 from fedrelay import purpose as purposes
-from fedrelay import names, transfer_bounds, wire
+from fedrelay import names, transfer_bounds
+from fedrelay.calls import CONTROL_TIMEOUT, status_message
 from fedrelay.coordinator import relay_bounds
 from fedrelay.coordinator.relay_bounds import CapUnknown, Permit
 from fedrelay.v1 import common_pb2, peer_pb2
@@ -86,10 +87,10 @@ class RelayPermits:
                 return self._caps[key]
         try:
             reply = self.peer({"name": receiver, "address": ""}).RelayQuota(
-                peer_pb2.RelayQuotaRequest(run_id=run["run_id"]), timeout=wire.CONTROL_TIMEOUT)
+                peer_pb2.RelayQuotaRequest(run_id=run["run_id"]), timeout=CONTROL_TIMEOUT)
         except grpc.RpcError as exc:
             raise CapUnknown(f"the payload cap of run {run['run_id']} is not known yet ({receiver} did not say: "
-                              f"{wire.status_message(exc)}); retry") from None
+                              f"{status_message(exc)}); retry") from None
         cap = int(reply.payload_cap_bytes)
         if not 0 < cap <= MAX_STATED_CAP:
             raise CapUnknown(f"{receiver} stated a payload cap of {cap} bytes for run {run['run_id']}; retry")

@@ -1,6 +1,6 @@
 """The operator's replies kept under gRPC's message cap: bounded run summaries and pages.
 
-Every channel caps a message at ``wire.MAX_MESSAGE_BYTES`` (8 MiB); a reply over it fails at
+Every channel caps a message at ``calls.MAX_MESSAGE_BYTES`` (8 MiB); a reply over it fails at
 the client (RESOURCE_EXHAUSTED) and the operator could no longer list the runs. What a reply
 holds grows with what sites reported (a run's error text, its sites' live details, its
 transfers) and with the ledger (runs, peers, metric rows), so:
@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, TypeVar
 
-from fedrelay import wire
+from fedrelay.calls import MAX_MESSAGE_BYTES
 from fedrelay.v1 import coordinator_pb2 as cpb
 
-PAGE_BYTES = wire.MAX_MESSAGE_BYTES // 2  # bytes of items in one page of a listing
-SUMMARY_BYTES = wire.MAX_MESSAGE_BYTES - (256 << 10)  # one RunSummary at most (room for the reply's framing)
+PAGE_BYTES = MAX_MESSAGE_BYTES // 2  # bytes of items in one page of a listing
+SUMMARY_BYTES = MAX_MESSAGE_BYTES - (256 << 10)  # one RunSummary at most (room for the reply's framing)
 TEXT_CHARS = 2_000  # characters of one free-text field kept in a summary cut to size
 # The lists of a summary that may be cut, in the order they are cut.
 # (The class index last: fetch-model writes it into the model file's metadata.)

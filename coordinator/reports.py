@@ -12,7 +12,8 @@ from typing import Callable
 
 import grpc
 
-from fedrelay import purpose as purposes, wire
+from fedrelay import purpose as purposes
+from fedrelay.calls import CONTROL_TIMEOUT
 from fedrelay.coordinator.ledger import LedgerConflict
 from fedrelay.coordinator.lifecycle import fail
 from fedrelay.coordinator.owed import Owed
@@ -274,7 +275,7 @@ class Reports:
         def tell() -> None:
             try:
                 self.tunnels.stub(t.receiver).Prepare(peer_pb2.PrepareRequest(run_id=run_id, sender=sender),
-                                                      timeout=wire.CONTROL_TIMEOUT)
+                                                      timeout=CONTROL_TIMEOUT)
             except Exception as exc:  # noqa: BLE001 - a hint
                 log.debug("run %s: could not tell %s to prepare: %s", run_id, t.receiver, exc)
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 import logging
 import time
 
-from fedrelay import revocation, wire
+from fedrelay import revocation
+from fedrelay.transport import Transport
 from fedrelay.revocation import CrlError, Revoked
 
 log = logging.getLogger("fedrelay.coordinator")
@@ -51,9 +52,9 @@ class RevocationRefused(ValueError):
 
 class Revocations:
     """Revocations and the published CRL of one coordinator (``ledger``: its ``Ledger``;
-    ``transport``: its ``wire.Transport``, whose CA certificate the lists must verify with)."""
+    ``transport``: its ``transport.Transport``, whose CA certificate the lists must verify with)."""
 
-    def __init__(self, ledger, transport: wire.Transport):
+    def __init__(self, ledger, transport: Transport):
         self.ledger = ledger
         self.secure = transport.secure
         self.list = revocation.RevocationList(transport.ca if transport.secure else None)

@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 
 import grpc
 
-from fedrelay import wire
+from fedrelay.calls import CONTROL_TIMEOUT, status_message
 from fedrelay.coordinator.lifecycle import fail
 from fedrelay.coordinator.owed import Owed
 from fedrelay.coordinator.plan import Plan, replan, star_plan
@@ -181,10 +181,10 @@ class Routing:
             run = self.ledger.run(run_id)
             address = next(c["address"] for c in run["chain"] if c["name"] == site)
             try:
-                self.stub({"name": site, "address": address}).Reroute(request, timeout=wire.CONTROL_TIMEOUT)
+                self.stub({"name": site, "address": address}).Reroute(request, timeout=CONTROL_TIMEOUT)
                 self.owed.reroutes.pop((run_id, site), None)
                 hops = ", ".join(f"hop {t.index} {t.sender}->{t.receiver}" for t in request.transfers
                                  if t.purpose == common_pb2.CHAIN_HOP) or "no hops"
                 self.ledger.add_event(run_id, "state", f"{site}: rerouted ({hops})", site=site)
             except grpc.RpcError as exc:
-                log.warning("reroute of %s in run %s not delivered yet: %s", site, run_id, wire.status_message(exc))
+                log.warning("reroute of %s in run %s not delivered yet: %s", site, run_id, status_message(exc))

@@ -37,7 +37,11 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, checks, names, signing, wire
+from fedrelay import __version__, checks, names, signing
+from fedrelay.addresses import split_hostport, with_port
+from fedrelay.callers import COORDINATOR_IDENTITY, caller_identity, is_operator
+from fedrelay.server import check_bindable, make_server
+from fedrelay.transport import INSECURE, Transport
 from fedrelay.coordinator import fetching, lifecycle, monitoring, relay_bounds, replies
 from fedrelay.coordinator.evaluation import Evaluator
 from fedrelay.coordinator.events import EventHub
@@ -101,7 +105,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     ``routing``, ``notices``, ``evaluator``, ``summaries``, ``relay_permits``, over the shared
     ``plans`` (``RunPlans``), ``channels`` (``SiteChannels``) and ``owed`` (``Owed``)."""
 
-    def __init__(self, ledger: Ledger, *, transport: wire.Transport = wire.INSECURE,
+    def __init__(self, ledger: Ledger, *, transport: Transport = INSECURE,
                  peer_timeout: float = DEFAULT_PEER_TIMEOUT, probe_timeout: float = 10.0,
                  relay_dir: str | Path | None = None, relay: str = ""):
         self.ledger = ledger
@@ -157,10 +161,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     # -- authorization ---------------------------------------------------------------------------
     def _as_site(self, context, claimed: str) -> None:
         """Abort with PERMISSION_DENIED unless the caller is the site ``claimed`` (TLS only)."""
-        who = wire.caller_identity(context)
+        who = caller_identity(context)
         if who is None:
             return
-        if who == wire.COORDINATOR_IDENTITY or wire.is_operator(who):
+        if who == COORDINATOR_IDENTITY or is_operator(who):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the {who} identity cannot act as a site")
         if who != claimed:
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
@@ -169,8 +173,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def _as_operator(self, context) -> None:
         """Abort with PERMISSION_DENIED unless the caller is an operator (``operator`` or
         ``operator.NAME``) or the coordinator (TLS only)."""
-        who = wire.caller_identity(context)
-        if who is not None and who != wire.COORDINATOR_IDENTITY and not wire.is_operator(who):
+        who = caller_identity(context)
+        if who is not None and who != COORDINATOR_IDENTITY and not is_operator(who):
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"{who!r} is a site identity; only the operator may call this")
 
@@ -243,7 +247,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         names.check_run_id(request.run_id)
         names.check_site_name(request.receiver, "receiver")
         names.check_hop(request.index, "index")
-        who = wire.caller_identity(context)
+        who = caller_identity(context)
         if who is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "relay grants need mutual TLS")
         self._as_site(context, who)
@@ -301,7 +305,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         names.check_start_chain(request)
         self._as_operator(context)
         with _answering(context):
-            return self.runs.start_chain(request, wire.caller_identity(context) or "", lambda: monitoring.caller(context))
+            return self.runs.start_chain(request, caller_identity(context) or "", lambda: monitoring.caller(context))
 
     def WatchRun(self, request: cpb.WatchRunRequest, context):
         names.check_run_request(request)
@@ -368,7 +372,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         names.check_text(request.reason, "reason", max_chars=1000)
         self._as_operator(context)
         with _answering(context):
-            self.runs.stop_run(request.run_id, wire.caller_identity(context) or INSECURE_OPERATOR, request.reason)
+            self.runs.stop_run(request.run_id, caller_identity(context) or INSECURE_OPERATOR, request.reason)
         return self.summary(request.run_id)
 
     def ForgetPeer(self, request: cpb.ForgetPeerRequest, context) -> cpb.ForgetPeerReply:
@@ -388,7 +392,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         names.check_text(request.reason, "reason", max_chars=1000)
         self._as_operator(context)
         with _answering(context):
-            return self.registrar.revoke(request, wire.caller_identity(context) or INSECURE_OPERATOR,
+            return self.registrar.revoke(request, caller_identity(context) or INSECURE_OPERATOR,
                                          self.plans.skipped, self.routing.check_route, self.insecure)
 
     def GetCrl(self, request: cpb.CrlRequest, context) -> cpb.CrlReply:
@@ -396,7 +400,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return self.revocations.reply(self.registrar.certificates)
 
 
-def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: threading.Event | None = None,
+def serve(listen: str, db: str | Path, *, transport: Transport, ready: threading.Event | None = None,
           stop: threading.Event | None = None, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
           web: str | None = None, metrics_listen: str | None = None, relay_dir: str | Path | None = None,
           relay: str = "", web_hosts: list[str] | tuple[str, ...] = (), operator_listen: str | None = None) -> None:
@@ -416,15 +420,15 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
     ``relay`` beside the ledger), unless ``relay`` names the operator's own relay (HOST:PORT,
     told to every site at registration). A plaintext coordinator serves none (sealing needs
     certificates)."""
-    if transport.secure and transport.identity != wire.COORDINATOR_IDENTITY:
+    if transport.secure and transport.identity != COORDINATOR_IDENTITY:
         raise ValueError(f"--tls {transport.source}: this is the identity {transport.identity!r}, "
-                         f"not {wire.COORDINATOR_IDENTITY!r} (use PKI/coordinator from `coordinator init-ca`)")
+                         f"not {COORDINATOR_IDENTITY!r} (use PKI/coordinator from `coordinator init-ca`)")
     if relay:
         names.check_address(relay, "--relay")
-    wire.check_bindable(listen)  # before the ledger file is created
+    check_bindable(listen)  # before the ledger file is created
     if operator_listen:
         try:
-            wire.split_hostport(operator_listen)
+            split_hostport(operator_listen)
         except ValueError as exc:
             raise ValueError(f"--operator-listen: {exc}") from None
     ledger = Ledger(db)
@@ -434,8 +438,8 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
                                  relay_dir=relay_dir if transport.secure else None, relay=relay)
     guard = service.monitor.guard()
     guard.watch(service.revocations.list)  # revoked sites' calls refused, those in flight cancelled
-    server, port = wire.make_server(listen, transport=transport, guard=guard,
-                                    also=[operator_listen] if operator_listen else [])
+    server, port = make_server(listen, transport=transport, guard=guard,
+                               also=[operator_listen] if operator_listen else [])
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     if service.relay is not None:
         relay_pb2_grpc.add_RelayServicer_to_server(service.relay, server)
@@ -443,11 +447,11 @@ def serve(listen: str, db: str | Path, *, transport: wire.Transport, ready: thre
     if metrics_listen:
         service.monitor.serve_http(metrics_listen)
     server.start()
-    log.info("coordinator %s listening on %s (%s), ledger %s", __version__, wire.with_port(listen, port),
+    log.info("coordinator %s listening on %s (%s), ledger %s", __version__, with_port(listen, port),
              "mutual TLS" if transport.secure else "INSECURE plaintext", db)
     if operator_listen:
         log.info("operator listener on %s (connections of its own)",
-                 wire.with_port(operator_listen, server.also_ports[0]))
+                 with_port(operator_listen, server.also_ports[0]))
     page = _start_web(web, service, server, ledger, web_hosts) if web else None
     picked = service.recover()
     if picked:

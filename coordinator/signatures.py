@@ -28,7 +28,7 @@ from fedrelay.signing import SignatureError, SignedRecord
 
 class Signatures:
     """Verification of the sites' records and signing of seals for one coordinator
-    (``transport``: its ``fedrelay.wire.Transport``)."""
+    (``transport``: its ``fedrelay.transport.Transport``)."""
 
     def __init__(self, transport):
         self.secure = transport.secure

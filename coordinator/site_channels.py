@@ -8,7 +8,7 @@ import threading
 
 import grpc
 
-from fedrelay import wire
+from fedrelay.transport import Transport
 from fedrelay.coordinator.plan import PeerInfo
 from fedrelay.v1 import common_pb2, peer_pb2_grpc
 
@@ -16,7 +16,7 @@ from fedrelay.v1 import common_pb2, peer_pb2_grpc
 class SiteChannels:
     """Peer stubs of the sites registered in ``ledger``, over ``transport``, or over ``tunnels``."""
 
-    def __init__(self, ledger, transport: wire.Transport, tunnels):
+    def __init__(self, ledger, transport: Transport, tunnels):
         self.ledger = ledger
         self.transport = transport
         self.tunnels = tunnels

@@ -14,7 +14,7 @@ import logging
 
 import grpc
 
-from fedrelay import wire
+from fedrelay.calls import assignment_refusal
 
 log = logging.getLogger("fedrelay.coordinator")
 
@@ -29,7 +29,7 @@ def first_refusal(asks, timeout: float) -> tuple[str, str] | None:
         try:
             stub.CheckPolicy(assignment, timeout=timeout)
         except grpc.RpcError as exc:
-            reason, by_policy = wire.assignment_refusal(exc)
+            reason, by_policy = assignment_refusal(exc)
             if by_policy:
                 return site, reason
             log.info("site %s did not answer the policy check of run %s (%s); its assignment will tell",

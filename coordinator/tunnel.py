@@ -29,10 +29,10 @@ import time
 
 import grpc
 
-from fedrelay import wire
+from fedrelay.transport import TUNNELED_METHODS
 from fedrelay.v1 import coordinator_pb2 as cpb, peer_pb2
 
-TUNNELED = wire.TUNNELED_METHODS
+TUNNELED = TUNNELED_METHODS
 _METHODS = peer_pb2.DESCRIPTOR.services_by_name["Peer"].methods_by_name
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _END = object()

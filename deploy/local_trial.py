@@ -44,7 +44,9 @@ DATASETS = ("fashion-mnist", "breast-cancer")
 BIN = Path(sys.executable).parent
 
 
-def _tool(name: str) -> str:
+def tool(name: str) -> str:
+    """Path of a console script of this environment (``peer``, ``coordinator``), else its name
+    (found on PATH)."""
     path = BIN / name
     return str(path) if path.exists() else name
 
@@ -182,8 +184,8 @@ class LocalTrial:
         return ["--insecure"] if self.insecure else ["--tls", str(self.pki / identity)]
 
     def transport(self, identity: str = "operator"):
-        """A ``fedrelay.wire.Transport`` with the operator's (or coordinator's) identity."""
-        from fedrelay.wire import Transport
+        """A ``fedrelay.transport.Transport`` with the operator's (or coordinator's) identity."""
+        from fedrelay.transport import Transport
 
         return Transport.insecure() if self.insecure else Transport.from_dir(self.pki / identity)
 
@@ -200,13 +202,13 @@ class LocalTrial:
             names = dict.fromkeys(("localhost", "127.0.0.1", self.addresses[name].rsplit(":", 1)[0]))
             return [arg for h in names for arg in ("--host", h)]
 
-        def run(step: list[str], tool: str = "coordinator") -> None:
-            res = subprocess.run([_tool(tool), *step], env=self.env, capture_output=True, text=True)
+        def run(step: list[str], command: str = "coordinator") -> None:
+            res = subprocess.run([tool(command), *step], env=self.env, capture_output=True, text=True)
             if res.returncode != 0:
-                raise RuntimeError(f"{tool} {' '.join(step)} failed: {res.stderr.strip()}")
+                raise RuntimeError(f"{command} {' '.join(step)} failed: {res.stderr.strip()}")
 
         def enrol(n: str) -> None:  # what the site does, then what the operator does
-            run(["init", "--name", n, "--tls", str(self.site_tls(n)), *hosts(n)], tool="peer")
+            run(["init", "--name", n, "--tls", str(self.site_tls(n)), *hosts(n)], command="peer")
             run(["enroll", "--csr", str(self.site_tls(n) / f"{n}.csr"), "--ca", str(self.pki),
                  "--out", str(self.site_tls(n))])
 
@@ -289,7 +291,7 @@ class LocalTrial:
         if not self.insecure:
             self.make_pki()
         self.setup_network()
-        self._spawn("coordinator", [_tool("coordinator"), "serve", "--listen", self.coordinator,
+        self._spawn("coordinator", [tool("coordinator"), "serve", "--listen", self.coordinator,
                                     "--db", str(self.workdir / "ledger.sqlite"), *self.security_args("coordinator"),
                                     *self.coordinator_args])
         # A budget per site: 100 daemons start a few at a time (start_concurrency).
@@ -305,7 +307,7 @@ class LocalTrial:
 
     def peer_argv(self, site_dir: Path, security: list[str]) -> list[str]:
         """The command of one site's peer daemon (``security``: ``--tls DIR`` or ``--insecure``)."""
-        return [_tool("peer"), "serve", "--data", str(site_dir), "--name", site_dir.name,
+        return [tool("peer"), "serve", "--data", str(site_dir), "--name", site_dir.name,
                 "--listen", self.addresses[site_dir.name], "--coordinator", self.coordinator,
                 "--state-dir", str(self.workdir / "state" / site_dir.name),
                 "--device", self.device, *security, *self.peer_args,
@@ -348,7 +350,7 @@ class LocalTrial:
     def cli_watched(self, *args: str) -> int:
         """Run a ``coordinator`` command (output to this terminal) while watching the daemons:
         if one of them dies, stop the command and say which one and why."""
-        cmd = subprocess.Popen([_tool("coordinator"), *args, "--coordinator", self.coordinator,
+        cmd = subprocess.Popen([tool("coordinator"), *args, "--coordinator", self.coordinator,
                                 *self.security_args()], env=self.env)
         try:
             while cmd.poll() is None:
@@ -368,7 +370,7 @@ class LocalTrial:
     def cli(self, *args: str, **kw) -> subprocess.CompletedProcess:
         """Run ``coordinator ARGS --coordinator <this trial>`` with ``--tls <pki>/operator`` (or
         ``--insecure`` for an insecure trial)."""
-        return subprocess.run([_tool("coordinator"), *args, "--coordinator", self.coordinator,
+        return subprocess.run([tool("coordinator"), *args, "--coordinator", self.coordinator,
                                *self.security_args()], env=self.env, **kw)
 
     def stop(self) -> None:
@@ -480,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     marker = args.workdir / "split-args.json"
     if not (marker.exists() and json.loads(marker.read_text()) == split_args):
         print(f"splitting {what} ...", flush=True)
-        if subprocess.call([_tool("coordinator"), *split_args]) != 0:
+        if subprocess.call([tool("coordinator"), *split_args]) != 0:
             return 2
         marker.write_text(json.dumps(split_args))
     site_dirs = sorted(p for p in sites_dir.iterdir() if p.is_dir() and p.name.startswith("site-"))[: args.sites]

@@ -47,9 +47,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_trial import (LocalTrial, _tool, chain_args_problem, ensure_fashion_mnist, guarded,  # noqa: E402
-                         split_chain_args)
+if not __package__:  # run as a script (python deploy/netns_trial.py): the checkout is where deploy/ is
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from deploy.local_trial import (LocalTrial, chain_args_problem, ensure_fashion_mnist, guarded,  # noqa: E402
+                                split_chain_args, tool)
 
 #: The fault scenarios ``--faults`` takes, each run on its own after the undisturbed runs.
 SCENARIOS = ("kill-peer", "link-down", "kill-coordinator", "cut-transfer", "firewall")
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_fashion_mnist(args.source)
     sites_dir = args.workdir / "sites"
     if not (sites_dir / "split.json").exists():
-        split = [_tool("coordinator"), "split-dataset", "fashion-mnist", "--sites", str(args.sites), "--seed",
+        split = [tool("coordinator"), "split-dataset", "fashion-mnist", "--sites", str(args.sites), "--seed",
                  str(args.seed), "--out", str(sites_dir), "--max-train-per-site", str(args.max_train_per_site)]
         if args.source:
             split += ["--source", str(args.source)]

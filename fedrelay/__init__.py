@@ -4,7 +4,7 @@ The user's part of a run is a task: subclass :class:`fedrelay.Task` (``fedrelay.
 :class:`fedrelay.SiteData`, :class:`fedrelay.DataSummary`, :class:`fedrelay.ModelSpec` and
 :class:`fedrelay.DataError`; :func:`fedrelay.load_model` loads a run's fetched final model.
 """
-__version__ = "0.1.0"
+from fedrelay.version import __version__
 
 __all__ = ["Task", "SiteData", "DataSummary", "ModelSpec", "DataError", "load_model", "__version__"]
 

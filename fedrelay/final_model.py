@@ -1,7 +1,7 @@
 """The fetched final model: a safetensors file that says what it is, and how to load it.
 
 The sites produce and exchange the final model as plain safetensors bytes
-(``fedrelay.wire.encode_state``: the tensors and ``{"format": "pt"}`` only), so that its SHA-256,
+(``fedrelay.tensors.encode_state``: the tensors and ``{"format": "pt"}`` only), so that its SHA-256,
 the digest the ledger records, depends on the weights alone. ``coordinator fetch-model`` writes
 the same tensors, byte for byte, under a header that also carries this metadata (all values
 strings, as safetensors requires):
@@ -35,6 +35,9 @@ import json
 from pathlib import Path
 
 from fedrelay import safetensors_header
+from fedrelay.task import ModelSpec, canonical_json
+from fedrelay.tensors import decode_state, encode_state
+from fedrelay.version import __version__
 
 PREFIX = "fedrelay."
 # gRPC metadata key of the coordinator's FetchModel reply: the run's ModelSpec as JSON
@@ -73,9 +76,6 @@ def with_metadata(data: bytes, metadata: dict[str, str]) -> bytes:
 def describe(*, spec: dict, class_names, run_id: str, strategy: str, final_sha256: str) -> dict[str, str]:
     """The metadata of a final model (module docstring), as safetensors' strings; ``spec``: the
     run's ``fedrelay.ModelSpec.to_dict()``."""
-    from fedrelay import __version__
-    from fedrelay.task import canonical_json
-
     return {PREFIX + "task": spec["task"], PREFIX + "task_version": spec.get("task_version", ""),
             PREFIX + "task_sha256": spec.get("task_sha256", ""), PREFIX + "model": spec["model"],
             PREFIX + "input": canonical_json(spec.get("input") or {}),
@@ -122,16 +122,14 @@ def read_metadata(path: str | Path) -> dict:
 
 def original_sha256(path: str | Path) -> str:
     """The SHA-256 of the file's tensors encoded as the sites encoded them
-    (``fedrelay.wire.encode_state``): for a fetched final model, the ledger's digest of the run's
+    (``fedrelay.tensors.encode_state``): for a fetched final model, the ledger's digest of the run's
     final model (``fedrelay.final_sha256``). Imports torch. Raises ``ModelFileError`` for a file
     that is not safetensors."""
-    from fedrelay import wire
-
     try:
-        state = wire.decode_state(Path(path).read_bytes())
+        state = decode_state(Path(path).read_bytes())
     except ValueError as exc:
         raise ModelFileError(f"{path}: {exc}") from None
-    return hashlib.sha256(wire.encode_state(state)).hexdigest()
+    return hashlib.sha256(encode_state(state)).hexdigest()
 
 
 def load_model(path: str | Path, device: str = "cpu", *, verify: bool = True):
@@ -143,7 +141,7 @@ def load_model(path: str | Path, device: str = "cpu", *, verify: bool = True):
     image-folder, float32 images ``N x C x H x W`` with pixel values in ``[0, 1]``) to float32
     logits ``N x K``. ``class_names``: the K class names in logit order.
 
-    ``verify``: re-encode the tensors as the sites did (``fedrelay.wire.encode_state``) and check
+    ``verify``: re-encode the tensors as the sites did (``fedrelay.tensors.encode_state``) and check
     that their SHA-256 is the ledger's digest ``fedrelay.final_sha256`` (the encoding is
     deterministic for a given safetensors version).
 
@@ -151,20 +149,18 @@ def load_model(path: str | Path, device: str = "cpu", *, verify: bool = True):
     that do not fit the architecture, or (with ``verify``) tensors that do not match the digest;
     ``OSError`` when the file cannot be read.
     """
-    import torch
+    import torch  # only here: reading and writing the metadata stays free of torch
 
-    from fedrelay import wire
-    from fedrelay.models import build_model
-    from fedrelay.task import ModelSpec, canonical_json
+    from fedrelay.models import build_model  # imports torch
 
     path = Path(path)
     meta = read_metadata(path)
     try:
-        state = wire.decode_state(path.read_bytes())
+        state = decode_state(path.read_bytes())
     except ValueError as exc:
         raise ModelFileError(f"{path}: {exc}") from None
     if verify:
-        digest = hashlib.sha256(wire.encode_state(state)).hexdigest()
+        digest = hashlib.sha256(encode_state(state)).hexdigest()
         if digest != meta["final_sha256"]:
             raise ModelFileError(f"{path}: its tensors encode to sha256 {digest}, not the run's final model "
                                  f"{meta['final_sha256']} (a damaged or altered file; pass verify=False to load "

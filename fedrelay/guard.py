@@ -3,7 +3,7 @@
 gRPC's sync server runs every call on a worker thread of one pool, and takes that thread as
 soon as the call starts: a unary call whose request never arrives holds it until the client
 gives up (measured with grpcio 1.85: 3 such calls held 3 of 4 workers), and a stream holds it
-while it lasts. :class:`Guard` is a ``grpc.ServerInterceptor`` (``wire.make_server`` installs
+while it lasts. :class:`Guard` is a ``grpc.ServerInterceptor`` (``fedrelay.server.make_server`` installs
 one on every server) that wraps every method:
 
 - **Bounds on calls in flight** (:class:`Limits`), counted per caller identity (the certificate
@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from fedrelay import limits as limits_mod
-from fedrelay import names, wire
+from fedrelay import names
+from fedrelay.callers import COORDINATOR_IDENTITY, OPERATOR_IDENTITY, caller_identity, is_operator
 
 log = logging.getLogger("fedrelay.guard")
 
@@ -76,7 +77,7 @@ class Limits:
     per_method: int = 4
     method_bounds: dict[str, int] = field(default_factory=lambda: {HANDOFF_METHOD: 8})
     shared: int = 80
-    privileged: frozenset[str] = frozenset({wire.COORDINATOR_IDENTITY, wire.OPERATOR_IDENTITY})
+    privileged: frozenset[str] = frozenset({COORDINATOR_IDENTITY, OPERATOR_IDENTITY})
     privileged_per_caller: int = 16
     privileged_total: int = 32
     first_message_timeout: float = 10.0
@@ -212,7 +213,7 @@ class Guard(grpc.ServerInterceptor):
         self._counts: dict[tuple, int] = {}
         self._cache: dict[str, tuple] = {}
         self.connections = limits_mod.IdentityConnections(self.limits.per_identity_connections,
-                                                          window=wire.MAX_CONNECTION_IDLE_MS / 1000,
+                                                          window=limits_mod.MAX_CONNECTION_IDLE_MS / 1000,
                                                           exempt=self.limits.privileged)
         # Reads of first messages (each waits at most first_message_timeout, and only admitted
         # calls read, so it never runs out of threads).
@@ -320,7 +321,7 @@ class Guard(grpc.ServerInterceptor):
     # -- the pieces ----------------------------------------------------------------------------------
     def _caller(self, context) -> tuple[str | None, str]:
         """(identity or None on a plaintext server, label for the log)."""
-        who = wire.caller_identity(context)
+        who = caller_identity(context)
         if who is None:  # plaintext: the caller's host ("ipv4:10.0.0.5"; the port changes per connection)
             return None, context.peer().rpartition(":")[0] or context.peer()
         return who, repr(who)
@@ -337,7 +338,7 @@ class Guard(grpc.ServerInterceptor):
                     self._refuse(context, label, method, grpc.StatusCode.PERMISSION_DENIED, refused)
                 serial = self.revocations.serial_for(pem[0])
         lim = self.limits
-        if who is not None and (who in lim.privileged or wire.is_operator(who)):
+        if who is not None and (who in lim.privileged or is_operator(who)):
             bounds = [(("caller", who), lim.privileged_per_caller, "this identity"),
                       (("privileged",), lim.privileged_total, "the coordinator and operator together")]
         elif who is not None:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from fedrelay import wire
+from fedrelay.calls import status_message
+from fedrelay.transport import Transport
 
 COORDINATOR_SERVICE = "fedrelay.v1.Coordinator"
 PEER_SERVICE = "fedrelay.v1.Peer"
@@ -61,7 +62,7 @@ class ProbeResult:
         return self.status == "SERVING"
 
 
-def probe_result(transport: wire.Transport, address: str, *, service: str = "", expect: str | None = None,
+def probe_result(transport: Transport, address: str, *, service: str = "", expect: str | None = None,
                  timeout: float = 5.0) -> ProbeResult:
     """:func:`probe`, with the outcome's kind kept apart (:class:`ProbeResult`). Never raises
     for a failed call."""
@@ -72,12 +73,12 @@ def probe_result(transport: wire.Transport, address: str, *, service: str = "", 
         except grpc.RpcError as exc:
             code = exc.code()
             what = "UNREACHABLE" if code == grpc.StatusCode.UNAVAILABLE else "ERROR"
-            return ProbeResult(what, f"{what} ({wire.status_message(exc)})", getattr(code, "name", str(code)))
+            return ProbeResult(what, f"{what} ({status_message(exc)})", getattr(code, "name", str(code)))
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     return ProbeResult(name, name)
 
 
-def probe(transport: wire.Transport, address: str, *, service: str = "", expect: str | None = None,
+def probe(transport: Transport, address: str, *, service: str = "", expect: str | None = None,
           timeout: float = 5.0) -> tuple[bool, str]:
     """Ask the daemon at ``address`` (``HOST:PORT``) for the health of ``service`` ("" = the
     daemon as a whole). Under TLS the daemon's certificate must name ``expect`` (an identity)

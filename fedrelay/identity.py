@@ -28,8 +28,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from fedrelay import names
+from fedrelay.transport import CA_FILE, CERT_FILE, KEY_FILE
 
-KEY_FILE, CERT_FILE, CA_FILE = "key.pem", "cert.pem", "ca.pem"
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
 CURVE = ec.SECP256R1  # P-256
 

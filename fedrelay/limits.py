@@ -11,8 +11,10 @@ What bounds that here:
   (gRPC's ``grpc.max_allowed_incoming_connections``; a connection over it is closed at once),
   half of the open files above a reserve of ``FILES_RESERVED`` for the ledger, payloads, worker
   pipes and the HTTP endpoints, and at most ``MAX_CONNECTIONS``.
-- ``wire.MAX_CONNECTION_IDLE_MS``: a connection without a call in flight is closed after that
-  long; ``wire.HANDSHAKE_TIMEOUT_MS``: a connection must finish TLS within that long.
+- ``MAX_CONNECTION_IDLE_MS``: a connection without a call in flight is closed after that
+  long; ``HANDSHAKE_TIMEOUT_MS``: a connection must finish TLS within that long;
+  ``MAX_STREAMS_PER_CONNECTION``: calls at once on one connection (``fedrelay.server`` sets all
+  three on every server).
 - :class:`IdentityConnections`: the connections an identity makes calls on, per identity (the
   certificate name; the client's host on a plaintext server). A call on a new connection of
   an identity that already used ``per_identity`` others within the idle window is refused
@@ -38,6 +40,9 @@ FILES_RESERVED = 512
 MAX_CONNECTIONS = 4096
 MIN_CONNECTIONS = 64
 PER_IDENTITY_CONNECTIONS = 32
+HANDSHAKE_TIMEOUT_MS = 10_000  # a connection must finish TLS and HTTP/2 set-up within 10 s
+MAX_CONNECTION_IDLE_MS = 60_000  # a connection with no call for 1 minute is closed (GOAWAY)
+MAX_STREAMS_PER_CONNECTION = 256  # calls at once on one connection (HTTP/2); above the guard's bounds, which do the limiting
 
 log = logging.getLogger("fedrelay.limits")
 

@@ -29,7 +29,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
 
 from fedrelay import purpose as purposes
-from fedrelay import wire
+from fedrelay.addresses import split_hostport, with_port
 from fedrelay.v1 import common_pb2
 
 log = logging.getLogger("fedrelay.metrics")
@@ -116,7 +116,7 @@ class MetricsServer:
     def __init__(self, listen: str, registry: CollectorRegistry, *, workers: int = WORKERS, queued: int = QUEUED,
                  timeout: float = TIMEOUT):
         try:
-            host, port = wire.split_hostport(listen)
+            host, port = split_hostport(listen)
         except ValueError as exc:
             raise ValueError(f"--metrics-listen: {exc}") from None
         try:
@@ -127,7 +127,7 @@ class MetricsServer:
         self._server.set_app(make_wsgi_app(registry))
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-accept", daemon=True)
         self._thread.start()
-        self.address = wire.with_port(listen, self._server.server_port)
+        self.address = with_port(listen, self._server.server_port)
         log.info("metrics at http://%s/metrics", self.address)
 
     def close(self) -> None:

@@ -312,7 +312,7 @@ def for_daemon(transport, *, keep: Path | None = None, crl_file: Path | None = N
                 log.warning("the revocation list kept in %s is not used: %s", keep, exc)
 
         def persist(_new) -> None:
-            from fedrelay.wire import atomic_write
+            from fedrelay.files import atomic_write
 
             atomic_write(keep, revocations.der)
 

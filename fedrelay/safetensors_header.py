@@ -3,7 +3,7 @@
 A safetensors file is an 8-byte little-endian header length ``n``, ``n`` bytes of JSON (tensor
 name -> ``{"dtype", "shape", "data_offsets"}``, and an optional ``"__metadata__"`` of strings),
 then the tensor data (https://github.com/huggingface/safetensors, "Format"). The schema digest of
-a payload (:func:`fedrelay.wire.schema_digest`) and the final model's metadata
+a payload (:func:`fedrelay.tensors.schema_digest`) and the final model's metadata
 (:mod:`fedrelay.final_model`) read it here; the tensors themselves are read by safetensors.
 """
 

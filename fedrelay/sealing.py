@@ -48,7 +48,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import NameOID
 
-from fedrelay import wire
+from fedrelay.files import atomic_file
 
 MAGIC = b"FRSEAL1\n"
 SEGMENT_BYTES = 1 << 20
@@ -260,7 +260,7 @@ def seal_file(payload: str | Path, out: str | Path, *, header: dict, recipient_c
     aes, env, check = _aes(eph.exchange(ec.ECDH(), rpub), hh), hashlib.sha256(), hashlib.sha256()
     head = MAGIC + len(hb).to_bytes(4, "big") + hb + len(sig).to_bytes(2, "big") + sig
     total = len(head)
-    with wire.atomic_file(out) as fo, open(payload, "rb") as f:
+    with atomic_file(out) as fo, open(payload, "rb") as f:
         fo.write(head)
         env.update(head)
         for n, nonce, aad in _segments(size, seg, hh):
@@ -333,7 +333,7 @@ def open_file(envelope: str | Path, out: str | Path, *, recipient_key_pem: bytes
         except ValueError:
             raise SealError("header ephemeral_key is not a P-256 point") from None
         aes, plain = _aes(rkey.exchange(ec.ECDH(), eph), hh), hashlib.sha256()
-        with wire.atomic_file(out) as fo:
+        with atomic_file(out) as fo:
             for i, (n, nonce, aad) in enumerate(_segments(size, seg, hh)):
                 try:
                     pt = aes.decrypt(nonce, _read_exact(f, n + TAG_BYTES), aad)

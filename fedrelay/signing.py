@@ -206,7 +206,7 @@ class Signer:
 
 
 def signer_for(transport) -> Signer | None:
-    """The :class:`Signer` of a ``fedrelay.wire.Transport``'s identity, or None for a plaintext
+    """The :class:`Signer` of a ``fedrelay.transport.Transport``'s identity, or None for a plaintext
     transport (nothing is signed there). Made once per transport."""
     if not transport.secure:
         return None

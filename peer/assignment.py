@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedrelay import params as run_params, purpose as purposes, registry, tasks as task_registry, wire
+from fedrelay import params as run_params, purpose as purposes, registry, tasks as task_registry
+from fedrelay.files import sha256_file
 from fedrelay.peer.policy import SitePolicy
 from fedrelay.peer.runs import Run
 from fedrelay.peer.site import Site
@@ -66,7 +67,7 @@ class InitialWeights:
             st = path.stat()
             key = (str(path), st.st_size, st.st_mtime_ns)
             if key not in self._digests:
-                self._digests[key] = wire.sha256_file(path)
+                self._digests[key] = sha256_file(path)
             if self._digests[key] == sha256:
                 return path
         raise ValueError(f"this site holds no initial-weights file with SHA-256 {sha256}: copy it into {folder} "

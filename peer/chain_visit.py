@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedrelay import wire
+from fedrelay.files import sha256_file
 from fedrelay.peer.local_work import LocalWork
 from fedrelay.peer.runs import Run, RunEnded
 from fedrelay.peer.sending import Sending
@@ -73,7 +73,7 @@ class ChainVisit:
         """Send visit ``r``'s model to the next visit, or, at the chain's last visit, copy the
         final model to every other site and report it. False when a reroute changed this
         visit's route meanwhile (the caller looks again) or the daemon stops."""
-        sha = wire.sha256_file(outgoing)
+        sha = sha256_file(outgoing)
         size = outgoing.stat().st_size
         while True:
             if r not in run.visits or self.site.stop.is_set():

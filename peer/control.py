@@ -5,7 +5,7 @@ open (``coordinator/tunnel.py`` is the other end): the coordinator's calls for t
 as ``ControlRequest`` messages and are answered by the same ``PeerServicer`` methods that serve
 them over a direct connection, so every check (names, the coordinator-only rule, the run's plan)
 is the same. The stream is opened again with the daemons' one retry policy
-(``wire.backoff_delays``) whenever it breaks, until the daemon stops.
+(``calls.backoff_delays``) whenever it breaks, until the daemon stops.
 
 Authorization: the channel is mutual TLS to the certificate named ``coordinator`` (the link's
 ``Transport.channel(..., expect="coordinator")``), so a call read from it is the coordinator's:
@@ -23,12 +23,15 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from google.protobuf import message_factory
 
-from fedrelay import names, wire
+from fedrelay import names
+from fedrelay.callers import COORDINATOR_IDENTITY
+from fedrelay.calls import backoff_delays, status_message
+from fedrelay.transport import TUNNELED_METHODS
 from fedrelay.v1 import coordinator_pb2 as cpb, peer_pb2
 
 log = logging.getLogger("fedrelay.peer")
 
-TUNNELED = wire.TUNNELED_METHODS
+TUNNELED = TUNNELED_METHODS
 _METHODS = peer_pb2.DESCRIPTOR.services_by_name["Peer"].methods_by_name
 _STOP = object()
 
@@ -49,7 +52,7 @@ class TunnelContext:
     def auth_context(self) -> dict:
         if not self._secure:
             return {}
-        return {"transport_security_type": [b"ssl"], "x509_common_name": [wire.COORDINATOR_IDENTITY.encode()]}
+        return {"transport_security_type": [b"ssl"], "x509_common_name": [COORDINATOR_IDENTITY.encode()]}
 
     def abort(self, code: grpc.StatusCode, details: str):
         raise _Aborted(code, details)
@@ -112,15 +115,15 @@ class ControlLink:
         return self
 
     def _loop(self) -> None:
-        delays = wire.backoff_delays(cap=10.0)
+        delays = backoff_delays(cap=10.0)
         while not self.stop.is_set():
             try:
                 self._session()
-                delays = wire.backoff_delays(cap=10.0)  # it was open: start the backoff again
+                delays = backoff_delays(cap=10.0)  # it was open: start the backoff again
             except grpc.RpcError as exc:
                 if not self.stop.is_set():
                     log.warning("control stream to the coordinator at %s broke (%s); opening it again",
-                                self.link.address, wire.status_message(exc))
+                                self.link.address, status_message(exc))
             except Exception:  # noqa: BLE001 - say so, and keep the stream open
                 log.exception("control stream failed; opening it again")
             finally:

@@ -20,7 +20,11 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import __version__, names, revocation, tasks as task_registry, wire
+from fedrelay import __version__, names, revocation, tasks as task_registry
+from fedrelay.addresses import split_hostport, with_port
+from fedrelay.calls import CONTROL_TIMEOUT, backoff_delays, status_message
+from fedrelay.server import make_server
+from fedrelay.transport import Transport, transport_mismatch
 from fedrelay.guard import Guard
 from fedrelay.health import PEER_SERVICE, Health
 from fedrelay.peer.control import ControlLink
@@ -32,7 +36,6 @@ from fedrelay.tasks.offers import Offer
 from fedrelay.peer.slots import DEFAULT_SLOTS, HostSlots
 from fedrelay.peer.workers import WorkerDied, WorkerError, WorkerPool
 from fedrelay.peer.reporting import CoordinatorLink
-from fedrelay.wire import backoff_delays
 from fedrelay.peer.servicer import PeerServicer
 from fedrelay.peer.transfer import add_peer_servicer
 from fedrelay.v1 import coordinator_pb2 as cpb
@@ -58,7 +61,7 @@ def check_state_dir(state_dir: Path) -> None:
                          "every run's models there: pass a folder this user can write") from None
 
 
-def check_outbound(outbound_only: bool, advertise: str | None, transport: wire.Transport, relay_after: float) -> None:
+def check_outbound(outbound_only: bool, advertise: str | None, transport: Transport, relay_after: float) -> None:
     """The options of a site that connects out only, and ``--relay-after``. Raises ``ValueError``."""
     if relay_after < 0:
         raise ValueError("--relay-after must be >= 0 seconds (0: never fall back to the relay)")
@@ -121,7 +124,7 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
     delays = backoff_delays(cap=10.0)
     while not stop.is_set():
         try:
-            reply = link.stub.Register(request, timeout=wire.CONTROL_TIMEOUT)
+            reply = link.stub.Register(request, timeout=CONTROL_TIMEOUT)
             link.last_registered, link.registration_error = time.time(), ""
             link.relay = reply.relay
             if period is None:
@@ -133,7 +136,7 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
                 _follow_crl(link, revocations, reply.crl_number, reply.revoked_sites)
             stop.wait(period)
         except grpc.RpcError as exc:
-            link.registration_error = wire.status_message(exc)
+            link.registration_error = status_message(exc)
             if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                 log.error("the coordinator refused the registration: %s", exc.details())
                 if refused is not None:
@@ -143,9 +146,9 @@ def _heartbeat(link: CoordinatorLink, request: cpb.RegisterRequest, stop: thread
             if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
                 log.error("the coordinator refused the registration: %s", exc.details())
             else:
-                hint = wire.transport_mismatch(exc, link.address, link.transport.secure, what="coordinator")
+                hint = transport_mismatch(exc, link.address, link.transport.secure, what="coordinator")
                 log.warning("coordinator %s not reachable (%s); retrying", link.address,
-                            hint or wire.status_message(exc))
+                            hint or status_message(exc))
             period = None
             stop.wait(next(delays))
         except Exception:  # noqa: BLE001 - say so, and keep heartbeating
@@ -161,9 +164,9 @@ def _follow_crl(link: CoordinatorLink, revocations: revocation.RevocationList, n
     if not number:
         return
     try:
-        revocation.follow(link.stub, revocations, number, revoked_sites, timeout=wire.CONTROL_TIMEOUT)
+        revocation.follow(link.stub, revocations, number, revoked_sites, timeout=CONTROL_TIMEOUT)
     except grpc.RpcError as exc:
-        log.warning("could not fetch the coordinator's revocation list %d: %s", number, wire.status_message(exc))
+        log.warning("could not fetch the coordinator's revocation list %d: %s", number, status_message(exc))
     except revocation.CrlError as exc:
         log.error("the coordinator's revocation list %d was refused: %s", number, exc)
 
@@ -182,7 +185,7 @@ def _claim_name(link: CoordinatorLink, request: cpb.RegisterRequest) -> str | No
 
 
 def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir: Path, device: str,
-          transport: wire.Transport, advertise: str | None = None, stop: threading.Event | None = None,
+          transport: Transport, advertise: str | None = None, stop: threading.Event | None = None,
           ready: threading.Event | None = None, stall_timeout: float = DEFAULT_STALL_TIMEOUT,
           deterministic: bool = True, weights_dir: Path | None = None, metrics_listen: str | None = None,
           worker_slots: int = DEFAULT_SLOTS, slots_dir: Path | None = None, outbound_only: bool = False,
@@ -274,11 +277,11 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
     except revocation.CrlError as exc:
         raise ValueError(str(exc)) from None
     guard = Guard(revocations=revocations)
-    server, port = wire.make_server(listen, transport=transport, guard=guard)
-    address = "" if outbound_only else advertise or wire.with_port(listen, port)
+    server, port = make_server(listen, transport=transport, guard=guard)
+    address = "" if outbound_only else advertise or with_port(listen, port)
     if address:
         names.check_address(address, "--advertise" if advertise else "--listen")
-        host, _ = wire.split_hostport(address)
+        host, _ = split_hostport(address)
         if host in ("0.0.0.0", "::"):
             raise ValueError(f"listening on {listen}: pass --advertise HOST:PORT, the address other sites can reach")
     link = CoordinatorLink(coordinator, transport)
@@ -297,7 +300,7 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
         node.metrics.serve_http(metrics_listen)
     server.start()
     log.info("peer %s (%s) listening on %s (%s)%s, state dir %s, device %s", name, __version__,
-             wire.with_port(listen, port), "mutual TLS" if transport.secure else "INSECURE plaintext",
+             with_port(listen, port), "mutual TLS" if transport.secure else "INSECURE plaintext",
              ", connects out only: no address registered" if outbound_only else f", dialled at {address}",
              state_dir, device)
     node.stop = stop

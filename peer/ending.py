@@ -11,12 +11,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fedrelay import params as run_params, privacy, signing, wire
+from fedrelay import params as run_params, privacy, signing
+from fedrelay.files import sha256_file
 from fedrelay.peer.assignment import check_part, job_spec
 from fedrelay.peer.refusals import RefusedStreams
 from fedrelay.peer.runs import ACTIVE, Run
 from fedrelay.peer.site import Site
-from fedrelay.peer.transfer import remove_partials
+from fedrelay.receiving import remove_partials
 from fedrelay.peer.worker_protocol import EvaluateJob
 from fedrelay.v1 import common_pb2, peer_pb2
 
@@ -118,7 +119,7 @@ class RunLife:
         path = run.final_model
         if not path.exists():
             raise LookupError(f"this site holds no final model of run {run_id}")
-        have = wire.sha256_file(path)
+        have = sha256_file(path)
         if sha256 and have != sha256:
             raise LookupError(f"the final model held here has sha256 {have}, not {sha256}")
         return path
@@ -131,7 +132,7 @@ class RunLife:
         (``fedrelay/signing.py``): the coordinator records only a verified one. Raises
         ``LookupError`` (no such final model here) or what the job raises."""
         path = self.final_model_path(run_id, sha256)
-        sha256 = sha256 or wire.sha256_file(path)
+        sha256 = sha256 or sha256_file(path)
         a = self.site.runs[run_id].assignment
         started = time.time()
         req = {"op": "evaluate", "model": str(path), "spec": job_spec(a), "class_index": list(a.class_index)}

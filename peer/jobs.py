@@ -91,9 +91,9 @@ def schema(job: SchemaJob, data=None, device: str = "cpu", emit: Emit | None = N
 
 
 def _read_state(path: str | Path):
-    from fedrelay import wire
+    from fedrelay.tensors import decode_state
 
-    return wire.decode_state(Path(path).read_bytes())
+    return decode_state(Path(path).read_bytes())
 
 
 def initial_state(job: TrainJob | AggregateJob, spec):
@@ -103,7 +103,7 @@ def initial_state(job: TrainJob | AggregateJob, spec):
     ``derive_seed(job.seed, "init")``, the same at every site of a star plan). None otherwise (each site draws its own seeded init;
     a chain's first site keeps the draw it always made, so chain runs keep their digests).
     Raises ``ValueError``."""
-    from fedrelay import wire
+    from fedrelay.tensors import decode_state
     from fedrelay.models import build_seeded, check_state
 
     init = job.initial or {}
@@ -111,7 +111,7 @@ def initial_state(job: TrainJob | AggregateJob, spec):
         data = Path(init["path"]).read_bytes()
         if hashlib.sha256(data).hexdigest() != init["sha256"]:
             raise ValueError(f"the initial-weights file changed while being read (SHA-256 is not {init['sha256']})")
-        state = wire.decode_state(data)
+        state = decode_state(data)
         try:
             check_state(state, spec)
         except ValueError as exc:
@@ -184,7 +184,9 @@ def train(job: TrainJob, data, device: str, emit: Emit | None = None) -> Trained
 
     Returns ``Trained`` (``pool``: the pool models trained). Raises what the training raises.
     """
-    from fedrelay import privacy, registry, wire
+    from fedrelay import privacy, registry
+    from fedrelay.files import atomic_write
+    from fedrelay.tensors import encode_state
     from fedrelay.peer import privacy as dp
     from fedrelay.peer.training import derive_seed, run_site
 
@@ -205,11 +207,11 @@ def train(job: TrainJob, data, device: str, emit: Emit | None = None) -> Trained
         finished.append(_read_state(p))
 
     def on_model(j: int, state) -> None:
-        wire.atomic_write(pool_dir / f"model-{j}.safetensors", wire.encode_state(state))
+        atomic_write(pool_dir / f"model-{j}.safetensors", encode_state(state))
         hold_point(f"pool-{j}")
 
     def on_warmup(state) -> None:
-        wire.atomic_write(folder / "warmup.safetensors", wire.encode_state(state))
+        atomic_write(folder / "warmup.safetensors", encode_state(state))
         hold_point("warmup")
 
     r, position = int(job.round), int(job.position)
@@ -226,7 +228,7 @@ def train(job: TrainJob, data, device: str, emit: Emit | None = None) -> Trained
 
         extras = registry.load_aggregator(job.aggregator).site_extras(send, spec, train_set, job.options, device)
         send = join_payload(send, extras)
-    wire.atomic_write(Path(job.outgoing), wire.encode_state(send))
+    atomic_write(Path(job.outgoing), encode_state(send))
     return Trained(seconds=time.time() - started, pool=len(pool) - 1)
 
 
@@ -240,7 +242,9 @@ def aggregate(job: AggregateJob, data, device: str, emit: Emit | None = None) ->
     Returns ``Aggregated`` (``models``: the uploads combined). Raises what the aggregator
     raises, ``ValueError`` for a result that is not the run's model.
     """
-    from fedrelay import registry, wire
+    from fedrelay import registry
+    from fedrelay.files import atomic_write
+    from fedrelay.tensors import encode_state
     from fedrelay.peer.aggregators import Context, Upload, split_payload
     from fedrelay.models import check_state
     from fedrelay.peer.training import derive_seed
@@ -255,7 +259,7 @@ def aggregate(job: AggregateJob, data, device: str, emit: Emit | None = None) ->
     started = time.time()
     state = module.aggregate(uploads, ctx)
     check_state(state, spec)
-    wire.atomic_write(Path(job.final), wire.encode_state(state))
+    atomic_write(Path(job.final), encode_state(state))
     return Aggregated(seconds=time.time() - started, models=len(uploads))
 
 

@@ -10,7 +10,8 @@ import logging
 import threading
 from pathlib import Path
 
-from fedrelay import privacy, registry, wire
+from fedrelay import privacy, registry
+from fedrelay.calls import CONTROL_TIMEOUT
 from fedrelay.peer.assignment import InitialWeights, job_base
 from fedrelay.peer.runs import Run, RunEnded
 from fedrelay.peer.site import Site
@@ -68,7 +69,7 @@ class LocalWork:
                 channel = self.site.transport.channel(to.address, expect=to.name)
                 try:
                     peer_pb2_grpc.PeerStub(channel).Prepare(peer_pb2.PrepareRequest(run_id=run.run_id, sender=self.site.name),
-                                                            timeout=wire.CONTROL_TIMEOUT)
+                                                            timeout=CONTROL_TIMEOUT)
                 finally:
                     channel.close()
             except Exception as exc:  # noqa: BLE001 - a hint

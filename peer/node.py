@@ -30,7 +30,8 @@ import threading
 import time
 from pathlib import Path
 
-from fedrelay import __version__, tasks as task_registry, transfer_bounds, wire
+from fedrelay import __version__, tasks as task_registry, transfer_bounds
+from fedrelay.transport import INSECURE, Transport
 from fedrelay.peer.assignment import Assignments, InitialWeights
 from fedrelay.peer.chain_visit import ChainVisit
 from fedrelay.peer.ending import RunLife
@@ -75,7 +76,7 @@ class PeerNode:
 
     def __init__(self, name: str, address: str, data, state_dir: Path, device: str,
                  coordinator: CoordinatorLink | None, *, send_deadline: float = 1800.0,
-                 start_workers: bool = True, transport: wire.Transport = wire.INSECURE,
+                 start_workers: bool = True, transport: Transport = INSECURE,
                  stall_timeout: float = DEFAULT_STALL_TIMEOUT, weights_dir: Path | None = None, jobs=None,
                  extra_tasks: list[str] | tuple = (), policy: SitePolicy | None = None):
         self.site = Site(name, address, state_dir, transport, coordinator,

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedrelay import names, tasks as task_registry, wire
+from fedrelay import names, tasks as task_registry
+from fedrelay.addresses import split_hostport
+from fedrelay.transport import Transport
 from fedrelay.tasks.offers import Offer
 
 
@@ -42,7 +44,7 @@ class CheckResult:
 def check_listen(listen: str) -> None:
     """``HOST:PORT`` with PORT 0-65535 (0: any free port). Raises ``ValueError``."""
     try:
-        host, port = wire.split_hostport(listen)
+        host, port = split_hostport(listen)
     except ValueError:
         raise ValueError(f"--listen must be HOST:PORT (e.g. 0.0.0.0:50071), not {listen!r}") from None
     if not host or not 0 <= port <= 65535:
@@ -50,7 +52,7 @@ def check_listen(listen: str) -> None:
 
 
 def check_serve_options(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir: Path, device: str,
-                        transport: wire.Transport, advertise: str | None = None, stall_timeout: float = 60.0,
+                        transport: Transport, advertise: str | None = None, stall_timeout: float = 60.0,
                         weights_dir: Path | None = None, outbound_only: bool = False,
                         relay_after: float = 60.0, tasks: list[str] | None = None) -> CheckResult:
     """Every check ``fedrelay.peer.daemon.serve`` makes before it serves, plus the coordinator's
@@ -82,7 +84,7 @@ def check_serve_options(*, data_dir: Path, name: str, listen: str, coordinator: 
         check_outbound(outbound_only, advertise, transport, relay_after)
         if advertise is not None:
             names.check_address(advertise, "--advertise")
-        host, _ = wire.split_hostport(advertise or listen)
+        host, _ = split_hostport(advertise or listen)
         if host in ("0.0.0.0", "::") and not outbound_only:
             raise ValueError(f"listening on {listen}: pass --advertise HOST:PORT, the address other sites can reach")
         names.check_address(coordinator, "--coordinator")

@@ -146,11 +146,11 @@ class Book:
 
     def record(self, key: str, sigma: float, sample_rate: float, steps: int, max_grad_norm: float,
                delta: float) -> None:
-        from fedrelay import wire
+        from fedrelay.files import atomic_write
 
         self.data["entries"][key] = [float(sigma), float(sample_rate), int(steps)]
         self.data["max_grad_norm"], self.data["delta"] = float(max_grad_norm), float(delta)
-        wire.atomic_write(self.path, json.dumps(self.data, sort_keys=True).encode())
+        atomic_write(self.path, json.dumps(self.data, sort_keys=True).encode())
 
 
 def spent(paths, delta: float) -> dict | None:

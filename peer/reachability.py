@@ -13,7 +13,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from fedrelay import wire
+from fedrelay.addresses import split_hostport
 
 HOW = ("pass --listen 0.0.0.0:PORT --advertise HOST:PORT (HOST: the name or address other sites dial), "
        "or --outbound-only (TLS: models come through the relay)")
@@ -54,8 +54,8 @@ def judge(*, listen: str, advertise: str | None, coordinator: str, outbound_only
     address = advertise or listen
     flag = "--advertise" if advertise else "--listen"
     try:
-        host, port = wire.split_hostport(address)
-        coord_host, _ = wire.split_hostport(coordinator)
+        host, port = split_hostport(address)
+        coord_host, _ = split_hostport(coordinator)
     except ValueError:
         return Reach(None, ())
     warnings: list[str] = []

@@ -14,14 +14,16 @@ from pathlib import Path
 import grpc
 
 from fedrelay import purpose as purposes
-from fedrelay import wire
+from fedrelay.callers import COORDINATOR_IDENTITY
+from fedrelay.files import sha256_file
+from fedrelay.tensors import schema_digest
 from fedrelay.peer.assignment import job_spec
-from fedrelay.peer.inbound import InboundStreams, Stream
+from fedrelay.inbound import InboundStreams, Stream
 from fedrelay.peer.refusals import RefusedStreams
 from fedrelay.peer.runs import Run, sent_key
 from fedrelay.peer.schemas import PayloadSchemas
 from fedrelay.peer.site import Site
-from fedrelay.peer.transfer import TransferError, check_header_fields, held_bytes, receive_model, remove_partials
+from fedrelay.receiving import TransferError, check_header_fields, held_bytes, receive_model, remove_partials
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2
 
 log = logging.getLogger("fedrelay.peer")
@@ -48,7 +50,7 @@ class Receiving:
         Accepted only for a transfer of this site's part of the run's plan (a hop whose index is
         ``header.hop``, or a final copy), from the sender the plan names, whose certificate name
         must also be the header's ``sender``. A stream that sends nothing for ``stall_timeout``
-        seconds, or runs past ``wire.transfer_timeout`` of its declared size, is dropped
+        seconds, or runs past ``calls.transfer_timeout`` of its declared size, is dropped
         (DEADLINE_EXCEEDED).
 
         Resume (issue #5): the bytes of a stream from that legitimate sender that broke, stalled
@@ -130,7 +132,7 @@ class Receiving:
         key = sent_key(t)
         run.receipts[key] = {"reported": False, "report": {
             "run_id": run.run_id, "purpose": int(t.purpose), "hop": t.index, "sender": t.sender, "receiver": self.site.name,
-            "payload_bytes": size, "sha256": sha, "schema_sha256": wire.schema_digest(path),
+            "payload_bytes": size, "sha256": sha, "schema_sha256": schema_digest(path),
             "received": time.time(), "route": route, "relay_wire_bytes": relay_wire_bytes}}
         run.save()
         self.site.metrics.kept(t.purpose, size)
@@ -185,7 +187,7 @@ class Receiving:
             self.check_cap(run, h.total_bytes)
         dest = run.destination(t)
         if dest.exists():
-            have = wire.sha256_file(dest)
+            have = sha256_file(dest)
             if have == h.sha256:
                 raise Duplicate(run, dest, have, h.hop)
             raise TransferError(grpc.StatusCode.ALREADY_EXISTS,
@@ -224,7 +226,7 @@ class Receiving:
         run = self.site.runs.get(run_id)
         if run is None:
             raise LookupError(f"unknown run {run_id!r}")
-        if caller is not None and caller not in (sender, wire.COORDINATOR_IDENTITY):
+        if caller is not None and caller not in (sender, COORDINATOR_IDENTITY):
             raise PermissionError(f"certificate identity {caller!r} is not {sender!r}")
         planned = [t for t in run.assignment.transfers if t.receiver == self.site.name and t.sender == sender]
         if not planned:

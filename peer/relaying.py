@@ -31,15 +31,18 @@ from pathlib import Path
 import grpc
 
 from fedrelay import purpose as purposes
-from fedrelay import sealing, transfer_bounds, wire
+from fedrelay import sealing, transfer_bounds
+from fedrelay.callers import COORDINATOR_IDENTITY
+from fedrelay.calls import CONTROL_TIMEOUT, backoff_delays, status_message, transfer_timeout
+from fedrelay.files import sha256_file
+from fedrelay.transport import Transport
 from fedrelay.peer.receiving import Duplicate, Receiving
 from fedrelay.peer.runs import Run, sent_key
 from fedrelay.peer.site import Site
-from fedrelay.peer.transfer import (Received, Sent, TransferError, check_header_fields, held_bytes, receive_model,
-                                    send_model)
+from fedrelay.peer.transfer import Sent, send_model
+from fedrelay.receiving import Received, TransferError, check_header_fields, held_bytes, receive_model
 from fedrelay.sealing import SealError
 from fedrelay.v1 import common_pb2, peer_pb2, relay_pb2
-from fedrelay.wire import backoff_delays
 
 log = logging.getLogger("fedrelay.peer")
 
@@ -63,7 +66,7 @@ def envelope_header(run_id: str, t: common_pb2.PlannedTransfer) -> dict:
             "sender": t.sender, "receiver": t.receiver}
 
 
-def seal(transport: wire.Transport, run_id: str, t: common_pb2.PlannedTransfer, payload: Path,
+def seal(transport: Transport, run_id: str, t: common_pb2.PlannedTransfer, payload: Path,
          receiver_cert: bytes, folder: Path) -> tuple[Path, int, str]:
     """The sealed envelope of ``payload`` for the planned transfer ``t``, written once to
     ``folder`` and reused afterwards. Returns (path, envelope bytes, envelope SHA-256). Raises
@@ -76,15 +79,15 @@ def seal(transport: wire.Transport, run_id: str, t: common_pb2.PlannedTransfer, 
         raise NoCertificateYet(f"the coordinator has no certificate of {t.receiver} yet (it has not registered "
                                "over mutual TLS since the coordinator started)")
     word = purposes.BY_WIRE[t.purpose]
-    path = folder / f"{word}-{t.index}-{t.receiver}-{wire.sha256_file(payload)[:16]}.sealed"
+    path = folder / f"{word}-{t.index}-{t.receiver}-{sha256_file(payload)[:16]}.sealed"
     if not path.exists():
         folder.mkdir(parents=True, exist_ok=True)
         sealing.seal_file(payload, path, header=envelope_header(run_id, t), recipient_cert_pem=receiver_cert,
                           sender_key_pem=transport.key, sender_cert_pem=transport.cert, ca_pem=transport.ca)
-    return path, path.stat().st_size, wire.sha256_file(path)
+    return path, path.stat().st_size, sha256_file(path)
 
 
-def put(relay: str, transport: wire.Transport, run_id: str, t: common_pb2.PlannedTransfer, sealed: Path,
+def put(relay: str, transport: Transport, run_id: str, t: common_pb2.PlannedTransfer, sealed: Path,
         counter: list[int], cancelled=None, grant: common_pb2.RelayGrant | None = None) -> Sent:
     """Stream the envelope ``sealed`` to the relay at ``relay`` (whose certificate must name
     ``coordinator``), from the bytes it already holds. ``grant``: the coordinator's grant of
@@ -93,14 +96,14 @@ def put(relay: str, transport: wire.Transport, run_id: str, t: common_pb2.Planne
     ``transfer.SendCancelled``) as ``send_model``."""
     header = common_pb2.TransferHeader(run_id=run_id, hop=t.index, purpose=t.purpose, sender=t.sender,
                                        receiver=t.receiver, total_bytes=sealed.stat().st_size,
-                                       sha256=wire.sha256_file(sealed))
+                                       sha256=sha256_file(sealed))
     if grant is not None:
         header.relay_grant.CopyFrom(grant)
-    return send_model(relay, header, sealed, transport=transport, expect=wire.COORDINATOR_IDENTITY,
+    return send_model(relay, header, sealed, transport=transport, expect=COORDINATOR_IDENTITY,
                       counter=counter, cancelled=cancelled, methods=RELAY_METHODS)
 
 
-def fetch(relay: str, transport: wire.Transport, key: relay_pb2.RelayKey, sender: str, sealed: Path,
+def fetch(relay: str, transport: Transport, key: relay_pb2.RelayKey, sender: str, sealed: Path,
           total: int, sha256: str, counter: list[int]) -> Received:
     """Download the envelope of ``key`` from the relay into ``sealed``, resuming at the bytes a
     broken earlier download left (``transfer.partial_path``); its size and SHA-256 must be
@@ -122,22 +125,22 @@ def fetch(relay: str, transport: wire.Transport, key: relay_pb2.RelayKey, sender
             counter[0] += msg.ByteSize() + 5
             yield msg
 
-    with transport.channel(relay, expect=wire.COORDINATOR_IDENTITY) as channel:
+    with transport.channel(relay, expect=COORDINATOR_IDENTITY) as channel:
         get = channel.unary_stream(GET_METHOD, request_serializer=relay_pb2.RelayGetRequest.SerializeToString,
                                    response_deserializer=common_pb2.ModelChunk.FromString)
-        stream = get(relay_pb2.RelayGetRequest(key=key, offset=offset), timeout=wire.transfer_timeout(total))
+        stream = get(relay_pb2.RelayGetRequest(key=key, offset=offset), timeout=transfer_timeout(total))
         return receive_model(counted(stream), sealed, check_header, lambda data: None, resumable=True)
 
 
-def discard(relay: str, transport: wire.Transport, key: relay_pb2.RelayKey) -> None:
+def discard(relay: str, transport: Transport, key: relay_pb2.RelayKey) -> None:
     """Ask the relay to delete the envelope of ``key`` (this site has kept the payload). Raises
     ``grpc.RpcError``."""
-    with transport.channel(relay, expect=wire.COORDINATOR_IDENTITY) as channel:
+    with transport.channel(relay, expect=COORDINATOR_IDENTITY) as channel:
         channel.unary_unary(DISCARD_METHOD, request_serializer=relay_pb2.RelayKey.SerializeToString,
-                            response_deserializer=relay_pb2.RelayDiscardReply.FromString)(key, timeout=wire.CONTROL_TIMEOUT)
+                            response_deserializer=relay_pb2.RelayDiscardReply.FromString)(key, timeout=CONTROL_TIMEOUT)
 
 
-def open_envelope(transport: wire.Transport, sealed: Path, out: Path, run_id: str,
+def open_envelope(transport: Transport, sealed: Path, out: Path, run_id: str,
                   t: common_pb2.PlannedTransfer) -> dict:
     """Verify and decrypt the envelope ``sealed`` of the planned transfer ``t`` (into this
     site) into ``out``: the sender's certificate must be the CA's for ``t.sender``, its signature
@@ -193,12 +196,12 @@ class RelayFetches:
                 if run.ended.is_set() or self.site.stop.is_set() or dest.exists():
                     return
                 try:
-                    if not (sealed.exists() and wire.sha256_file(sealed) == notice.sealed_sha256):
+                    if not (sealed.exists() and sha256_file(sealed) == notice.sealed_sha256):
                         fetch(relay, self.site.transport, rkey, t.sender, sealed, notice.sealed_bytes,
                                        notice.sealed_sha256, counter)
                     break
                 except (grpc.RpcError, TransferError) as exc:
-                    msg = wire.status_message(exc) if isinstance(exc, grpc.RpcError) else exc.message
+                    msg = status_message(exc) if isinstance(exc, grpc.RpcError) else exc.message
                     log.warning("run %s: fetching %s %d from the relay at %s failed (%s); retrying in %.1f s",
                                 run.run_id, purposes.said(t.purpose), t.index, relay, msg, delay)
                     self.site.stop.wait(delay)
@@ -206,7 +209,7 @@ class RelayFetches:
             dest.parent.mkdir(parents=True, exist_ok=True)
             try:
                 open_envelope(self.site.transport, sealed, plain, run.run_id, t)
-                size, sha = plain.stat().st_size, wire.sha256_file(plain)
+                size, sha = plain.stat().st_size, sha256_file(plain)
                 self.receiving.schemas.check_model_bytes(run.assignment, plain.read_bytes(), t.purpose)
                 if dest.exists():  # the same transfer arrived directly meanwhile
                     plain.unlink(missing_ok=True)
@@ -220,7 +223,7 @@ class RelayFetches:
             try:
                 discard(relay, self.site.transport, rkey)
             except grpc.RpcError as exc:  # the relay drops the run's envelopes when it ends anyway
-                log.info("run %s: the relay did not discard the envelope: %s", run.run_id, wire.status_message(exc))
+                log.info("run %s: the relay did not discard the envelope: %s", run.run_id, status_message(exc))
         except Exception as exc:  # noqa: BLE001 - a background thread says so and fails its run
             log.error("run %s: %s", run.run_id, exc)
             self.site.fail(run, str(exc))

@@ -1,7 +1,7 @@
 """The peer's calls to the coordinator: one channel, one retry policy, and the two reporters.
 
 - :class:`CoordinatorLink`: the one channel to the coordinator (whose certificate must name
-  ``coordinator`` under TLS), reused by every call, retried with ``wire.backoff_delays`` (the
+  ``coordinator`` under TLS), reused by every call, retried with ``calls.backoff_delays`` (the
   one retry policy of both daemons). Under TLS its reports for the ledger (``ReportHop``,
   ``ReportReceipt``, ``ReportFinal``, ``ReportFailure``) are signed with the site's key
   (``fedrelay.signing.SigningStub``) on every call.
@@ -22,8 +22,10 @@ from typing import Callable
 
 import grpc
 
-from fedrelay import signing, wire
-from fedrelay.wire import backoff_delays
+from fedrelay import signing
+from fedrelay.callers import COORDINATOR_IDENTITY
+from fedrelay.calls import CONTROL_TIMEOUT, backoff_delays, status_message
+from fedrelay.transport import INSECURE, Transport
 from fedrelay.v1 import coordinator_pb2_grpc
 
 log = logging.getLogger("fedrelay.peer")
@@ -39,18 +41,18 @@ class CoordinatorLink:
     """The peer's calls to the coordinator over one channel. Reports are retried until
     ``retry_for`` seconds pass."""
 
-    def __init__(self, address: str, transport: wire.Transport = wire.INSECURE):
+    def __init__(self, address: str, transport: Transport = INSECURE):
         self.address = address
         self.transport = transport
         self.last_registered = 0.0  # unix seconds the coordinator last took this site's registration
         self.registration_error = ""  # why the latest registration failed ("" after a success)
         self.relay = ""  # the relay the coordinator names (RegisterReply.relay; "": the coordinator itself)
-        self._channel = transport.channel(address, expect=wire.COORDINATOR_IDENTITY)
+        self._channel = transport.channel(address, expect=COORDINATOR_IDENTITY)
         self.stub = signing.SigningStub(coordinator_pb2_grpc.CoordinatorStub(self._channel),
                                         signing.signer_for(transport))
 
     def call(self, method: str, request, *, retry_for: float = 0.0, stop: threading.Event | None = None,
-             timeout: float = wire.CONTROL_TIMEOUT):
+             timeout: float = CONTROL_TIMEOUT):
         """Call ``method`` with ``request``; retry retryable failures (backoff_delays) for up to
         ``retry_for`` seconds, or until ``stop`` is set. Raises the last ``grpc.RpcError``."""
         deadline = time.monotonic() + retry_for
@@ -60,7 +62,7 @@ class CoordinatorLink:
             except grpc.RpcError as exc:
                 if exc.code() not in RETRYABLE or time.monotonic() + delay > deadline:
                     raise
-                log.warning("coordinator %s: %s failed (%s); retrying", self.address, method, wire.status_message(exc))
+                log.warning("coordinator %s: %s failed (%s); retrying", self.address, method, status_message(exc))
                 if stop is None:
                     time.sleep(delay)
                 elif stop.wait(delay):
@@ -122,7 +124,7 @@ class Reporter:
             try:
                 self.link.stub.ReportProgress(report, timeout=5.0)
             except grpc.RpcError as exc:
-                log.debug("progress report lost: %s", wire.status_message(exc))
+                log.debug("progress report lost: %s", status_message(exc))
             finally:
                 self._progress.task_done()
 
@@ -137,7 +139,7 @@ class Reporter:
                         continue  # keep trying: the ledger must have it
                     if exc.code() not in RETRYABLE:
                         log.error("the coordinator refused the receipt of run %s transfer %d: %s",
-                                  report.run_id, report.hop, wire.status_message(exc))
+                                  report.run_id, report.hop, status_message(exc))
                         on_delivered()
                     break
                 on_delivered()

@@ -33,7 +33,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedrelay import wire
+from fedrelay.files import atomic_write
 from fedrelay.v1 import common_pb2, peer_pb2
 
 ACTIVE = ("assigned", "receiving", "training", "sending", "distributing")
@@ -81,10 +81,10 @@ class Run:
             doc = {"state": self.state, "detail": self.detail, "sent": self.sent, "final_sha256": self.final_sha256,
                    "receipts": self.receipts, "missing": self.missing, "run_status": self.run_status,
                    "run_ended": self.run_ended}
-            wire.atomic_write(self.path("state.json"), json.dumps(doc, indent=1).encode())
+            atomic_write(self.path("state.json"), json.dumps(doc, indent=1).encode())
 
     def save_assignment(self, a: peer_pb2.Assignment) -> None:
-        wire.atomic_write(self.path("assignment.pb"), a.SerializeToString())
+        atomic_write(self.path("assignment.pb"), a.SerializeToString())
         self.assignment = a
 
     # -- the site's part of the plan -----------------------------------------------------------

@@ -11,7 +11,8 @@ import json
 import threading
 from pathlib import Path
 
-from fedrelay import params as run_params, payload, registry, transfer_bounds, wire
+from fedrelay import params as run_params, payload, registry, transfer_bounds
+from fedrelay.files import atomic_write
 from fedrelay.peer.assignment import job_spec
 from fedrelay.peer.worker_protocol import SchemaJob
 from fedrelay.v1 import common_pb2, peer_pb2
@@ -41,7 +42,7 @@ class PayloadSchemas:
         found = {k: answer[k] for k in ("hop", "model", "extras")}
         path = self.state_dir / "schemas" / f"{key}.json"
         if not path.exists():
-            wire.atomic_write(path, json.dumps(found, sort_keys=True).encode())
+            atomic_write(path, json.dumps(found, sort_keys=True).encode())
         self.known[key] = {k: {n: (tuple(sd[0]), sd[1]) for n, sd in v.items()} for k, v in found.items()}
         return self.known[key]
 

@@ -13,16 +13,16 @@ from pathlib import Path
 import grpc
 
 from fedrelay import purpose as purposes
-from fedrelay import wire
+from fedrelay.calls import CONTROL_TIMEOUT, backoff_delays, status_message
+from fedrelay.tensors import schema_digest
 from fedrelay.peer import relaying
 from fedrelay.peer.relaying import RelayUnavailable
 from fedrelay.peer.reporting import RETRYABLE
 from fedrelay.peer.runs import Run, RunEnded, sent_key
 from fedrelay.peer.site import Site
-from fedrelay.peer.transfer import Sent, SendCancelled, send_model
+from fedrelay.peer.transfer import SendCancelled, Sent, send_model
 from fedrelay.sealing import SealError
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb
-from fedrelay.wire import backoff_delays
 
 log = logging.getLogger("fedrelay.peer")
 
@@ -106,9 +106,9 @@ class Sending:
                              and run.assignment.route_version > 0 and time.monotonic() - started < REROUTE_GRACE)
                 where = f"the relay at {self.site.relay_address}" if relayed else f"{to.name} at {to.address}"
                 if (exc.code() not in RETRYABLE and not rerouting) or time.monotonic() + delay > deadline:
-                    raise RuntimeError(f"cannot deliver to {where}: {wire.status_message(exc)}") from exc
+                    raise RuntimeError(f"cannot deliver to {where}: {status_message(exc)}") from exc
                 log.warning("run %s: delivery to %s failed (%s); retrying in %.1f s", run.run_id, where,
-                            wire.status_message(exc), delay)
+                            status_message(exc), delay)
                 self.pause(run, delay)
                 if self.site.stop.is_set():
                     raise RuntimeError("daemon stopping") from exc
@@ -125,7 +125,7 @@ class Sending:
             run_id=run.run_id, hop=t.index, purpose=t.purpose, sender=self.site.name, receiver=to.name,
             payload_bytes=size, wire_bytes=counter[0], sha256=sha, started=sent.started,
             ended=sent.ended, attempts=attempts, resumed_from=sent.resumed_from, round=t.round,
-            schema_sha256=wire.schema_digest(path), route=sent.route, sealed_bytes=sent.sealed_bytes,
+            schema_sha256=schema_digest(path), route=sent.route, sealed_bytes=sent.sealed_bytes,
             relay=sent.relay, sealed_sha256=sent.sealed_sha256))
         self.site.metrics.delivered(t.purpose, size, counter[0], attempts, sent.resumed_from)
         run.sent.append(key)
@@ -141,14 +141,14 @@ class Sending:
         holds. Raises ``grpc.RpcError``, ``RelayUnavailable`` or ``SealError``."""
         if self.site.coordinator is None:
             raise RelayUnavailable("no coordinator to ask for the receiver's certificate")
-        ref = self.site.coordinator.stub.ResolveSite(cpb.ResolveSiteRequest(name=t.receiver), timeout=wire.CONTROL_TIMEOUT)
+        ref = self.site.coordinator.stub.ResolveSite(cpb.ResolveSiteRequest(name=t.receiver), timeout=CONTROL_TIMEOUT)
         sealed, sealed_bytes, sealed_sha = relaying.seal(self.site.transport, run.run_id, t, path, ref.certificate,
                                                          run.path("sealed"))
         relay = self.site.relay_address
         grant = None
         if self.site.coordinator.relay:  # the operator's relay carries only what the coordinator granted
             grant = self.site.coordinator.stub.GrantRelay(cpb.RelayGrantRequest(
-                run_id=run.run_id, purpose=t.purpose, index=t.index, receiver=t.receiver), timeout=wire.CONTROL_TIMEOUT)
+                run_id=run.run_id, purpose=t.purpose, index=t.index, receiver=t.receiver), timeout=CONTROL_TIMEOUT)
         sent = relaying.put(relay, self.site.transport, run.run_id, t, sealed, counter, cancelled=run.ended.is_set,
                             grant=grant)
         sent.route, sent.relay, sent.sealed_bytes, sent.sealed_sha256 = "relayed", relay, sealed_bytes, sealed_sha
@@ -171,9 +171,9 @@ class Sending:
         if self.site.coordinator is None:
             return to
         try:
-            now = self.site.coordinator.stub.ResolveSite(cpb.ResolveSiteRequest(name=to.name), timeout=wire.CONTROL_TIMEOUT)
+            now = self.site.coordinator.stub.ResolveSite(cpb.ResolveSiteRequest(name=to.name), timeout=CONTROL_TIMEOUT)
         except grpc.RpcError as exc:
-            log.debug("could not resolve %s: %s", to.name, wire.status_message(exc))
+            log.debug("could not resolve %s: %s", to.name, status_message(exc))
             return to
         if now.address and now.address != to.address:
             log.info("%s moved from %s to %s", to.name, to.address, now.address)

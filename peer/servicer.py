@@ -17,10 +17,14 @@ import logging
 
 import grpc
 
-from fedrelay import names, wire
+from fedrelay import names
+from fedrelay.callers import COORDINATOR_IDENTITY, caller_identity
+from fedrelay.calls import POLICY_REFUSAL
+from fedrelay.files import sha256_file
 from fedrelay.peer.node import PeerNode
 from fedrelay.peer.policy import PolicyRefusal
-from fedrelay.peer.transfer import TransferError, model_stream
+from fedrelay.peer.transfer import model_stream
+from fedrelay.receiving import TransferError
 from fedrelay.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("fedrelay.peer")
@@ -32,8 +36,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
     @staticmethod
     def _from_coordinator(context) -> None:
-        who = wire.caller_identity(context)
-        if who is not None and who != wire.COORDINATOR_IDENTITY:
+        who = caller_identity(context)
+        if who is not None and who != COORDINATOR_IDENTITY:
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"only the coordinator may call this; the caller's certificate names {who!r}")
 
@@ -43,7 +47,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         try:
             state = self.node.assign(request)
         except PolicyRefusal as exc:  # the site's own policy (peer/policy.py): the coordinator records it as such
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{wire.POLICY_REFUSAL}{exc}")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{POLICY_REFUSAL}{exc}")
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"assignment refused: {exc}")
         return peer_pb2.AssignReply(run_id=request.run_id, state=state)
@@ -58,12 +62,12 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         try:
             held = self.node.policy.check(request)
         except PolicyRefusal as exc:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{wire.POLICY_REFUSAL}{exc}")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{POLICY_REFUSAL}{exc}")
         return peer_pb2.PolicyVerdict(run_id=request.run_id, has_policy=held)
 
     def Handoff(self, request_iterator, context) -> peer_pb2.HandoffReceipt:
         try:
-            return self.node.handoff(request_iterator, caller=wire.caller_identity(context))
+            return self.node.handoff(request_iterator, caller=caller_identity(context))
         except TransferError as exc:
             context.abort(exc.code, exc.message)
         except OSError as exc:  # e.g. a full disk: nothing was kept
@@ -74,7 +78,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         names.check_run_id(request.run_id)
         names.check_site_name(request.sender, "sender")
         try:
-            started = self.node.prepare(request.run_id, request.sender, caller=wire.caller_identity(context))
+            started = self.node.prepare(request.run_id, request.sender, caller=caller_identity(context))
         except LookupError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except PermissionError as exc:
@@ -83,13 +87,13 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
     def TransferOffset(self, request: common_pb2.TransferHeader, context) -> peer_pb2.TransferOffsetReply:
         try:
-            return self.node.transfer_offset(request, caller=wire.caller_identity(context))
+            return self.node.transfer_offset(request, caller=caller_identity(context))
         except TransferError as exc:
             context.abort(exc.code, exc.message)
 
     def _from_coordinator_or_self(self, context) -> None:
-        who = wire.caller_identity(context)
-        if who is not None and who not in (wire.COORDINATOR_IDENTITY, self.node.name):
+        who = caller_identity(context)
+        if who is not None and who not in (COORDINATOR_IDENTITY, self.node.name):
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"only the coordinator or this site's own identity ({self.node.name!r}) may ask for its "
                           f"status; the caller's certificate names {who!r}")
@@ -157,6 +161,6 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         except LookupError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]))
         header = common_pb2.TransferHeader(run_id=request.run_id, sender=self.node.name,
-                                           total_bytes=path.stat().st_size, sha256=wire.sha256_file(path),
+                                           total_bytes=path.stat().st_size, sha256=sha256_file(path),
                                            purpose=common_pb2.FINAL_MODEL)
         yield from model_stream(header, path)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import wire
+from fedrelay.calls import status_message
+from fedrelay.transport import Transport
 from fedrelay.peer.reporting import CoordinatorLink, Reporter
 from fedrelay.peer.runs import Run
 from fedrelay.v1 import coordinator_pb2 as cpb
@@ -32,7 +33,7 @@ class Site:
     ``relay_after`` (seconds without reaching a receiver directly before the relay; 0: never)
     after construction; tests replace ``reporter``."""
 
-    def __init__(self, name: str, address: str, state_dir: Path, transport: wire.Transport,
+    def __init__(self, name: str, address: str, state_dir: Path, transport: Transport,
                  coordinator: CoordinatorLink | None, jobs, *, send_deadline: float, start_workers: bool):
         self.name = name
         self.address = address
@@ -94,4 +95,4 @@ class Site:
                 self.coordinator.call("ReportFailure", cpb.FailureReport(run_id=run.run_id, site=self.name, error=error),
                                       retry_for=300, stop=self.stop)
             except grpc.RpcError as rpc_exc:
-                log.error("could not report the failure: %s", wire.status_message(rpc_exc))
+                log.error("could not report the failure: %s", status_message(rpc_exc))

@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import time
 
-from fedrelay import params as run_params, wire
+from fedrelay import params as run_params
+from fedrelay.files import sha256_file
 from fedrelay.peer.local_work import LocalWork
 from fedrelay.peer.runs import Run, RunEnded
 from fedrelay.peer.sending import Sending
@@ -42,7 +43,7 @@ class StarVisit:
             t = run.upload
             if t is not None:
                 self.site.set_state(run, "sending", f"upload {t.index} to {t.receiver}")
-                self.sending.deliver(run, t, outgoing, wire.sha256_file(outgoing), outgoing.stat().st_size)
+                self.sending.deliver(run, t, outgoing, sha256_file(outgoing), outgoing.stat().st_size)
             self.site.set_state(run, "done", "")
             return
         final = run.final_model
@@ -53,7 +54,7 @@ class StarVisit:
             self.work.aggregate(run, outgoing, arrived, final)
             run.missing = missing
             run.save()
-        sha, size = wire.sha256_file(final), final.stat().st_size
+        sha, size = sha256_file(final), final.stat().st_size
         run.final_sha256 = sha
         run.save()
         self.site.set_state(run, "distributing", "final model to every site")

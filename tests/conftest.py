@@ -171,3 +171,149 @@ def pytest_collection_modifyitems(config, items):
         own = (0, SLOWEST_FILES.index(stem)) if stem in SLOWEST_FILES else (1 + tier(item), 0)
         rank[path] = min(rank.get(path, own), own)
     items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
+
+
+# -- the coordinator's service without a server ------------------------------------------------------
+class Aborted(Exception):
+    """What :class:`FakeContext` raises for ``context.abort(code, message)``: ``args`` = (code, message)."""
+
+
+class FakeContext:
+    """A ``grpc.ServicerContext`` for calling a servicer method directly: a plaintext caller
+    (no identity) at 127.0.0.1; ``abort`` raises :class:`Aborted`."""
+
+    def abort(self, code, message):
+        raise Aborted(code, message)
+
+    def auth_context(self):
+        return {}
+
+    def peer(self):
+        return "ipv4:127.0.0.1:1"
+
+
+@pytest.fixture
+def service():
+    """A ``CoordinatorService`` on an in-memory ledger (closed after the test)."""
+    from fedrelay.coordinator.ledger import Ledger
+    from fedrelay.coordinator.service import CoordinatorService
+
+    ledger = Ledger(":memory:")
+    svc = CoordinatorService(ledger)
+    yield svc
+    svc.close()
+    ledger.close()
+
+
+def new_run(ledger, run_id: str, sites=("a", "b")) -> None:
+    """A running chain ``run_id`` of ``sites`` (in that order) in ``ledger``, made directly."""
+    from fedrelay.coordinator.plan import chain_plan
+
+    ledger.create_run(run_id, strategy="fedelmy", arch="cnn", seed=1, params={},
+                      chain=[{"name": n, "address": "127.0.0.1:9"} for n in sites], class_index=["x"], model={},
+                      warnings=[], insecure=True, plan=chain_plan(list(sites)).to_json())
+
+
+def start_coordinator(db: Path, ids, guard=None):
+    """The coordinator's service over mutual TLS (``ids["coordinator"]``) with a ledger at ``db``
+    and ``guard`` (default: ``server.make_server``'s). Returns (server, address, ledger); stop and
+    close them when done."""
+    from fedrelay.coordinator.ledger import Ledger
+    from fedrelay.coordinator.service import CoordinatorService
+    from fedrelay.server import make_server
+    from fedrelay.v1 import coordinator_pb2_grpc
+
+    ledger = Ledger(db)
+    server, port = make_server("127.0.0.1:0", transport=ids["coordinator"], guard=guard)
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
+        CoordinatorService(ledger, transport=ids["coordinator"]), server)
+    server.start()
+    return server, f"127.0.0.1:{port}", ledger
+
+
+def registration(name: str):
+    """A site's ``RegisterRequest``: ``name`` at 127.0.0.1:9 offering the image-folder task (one
+    class ``Bag``, 5 training and 1 test image)."""
+    from fedrelay.v1 import coordinator_pb2 as cpb
+
+    return cpb.RegisterRequest(name=name, address="127.0.0.1:9", tasks=image_offer_pbs({"Bag": (5, 1)}))
+
+
+# -- identities ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    """A CA, the coordinator's identity and three sites' (``site-a``, ``site-b``, ``site-c``):
+    name -> ``Transport``."""
+    from fedrelay.coordinator import pki
+    from fedrelay.transport import Transport
+
+    root = tmp_path_factory.mktemp("pki")
+    pki.init_ca(root / "pki")
+    ids = {"coordinator": Transport.from_dir(root / "pki" / "coordinator")}
+    for name in ("site-a", "site-b", "site-c"):
+        ids[name] = Transport.from_dir(pki.enroll(name, root / "pki", root / name))
+    return ids
+
+
+def self_signed(name: str, curve=None):
+    """A throwaway identity: an EC key (P-256 unless ``curve``, a ``cryptography`` curve class)
+    and a self-signed certificate naming ``name``, valid for a day: (key, certificate)."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key((curve or ec.SECP256R1)())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + dt.timedelta(days=1))
+            .sign(key, hashes.SHA256()))
+    return key, cert
+
+
+# -- daemons in this process -----------------------------------------------------------------------
+def serve_in_threads(root: Path, sites: list[Path], tls: dict[str, Path], **peer_options):
+    """A coordinator (ledger ``root / "ledger.sqlite"``, identity ``root / "pki" / "coordinator"``)
+    and a peer daemon per site folder (identity ``tls[name]``, state ``root / "state" / name``,
+    forked workers), each ``serve`` in a thread of this process over mutual TLS.
+    ``peer_options``: site name -> extra keyword arguments of its ``serve``. Returns (the
+    coordinator's address, [(thread, stop event)] with the coordinator's first); stop them with
+    :func:`stop_threads`."""
+    from fedrelay.coordinator.service import serve as serve_coordinator
+    from fedrelay.peer.daemon import serve as serve_peer
+    from fedrelay.transport import Transport
+
+    address = f"127.0.0.1:{free_port()}"
+    daemons = [start_thread(serve_coordinator, listen=address, db=root / "ledger.sqlite",
+                            transport=Transport.from_dir(root / "pki" / "coordinator"))]
+    for d in sites:
+        daemons.append(start_thread(serve_peer, data_dir=d, name=d.name, listen=f"127.0.0.1:{free_port()}",
+                                    coordinator=address, state_dir=root / "state" / d.name, device="cpu",
+                                    transport=Transport.from_dir(tls[d.name]), fork_workers=True,
+                                    **peer_options.get(d.name, {})))
+    return address, daemons
+
+
+def stop_threads(daemons) -> None:
+    """Stop daemons started by :func:`start_thread`, the last started first, and wait for each (30 s)."""
+    for _, stop in reversed(daemons):
+        stop.set()
+    for t, _ in daemons:
+        t.join(30)
+
+
+def chain_to_the_end(client, names: list[str], params, seed: int = 1) -> tuple[str, dict]:
+    """Once every site of ``names`` has registered, a chain of them in that order (model ``cnn``,
+    ``params`` a ``TrainParams``) started with ``client`` (an ``OperatorClient``) and watched to
+    its end: (run id, the run's summary)."""
+    import time
+
+    while {p.name for p in client.peers()} != set(names):  # each registers as it starts
+        time.sleep(0.1)
+    reply = client.start_chain(peers=names, order="given", seed=seed, model="cnn", params=params)
+    for _ in client.watch(reply.run_id):  # the stream ends with the run
+        pass
+    return reply.run_id, client.run(reply.run_id)

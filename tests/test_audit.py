@@ -9,18 +9,17 @@ verify with nothing but the CA certificate."""
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import shutil
 import sqlite3
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 from typer.testing import CliRunner
 
-from fedrelay import params as run_params, signing, wire
+from fedrelay import params as run_params, signing
+from fedrelay.transport import Transport
 from fedrelay.cli.coordinator import app as coordinator_app
 from fedrelay.coordinator import audit, hashchain, pki
 from fedrelay.coordinator.ledger import Ledger
@@ -28,7 +27,7 @@ from fedrelay.coordinator.plan import chain_plan
 from fedrelay.coordinator.signatures import Signatures
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2
 from test_security import ORDER, coordinator, cstub, ids  # noqa: F401 - pytest fixtures
-from conftest import free_port, start_thread
+from conftest import chain_to_the_end, serve_in_threads, self_signed, stop_threads
 
 pytestmark = pytest.mark.integration
 
@@ -103,17 +102,9 @@ def test_the_signing_stub_signs_reports_only():
             return lambda request, **kw: calls.append((name, request))
 
     # A throwaway identity: any EC key and a self-made certificate will do.
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    from cryptography.hazmat.primitives import serialization
 
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "site-x")])
-    now = dt.datetime.now(dt.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(1).not_valid_before(now).not_valid_after(now + dt.timedelta(days=1))
-            .sign(key, hashes.SHA256()))
+    key, cert = self_signed("site-x")
     signer = signing.Signer(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                               serialization.NoEncryption()),
                             cert.public_bytes(serialization.Encoding.PEM))
@@ -219,36 +210,20 @@ def finished(three_sites, tmp_path_factory):
     """One finished 3-site run over mutual TLS (daemons in this process, stopped afterwards):
     dict(db, run_id, pki, run)."""
     from fedrelay.coordinator.client import OperatorClient
-    from fedrelay.coordinator.service import serve as serve_coordinator
-    from fedrelay.peer.daemon import serve as serve_peer
 
     root = tmp_path_factory.mktemp("audit")
     pki.init_ca(root / "pki")
     names = [d.name for d in three_sites]
     tls = {n: pki.enroll(n, root / "pki", root / f"{n}.pki") for n in names}
-    address = f"127.0.0.1:{free_port()}"
-    daemons = [start_thread(serve_coordinator, listen=address, db=root / "ledger.sqlite",
-                      transport=wire.Transport.from_dir(root / "pki" / "coordinator"))]
-    for n, d in zip(names, three_sites):
-        daemons.append(start_thread(serve_peer, data_dir=d, name=n, listen=f"127.0.0.1:{free_port()}", coordinator=address,
-                              state_dir=root / "state" / n, device="cpu", transport=wire.Transport.from_dir(tls[n]),
-                              fork_workers=True))
-    client = OperatorClient(address, wire.Transport.from_dir(root / "pki" / "operator"))
+    address, daemons = serve_in_threads(root, three_sites, tls)
+    client = OperatorClient(address, Transport.from_dir(root / "pki" / "operator"))
     try:
-        while {p.name for p in client.peers()} != set(names):
-            time.sleep(0.1)
-        reply = client.start_chain(peers=names, order="given", seed=1, model="cnn", params=run_params.to_pb(PARAMS))
-        for _ in client.watch(reply.run_id):  # the stream ends with the run
-            pass
-        run = client.run(reply.run_id)
+        run_id, run = chain_to_the_end(client, names, run_params.to_pb(PARAMS))
     finally:
         client.close()
-        for _, stop in reversed(daemons):
-            stop.set()
-        for t, _ in daemons:
-            t.join(30)
+        stop_threads(daemons)
     assert run["status"] == "finished", run["error"]
-    return dict(db=root / "ledger.sqlite", run_id=reply.run_id, pki=root / "pki", run=run, names=names, tls=tls)
+    return dict(db=root / "ledger.sqlite", run_id=run_id, pki=root / "pki", run=run, names=names, tls=tls)
 
 
 @pytest.fixture
@@ -417,7 +392,7 @@ def _rechain_and_reseal(finished, path, run_id: str) -> None:
     con.commit()
     con.close()
     ledger = Ledger(path)
-    ledger.sealer = Signatures(wire.Transport.from_dir(finished["pki"] / "coordinator")).seal
+    ledger.sealer = Signatures(Transport.from_dir(finished["pki"] / "coordinator")).seal
     with ledger.lock:
         ledger._db.execute("BEGIN IMMEDIATE")
         ledger._seal(run_id, time.time())
@@ -435,7 +410,7 @@ def test_a_record_signed_by_a_site_not_planned_for_it_is_named(finished, copy):
     hop = signing.parse(row["record"], cpb.HopReport)
     assert (hop.hop, hop.sender) == (1, names[0])
     hop.sender = names[2]  # site 3 claims hop 1, and signs the claim with its own (valid) key
-    other = signing.signer_for(wire.Transport.from_dir(finished["tls"][names[2]]))
+    other = signing.signer_for(Transport.from_dir(finished["tls"][names[2]]))
     forged = signing.received(other.sign(hop), names[2], other.certificate_pem)
     con.execute("INSERT OR IGNORE INTO certificates (sha256, name, pem, first_seen) VALUES (?, ?, ?, 0)",
                 (forged.certificate_sha256, names[2], forged.certificate.decode()))
@@ -463,7 +438,7 @@ def test_a_certificate_not_signed_by_the_ca_is_named(finished, copy, tmp_path, i
     receipt = signing.parse(row["record"], cpb.ReceiptReport)
     root = tmp_path / "rogue"
     pki.init_ca(root)
-    signer = signing.signer_for(wire.Transport.from_dir(pki.enroll(row["signer"], root, root / "site")))
+    signer = signing.signer_for(Transport.from_dir(pki.enroll(row["signer"], root, root / "site")))
     forged = signing.received(signer.sign(receipt), row["signer"], signer.certificate_pem)
     con.execute("INSERT INTO certificates (sha256, name, pem, first_seen) VALUES (?, ?, ?, 0)",
                 (forged.certificate_sha256, row["signer"], forged.certificate.decode()))

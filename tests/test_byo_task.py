@@ -26,11 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import deploy_script
+from deploy import local_trial
 
 pytestmark = pytest.mark.system
 
-local_trial = deploy_script("local_trial")
 
 NAME, PACKAGE = "lab-values", "lab_values"
 CLASSES = ["healthy", "pneumonia", "sepsis"]

@@ -12,11 +12,10 @@ import pytest
 
 from conftest import image_offer_pbs
 
-from bench.common import deploy_script
+from deploy import local_trial
 
 pytestmark = pytest.mark.integration
 
-local_trial = deploy_script("local_trial")
 
 CHAIN = ["--models-per-site", "2", "--local-epochs", "1", "--warmup-epochs", "1", "--batch-size", "32"]
 
@@ -129,13 +128,13 @@ def test_bad_requests_get_clear_errors(trial):
 
 
 def test_unreachable_peer_is_named_and_no_run_starts(trial):
-    from fedrelay import wire
+    from fedrelay.transport import Transport
     from fedrelay.coordinator import pki
     from fedrelay.coordinator.client import OperatorClient
     from fedrelay.v1 import coordinator_pb2 as cpb
 
     # An enrolled site "ghost" registers an address where nothing listens.
-    ghost = wire.Transport.from_dir(pki.enroll("ghost", trial.pki, trial.workdir / "ghost.pki"))
+    ghost = Transport.from_dir(pki.enroll("ghost", trial.pki, trial.workdir / "ghost.pki"))
     with OperatorClient(trial.coordinator, ghost) as c:
         c.stub.Register(cpb.RegisterRequest(name="ghost", address="127.0.0.1:9",
                                             tasks=image_offer_pbs({"Bag": (20, 2)})), timeout=10)

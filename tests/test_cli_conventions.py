@@ -1,5 +1,5 @@
 """One CLI convention (docs/cli-conventions.md): exit codes, --json, FEDRELAY_* variables, config
-files, HOST:PORT options, messages naming the flag, no silent defaults (issue #27).
+files, HOST:PORT options, messages naming the flag, no silent defaults (docs/cli-conventions.md).
 
 Every command is found from the typer apps (never listed here): each is walked with a bad value
 on the command line and in its environment variable, in-process; the few cases that need a
@@ -146,7 +146,7 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-# -- the cases of issue #27's "Why" --------------------------------------------------------------
+# -- the cases docs/cli-conventions.md names -------------------------------------------------
 
 def test_exit_codes_tell_a_bad_value_an_unreachable_daemon_a_failed_run_and_a_refusal_apart(monkeypatch):
     down = f"127.0.0.1:{closed_port()}"
@@ -329,12 +329,8 @@ def test_check_does_not_report_a_loopback_port_0_as_fine(tmp_path, monkeypatch):
 
 
 def test_unknown_scenario_or_strategy_is_refused_with_the_choices(capsys):
-    sys.path.insert(0, str(ROOT / "deploy"))
-    try:
-        import local_trial
-        import netns_trial
-    finally:
-        sys.path.remove(str(ROOT / "deploy"))
+    from deploy import local_trial, netns_trial
+
     with pytest.raises(SystemExit) as stop:
         netns_trial.main(["--faults", "kill-peer,firewalled"])
     err = capsys.readouterr().err
@@ -375,7 +371,7 @@ def test_another_federations_identity_is_refused_with_exit_4(tmp_path):
     for the coordinator's commands, the health probes and peer status alike."""
     import threading
 
-    from fedrelay import wire
+    from fedrelay.transport import Transport
     from fedrelay.coordinator import pki
     from fedrelay.coordinator.service import serve
 
@@ -384,7 +380,7 @@ def test_another_federations_identity_is_refused_with_exit_4(tmp_path):
     address = f"127.0.0.1:{closed_port()}"
     stop, ready = threading.Event(), threading.Event()
     thread = threading.Thread(target=serve, args=(address, tmp_path / "ledger.sqlite"), daemon=True,
-                              kwargs=dict(transport=wire.Transport.from_dir(tmp_path / "ours" / "coordinator"),
+                              kwargs=dict(transport=Transport.from_dir(tmp_path / "ours" / "coordinator"),
                                           ready=ready, stop=stop))
     thread.start()
     try:

@@ -1,4 +1,4 @@
-"""Run control (issue 12, item 4): stopping a run, forgetting a peer, stale peers left out of the
+"""Run control (docs/how-to/watch-and-steer.md): stopping a run, forgetting a peer, stale peers left out of the
 default peer set, a second daemon under a live site's name refused, and retention (`peer prune`).
 
 One real trial (a coordinator and 3 peer daemons as processes, mutual TLS, tiny data) carries the
@@ -18,13 +18,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.common import deploy_script
-from conftest import image_offers
+from deploy import local_trial
+from conftest import Aborted, FakeContext, image_offers
 from fedrelay.coordinator.ledger import TERMINAL, Ledger
 
 pytestmark = pytest.mark.integration
 
-local_trial = deploy_script("local_trial")
 
 # Long enough that the first site is still training when it is stopped (~70 images per site).
 SLOW = ["--models-per-site", "3", "--local-epochs", "20", "--warmup-epochs", "20", "--batch-size", "8"]
@@ -62,7 +61,7 @@ def _site_status(trial, name: str):
 
 
 def test_stop_a_run_mid_training(trial):
-    waiter = subprocess.Popen([local_trial._tool("coordinator"), "start-chain", "--seed", "3", "--wait", "--json",
+    waiter = subprocess.Popen([local_trial.tool("coordinator"), "start-chain", "--seed", "3", "--wait", "--json",
                                *SLOW, "--coordinator", trial.coordinator, *trial.security_args()],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=trial.env)
     try:
@@ -116,7 +115,7 @@ def test_stop_a_run_mid_training(trial):
         assert all(_site_status(trial, n).name == n for n in trial.names)
         # Retention at a site, while its daemon runs: the cancelled run goes (dry run first).
         state = trial.workdir / "state" / trial.names[0]
-        peer = [local_trial._tool("peer"), "prune", "--state-dir", str(state), "--older-than", "0"]
+        peer = [local_trial.tool("peer"), "prune", "--state-dir", str(state), "--older-than", "0"]
         dry = subprocess.run([*peer, "--dry-run"], capture_output=True, text=True, timeout=60, env=trial.env)
         assert dry.returncode == 0 and f"would remove run {run_id} (cancelled" in dry.stdout
         assert (state / "runs" / run_id).is_dir()
@@ -171,18 +170,6 @@ def test_a_second_daemon_under_a_live_name_is_refused(trial, tmp_path):
 
 
 # -- the rules on their own --------------------------------------------------------------------------
-
-
-class Aborted(Exception):
-    pass
-
-
-class FakeContext:
-    def abort(self, code, message):
-        raise Aborted(code, message)
-
-    def auth_context(self):
-        return {}
 
 
 def _peers(ledger: Ledger, names: list[str], stale: list[str]) -> None:
@@ -306,14 +293,15 @@ class FakePeer:
     """A Peer service that answers GetStatus only, as a daemon named ``name`` of ``instance``."""
 
     def __init__(self, name: str, instance: str):
-        from fedrelay import wire
+        from fedrelay.server import make_server
+        from fedrelay.transport import INSECURE
         from fedrelay.v1 import peer_pb2, peer_pb2_grpc
 
         class Servicer(peer_pb2_grpc.PeerServicer):
             def GetStatus(self, request, context):
                 return peer_pb2.PeerStatus(name=name, instance=instance)
 
-        self.server, port = wire.make_server("127.0.0.1:0", transport=wire.INSECURE)
+        self.server, port = make_server("127.0.0.1:0", transport=INSECURE)
         peer_pb2_grpc.add_PeerServicer_to_server(Servicer(), self.server)
         self.server.start()
         self.address = f"127.0.0.1:{port}"
@@ -383,7 +371,7 @@ def test_a_send_stops_at_the_next_chunk_once_cancelled(tmp_path):
     receiver sees it break before the payload's end."""
     import hashlib
 
-    from fedrelay import wire
+    from fedrelay.server import make_server
     from fedrelay.peer.transfer import SendCancelled, add_peer_servicer, send_model
     from fedrelay.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
@@ -404,7 +392,7 @@ def test_a_send_stops_at_the_next_chunk_once_cancelled(tmp_path):
             broke.set()  # the stream ended short of the payload: refused, as a real receiver does
             context.abort(grpc.StatusCode.DATA_LOSS, "the stream ended early")
 
-    server, port = wire.make_server("127.0.0.1:0")
+    server, port = make_server("127.0.0.1:0")
     add_peer_servicer(Receiver(), server)
     server.start()
     try:

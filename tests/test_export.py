@@ -57,9 +57,9 @@ CHAIN = ["--strategy", "fedseq", "--models-per-site", "1", "--local-epochs", "1"
 
 @pytest.fixture(scope="module")
 def two_runs(three_sites, tmp_path_factory):
-    from bench.common import deploy_script
+    from deploy import local_trial
 
-    with deploy_script("local_trial").LocalTrial(tmp_path_factory.mktemp("export"), three_sites[:2]) as trial:  # two sites suffice
+    with local_trial.LocalTrial(tmp_path_factory.mktemp("export"), three_sites[:2]) as trial:  # two sites suffice
         summaries = []
         for seed in ("1", "2"):
             res = trial.cli("start-chain", "--seed", seed, "--wait", "--json", *CHAIN,

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from fedrelay import wire
+from fedrelay.server import make_server
+from fedrelay.transport import insecure_channel
 from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.plan import chain_plan
 from fedrelay.coordinator.service import CoordinatorService
@@ -103,10 +104,10 @@ def test_a_heartbeat_that_hits_an_unexpected_error_goes_on():
 @pytest.fixture
 def coordinator(tmp_path):
     ledger = Ledger(tmp_path / "l.sqlite")
-    server, port = wire.make_server("127.0.0.1:0")
+    server, port = make_server("127.0.0.1:0")
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorService(ledger), server)
     server.start()
-    with wire.insecure_channel(f"127.0.0.1:{port}") as ch:
+    with insecure_channel(f"127.0.0.1:{port}") as ch:
         yield coordinator_pb2_grpc.CoordinatorStub(ch), ledger
     server.stop(0)
 

@@ -28,6 +28,18 @@ from test_transfer import CLASSES
 
 PAYLOAD_EXAMPLES = 1800
 STREAM_EXAMPLES = 1500
+# The unit tier fuzzes the same daemons with a sixth of the examples; the thorough runs (every
+# example above) are in the integration tier (`make test` runs both).
+QUICK = 6
+
+
+def examples(full: int):
+    """``examples`` parametrized: ``quick`` (``full // QUICK``, unit tier) and ``thorough`` (``full``,
+    marked integration)."""
+    return pytest.mark.parametrize("examples", [pytest.param(full // QUICK, id="quick"),
+                                                pytest.param(full, id="thorough", marks=pytest.mark.integration)])
+
+
 def fuzz_settings(examples: int) -> settings:
     return settings(max_examples=examples, deadline=None, database=None, derandomize=True, print_blob=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
@@ -131,13 +143,14 @@ def chunked(data: bytes, size: int) -> list[common_pb2.ModelChunk]:
     return [common_pb2.ModelChunk(data=data[i:i + size]) for i in range(0, len(data), size)]
 
 
-def test_fuzz_malformed_payloads(peer, ids):  # noqa: F811 - fixtures
+@examples(PAYLOAD_EXAMPLES)
+def test_fuzz_malformed_payloads(peer, ids, examples):  # noqa: F811 - fixtures
     node, address = peer
     sender = stub(ids["site-a"], address)
     before = snapshot(node, "fuzz")
     seen = []
 
-    @fuzz_settings(PAYLOAD_EXAMPLES)
+    @fuzz_settings(examples)
     @given(data=PAYLOADS, chunk=st.sampled_from([1 << 16, 1 << 20]))
     def one(data, chunk):
         assume(not is_the_runs_model(data))
@@ -147,17 +160,18 @@ def test_fuzz_malformed_payloads(peer, ids):  # noqa: F811 - fixtures
         seen.append(err.code())
 
     one()
-    assert len(seen) >= PAYLOAD_EXAMPLES * 0.9
+    assert len(seen) >= examples * 0.9
     assert snapshot(node, "fuzz") == before
     assert stub(ids["coordinator"], address).GetStatus(peer_pb2.StatusRequest(), timeout=5).name == "site-b"
 
 
 @st.composite
-def bad_stream(draw) -> list:
-    """A handoff stream of the run's real model with one thing wrong."""
+def bad_stream(draw, run_id: str) -> list:
+    """A handoff stream of the run's real model (``run_id``, assigned at the peer) with one thing
+    wrong."""
     size = draw(st.sampled_from([1 << 16, 1 << 18, 1 << 20]))
     chunks = chunked(GOOD, size)
-    h = header("fuzz", GOOD)
+    h = header(run_id, GOOD)
     kind = draw(st.sampled_from(["no-header", "header-late", "second-header", "truncate", "extend", "swap",
                                  "drop-chunk", "duplicate-chunk", "sha", "size", "over-cap", "hop", "run",
                                  "purpose", "sender", "header-only", "flip"]))
@@ -203,7 +217,8 @@ def bad_stream(draw) -> list:
     elif kind == "hop":
         h.hop = draw(st.integers(0, (1 << 32) - 1).filter(lambda n: n != 1))
     elif kind == "run":
-        h.run_id = draw(st.text(max_size=40).filter(lambda s: s not in ("fuzz", "replay", "bad", "final", "after", "stall")))
+        h.run_id = draw(st.text(max_size=40).filter(lambda s: s not in ("fuzz", "replay", "bad", "final", "after", "stall")
+                                                    and not s.startswith(("fuzz-", "after-"))))
     elif kind == "purpose":
         h.purpose = draw(st.sampled_from([common_pb2.PURPOSE_UNSPECIFIED, common_pb2.FINAL_MODEL, 7]))
     elif kind == "sender":
@@ -211,14 +226,19 @@ def bad_stream(draw) -> list:
     return [common_pb2.ModelChunk(header=h)] + chunks
 
 
-def test_fuzz_malformed_handoff_streams(peer, ids):  # noqa: F811 - fixtures
+@examples(STREAM_EXAMPLES)
+def test_fuzz_malformed_handoff_streams(peer, ids, examples):  # noqa: F811 - fixtures
     node, address = peer
     sender = stub(ids["site-a"], address)
-    before = snapshot(node, "fuzz")
+    # Runs of this test's own (the quick and the thorough run share the module's daemon)
+    run_id, after = f"fuzz-{examples}", f"after-{examples}"
+    for r in (run_id, after):
+        stub(ids["coordinator"], address).Assign(assignment(r), timeout=10)
+    before = snapshot(node, run_id)
     seen = []
 
-    @fuzz_settings(STREAM_EXAMPLES)
-    @given(messages=bad_stream())
+    @fuzz_settings(examples)
+    @given(messages=bad_stream(run_id))
     def one(messages):
         err = refused(sender, messages)
         assert err.code() in ERRORS, (err.code(), err.details())
@@ -226,18 +246,18 @@ def test_fuzz_malformed_handoff_streams(peer, ids):  # noqa: F811 - fixtures
         seen.append(err.code())
 
     one()
-    assert len(seen) >= STREAM_EXAMPLES * 0.9
+    assert len(seen) >= examples * 0.9
     # Nothing changed but, at most, one partial file of the assigned sender's bytes (a stream that
     # ended short is kept for a resume; it is never taken as the model).
-    after = snapshot(node, "fuzz")
-    parts = [k for k in set(after) - set(before) if k.endswith(".part")]
+    now = snapshot(node, run_id)
+    parts = [k for k in set(now) - set(before) if k.endswith(".part")]
     assert len(parts) <= 1
-    assert {k: v for k, v in after.items() if k not in parts} == before
+    assert {k: v for k, v in now.items() if k not in parts} == before
     # Still healthy: status answers, and the predecessor's real model is then accepted.
     assert stub(ids["coordinator"], address).GetStatus(peer_pb2.StatusRequest(), timeout=5).name == "site-b"
-    receipt = sender.Handoff(iter([common_pb2.ModelChunk(header=header("after", GOOD))] + chunked(GOOD, 1 << 20)),
+    receipt = sender.Handoff(iter([common_pb2.ModelChunk(header=header(after, GOOD))] + chunked(GOOD, 1 << 20)),
                              timeout=30)
-    assert not receipt.duplicate and (node.state_dir / "runs" / "after" / "received.safetensors").read_bytes() == GOOD
+    assert not receipt.duplicate and (node.state_dir / "runs" / after / "received.safetensors").read_bytes() == GOOD
 
 
 # -- names from the wire: ReportHop at the coordinator, Assign at the peer ---------------------------

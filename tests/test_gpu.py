@@ -11,13 +11,12 @@ import sys
 import pytest
 import torch
 
-from bench.common import deploy_script
+from deploy import local_trial
 from test_chain import CHAIN
 from fedrelay.peer.training import use_deterministic_kernels
 
 pytestmark = pytest.mark.integration
 
-local_trial = deploy_script("local_trial")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

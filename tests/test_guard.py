@@ -17,8 +17,9 @@ from fedrelay import names
 from fedrelay.guard import Guard, Limits, RefusalLog
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, peer_pb2
 
-from test_security import (GOOD, assignment, cstub, header, healthy, ids, registration,  # noqa: F401 - fixtures
-                           snapshot, start_coordinator, start_peer, stub)
+from conftest import registration, start_coordinator
+from test_security import (GOOD, assignment, cstub, header, healthy, ids, snapshot,  # noqa: F401 - fixtures
+                           start_peer, stub)
 from test_transfer import CLASSES, stream
 
 HELD = (48, 200)
@@ -335,6 +336,26 @@ def _holding(guard: Guard, who: str) -> int:
     return guard.counts().get(("caller", who), 0)
 
 
+def _timed_while_held(guard: Guard, hostile: "Holder", holds: dict[str, int], probes) -> tuple[float, ...]:
+    """``hostile`` (site-c) holds ``holds`` (method -> calls) open at once: the calls over its
+    bound are refused, the rest held (not refused), and ``probes`` are timed (seconds) while
+    they are held. The first-message deadline is lifted meanwhile, so that the calls stay held
+    for as long as the test needs, even on a slow machine; the held calls are released after."""
+    guard.limits.first_message_timeout = 60.0
+    try:
+        for method, count in holds.items():
+            hostile.hold(method, count)
+        hostile.wait_refused(sum(holds.values()) - LIMITS.per_caller)
+        _until(lambda: _holding(guard, "site-c") == LIMITS.per_caller)  # the rest are held, not refused
+        hostile.check_refusals()
+        busy = tuple(_timed(probe) for probe in probes)
+        assert _holding(guard, "site-c") == LIMITS.per_caller  # still held while we measured
+    finally:
+        guard.limits.first_message_timeout = LIMITS.first_message_timeout
+        hostile.release()
+    return busy
+
+
 @pytest.mark.parametrize("n", HELD)
 def test_held_calls_do_not_starve_the_peer(guarded_peer, ids, n):  # noqa: F811 - fixture
     node, address, guard = guarded_peer
@@ -348,19 +369,10 @@ def test_held_calls_do_not_starve_the_peer(guarded_peer, ids, n):  # noqa: F811 
 
     calm = (min(_timed(status) for _ in range(3)), _timed(handoff(f"calm-{n}")))
     hostile = Holder(ids["site-c"], address, "site-b")
-    guard.limits.first_message_timeout = 60.0  # held for as long as the test needs, even on a slow machine
-    try:
-        hostile.hold("/fedrelay.v1.Peer/Handoff", n // 2)
-        hostile.hold("/fedrelay.v1.Peer/TransferOffset", n // 4)
-        hostile.hold("/fedrelay.v1.Peer/GetStatus", n - n // 2 - n // 4)
-        hostile.wait_refused(n - LIMITS.per_caller)
-        _until(lambda: _holding(guard, "site-c") == LIMITS.per_caller)  # the rest are held, not refused
-        hostile.check_refusals()
-        busy = (_timed(status), _timed(handoff(f"busy-{n}")))
-        assert _holding(guard, "site-c") == LIMITS.per_caller  # still held while we measured
-    finally:
-        guard.limits.first_message_timeout = LIMITS.first_message_timeout
-        hostile.release()
+    busy = _timed_while_held(guard, hostile, {"/fedrelay.v1.Peer/Handoff": n // 2,
+                                              "/fedrelay.v1.Peer/TransferOffset": n // 4,
+                                              "/fedrelay.v1.Peer/GetStatus": n - n // 2 - n // 4},
+                             (status, handoff(f"busy-{n}")))
     print(f"\n{n} held calls: GetStatus {calm[0] * 1e3:.1f} -> {busy[0] * 1e3:.1f} ms, "
           f"Handoff {calm[1] * 1e3:.1f} -> {busy[1] * 1e3:.1f} ms")
     assert busy[0] < calm[0] + 1.0 and busy[1] < calm[1] + 1.0
@@ -381,18 +393,9 @@ def test_held_calls_do_not_starve_the_coordinator(guarded_coordinator, ids, n): 
 
     calm = (min(_timed(heartbeat) for _ in range(3)), min(_timed(runs) for _ in range(3)))
     hostile = Holder(ids["site-c"], address, "coordinator")
-    guard.limits.first_message_timeout = 60.0
-    try:
-        hostile.hold("/fedrelay.v1.Coordinator/Register", n // 2)
-        hostile.hold("/fedrelay.v1.Coordinator/ReportHop", n - n // 2)
-        hostile.wait_refused(n - LIMITS.per_caller)
-        _until(lambda: _holding(guard, "site-c") == LIMITS.per_caller)
-        hostile.check_refusals()
-        busy = (_timed(heartbeat), _timed(runs))
-        assert _holding(guard, "site-c") == LIMITS.per_caller
-    finally:
-        guard.limits.first_message_timeout = LIMITS.first_message_timeout
-        hostile.release()
+    busy = _timed_while_held(guard, hostile, {"/fedrelay.v1.Coordinator/Register": n // 2,
+                                              "/fedrelay.v1.Coordinator/ReportHop": n - n // 2},
+                             (heartbeat, runs))
     print(f"\n{n} held calls: Register {calm[0] * 1e3:.1f} -> {busy[0] * 1e3:.1f} ms, "
           f"ListRuns {calm[1] * 1e3:.1f} -> {busy[1] * 1e3:.1f} ms")
     assert busy[0] < calm[0] + 1.0 and busy[1] < calm[1] + 1.0

@@ -6,7 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from fedrelay import wire
+from fedrelay.server import make_server
+from fedrelay.transport import insecure_channel
 from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.plan import chain_plan, replan
 from fedrelay.coordinator.service import CoordinatorService
@@ -62,11 +63,11 @@ def test_duplicate_reports_have_no_second_effect(tmp_path):
     chain = [{"name": "a", "address": "127.0.0.1:9"}, {"name": "b", "address": "127.0.0.1:9"}]
     ledger.create_run("r", strategy="fedelmy", arch="cnn", seed=1, params={}, chain=chain, class_index=["x"],
                       model={}, warnings=[], insecure=True, plan=chain_plan(["a", "b"]).to_json())
-    server, port = wire.make_server("127.0.0.1:0")
+    server, port = make_server("127.0.0.1:0")
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     server.start()
     try:
-        with wire.insecure_channel(f"127.0.0.1:{port}") as ch:
+        with insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = coordinator_pb2_grpc.CoordinatorStub(ch)
             hop = cpb.HopReport(run_id="r", hop=1, purpose=common_pb2.CHAIN_HOP, sender="a", receiver="b",
                                 payload_bytes=10, wire_bytes=12, sha256="f" * 64, started=1.0, ended=2.0)

@@ -1,7 +1,7 @@
-"""Issue 13: the light site daemon. ``peer serve`` imports no torch and stays small; its work runs
-in worker processes (peer/workers.py) that exit after their job; a worker that dies is replaced
-and the job resumes from its persisted steps with the same result; a warm worker is started only
-for a planned sender's Prepare."""
+"""The light site daemon (docs/explanation/scale.md). ``peer serve`` imports no torch and stays
+small; its work runs in worker processes (peer/workers.py) that exit after their job; a worker
+that dies is replaced and the job resumes from its persisted steps with the same result; a warm
+worker is started only for a planned sender's Prepare."""
 
 from __future__ import annotations
 
@@ -21,11 +21,10 @@ from fedrelay.peer.worker_protocol import Prepare, TrainJob
 from fedrelay.peer.workers import WorkerPool
 from fedrelay.v1 import peer_pb2, peer_pb2_grpc
 
-from bench.common import deploy_script
 
 pytestmark = pytest.mark.integration
 
-free_port = deploy_script("local_trial").free_port
+from deploy.local_trial import free_port
 
 
 def _children(pid: int) -> list[int]:

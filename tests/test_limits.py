@@ -1,4 +1,4 @@
-"""Bounded per identity and per endpoint (issue 28, item 4): progress reports rate-limited per run
+"""Bounded per identity and per endpoint (docs/limits.md): progress reports rate-limited per run
 member (``coordinator/progress_limit.py``), the run page's and metrics endpoint's own connection
 limits, ``Host:`` check and cached page data (``coordinator/http_limits.py``, ``coordinator/web``,
 ``fedrelay/metrics.py``), the gRPC servers' connection bounds (``fedrelay/limits.py``) and the
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from conftest import FakeContext, new_run
 from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.plan import chain_plan
 from fedrelay.coordinator.progress_limit import ProgressLimit
@@ -23,23 +24,6 @@ class Clock:
 
     def __call__(self):
         return self.now
-
-
-class FakeContext:
-    def abort(self, code, message):
-        raise AssertionError(f"aborted: {code} {message}")
-
-    def auth_context(self):
-        return {}
-
-    def peer(self):
-        return "ipv4:127.0.0.1:1"
-
-
-def new_run(ledger: Ledger, run_id: str, sites=("a", "b")) -> None:
-    ledger.create_run(run_id, strategy="fedelmy", arch="cnn", seed=1, params={},
-                      chain=[{"name": n, "address": "127.0.0.1:9"} for n in sites], class_index=["x"], model={},
-                      warnings=[], insecure=True, plan=chain_plan(list(sites)).to_json())
 
 
 # -- progress reports --------------------------------------------------------------------------------
@@ -96,15 +80,6 @@ import threading  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
-
-
-@pytest.fixture
-def service():
-    ledger = Ledger(":memory:")
-    svc = CoordinatorService(ledger)
-    yield svc
-    svc.close()
-    ledger.close()
 
 
 def page_client(service, base_url="http://localhost", hosts=None):
@@ -349,12 +324,12 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("00000004000000000
 SERVER = r"""
 import resource, sys, threading
 resource.setrlimit(resource.RLIMIT_NOFILE, (200, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-from fedrelay import wire
+from fedrelay.server import make_server
 from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.service import CoordinatorService
 from fedrelay.v1 import coordinator_pb2_grpc
 ledger = Ledger(":memory:")
-server, port = wire.make_server("127.0.0.1:0")
+server, port = make_server("127.0.0.1:0")
 coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorService(ledger), server)
 server.start()
 print(port, resource.getrlimit(resource.RLIMIT_NOFILE)[0], flush=True)
@@ -373,7 +348,8 @@ def test_idle_connections_of_one_client_do_not_starve_the_operator():
 
     import grpc
 
-    from fedrelay import wire
+    from fedrelay.calls import status_message
+    from fedrelay.transport import INSECURE
     from fedrelay.v1 import coordinator_pb2_grpc
 
     if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1200:
@@ -386,13 +362,13 @@ def test_idle_connections_of_one_client_do_not_starve_the_operator():
             s = socket.create_connection(("127.0.0.1", port))
             s.sendall(PREFACE)
             held.append(s)
-        with wire.INSECURE.channel(f"127.0.0.1:{port}") as channel:
+        with INSECURE.channel(f"127.0.0.1:{port}") as channel:
             from fedrelay.v1 import coordinator_pb2 as cpb2
 
             reply = coordinator_pb2_grpc.CoordinatorStub(channel).ListPeers(cpb2.ListPeersRequest(), timeout=20)
             assert list(reply.peers) == []
     except grpc.RpcError as exc:
-        pytest.fail(f"the operator's call failed beside 300 idle connections: {wire.status_message(exc)}")
+        pytest.fail(f"the operator's call failed beside 300 idle connections: {status_message(exc)}")
     finally:
         for s in held:
             s.close()
@@ -553,26 +529,15 @@ def test_a_site_identity_makes_calls_on_a_bounded_number_of_connections(tmp_path
     from fedrelay import signing
     from fedrelay.coordinator import pki
     from fedrelay.guard import Guard, Limits
-    from conftest import image_offer_pbs
 
-    from fedrelay import wire
+    from conftest import registration, start_coordinator
+    from fedrelay.transport import Transport
     from fedrelay.v1 import coordinator_pb2_grpc
 
-    def registration(name):
-        return cpb.RegisterRequest(name=name, address="127.0.0.1:9", tasks=image_offer_pbs({"Bag": (5, 1)}))
-
-    def start_coordinator(db, ids, guard):
-        ledger = Ledger(db)
-        server, port = wire.make_server("127.0.0.1:0", transport=ids["coordinator"], guard=guard)
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-            CoordinatorService(ledger, transport=ids["coordinator"]), server)
-        server.start()
-        return server, f"127.0.0.1:{port}", ledger
-
     pki.init_ca(tmp_path / "pki")
-    ids = {"coordinator": wire.Transport.from_dir(tmp_path / "pki" / "coordinator"),
-           "operator": wire.Transport.from_dir(tmp_path / "pki" / "operator"),
-           "site-a": wire.Transport.from_dir(pki.enroll("site-a", tmp_path / "pki", tmp_path / "a"))}
+    ids = {"coordinator": Transport.from_dir(tmp_path / "pki" / "coordinator"),
+           "operator": Transport.from_dir(tmp_path / "pki" / "operator"),
+           "site-a": Transport.from_dir(pki.enroll("site-a", tmp_path / "pki", tmp_path / "a"))}
     server, address, ledger = start_coordinator(tmp_path / "l.sqlite", ids, Guard(Limits(per_identity_connections=2)))
 
     def connection(who):
@@ -608,12 +573,13 @@ def test_the_operator_listener_has_connections_of_its_own():
     """Connections that fill the sites' listener leave the operator's listener free."""
     import grpc
 
-    from fedrelay import wire
+    from fedrelay.server import make_server
+    from fedrelay.transport import INSECURE
     from fedrelay.v1 import coordinator_pb2_grpc
 
     ledger = Ledger(":memory:")
     service = CoordinatorService(ledger)
-    server, port = wire.make_server("127.0.0.1:0", also=["127.0.0.1:0"], max_connections=8)
+    server, port = make_server("127.0.0.1:0", also=["127.0.0.1:0"], max_connections=8)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     server.start()
     held = []
@@ -623,10 +589,10 @@ def test_the_operator_listener_has_connections_of_its_own():
             s.sendall(PREFACE)
             held.append(s)
         assert sum(closed_by_server(s) for s in held[8:9]) == 1  # over the quota: closed
-        with wire.INSECURE.channel(f"127.0.0.1:{server.also_ports[0]}") as channel:
+        with INSECURE.channel(f"127.0.0.1:{server.also_ports[0]}") as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             assert list(stub.ListPeers(cpb.ListPeersRequest(), timeout=30).peers) == []
-        with wire.INSECURE.channel(f"127.0.0.1:{port}") as channel:
+        with INSECURE.channel(f"127.0.0.1:{port}") as channel:
             with pytest.raises(grpc.RpcError) as err:
                 coordinator_pb2_grpc.CoordinatorStub(channel).ListPeers(cpb.ListPeersRequest(), timeout=30)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -638,8 +604,8 @@ def test_the_operator_listener_has_connections_of_its_own():
 
 
 def test_a_bad_operator_listen_address_names_the_flag(tmp_path):
-    from fedrelay import wire
+    from fedrelay.transport import INSECURE
     from fedrelay.coordinator.service import serve
 
     with pytest.raises(ValueError, match="--operator-listen"):
-        serve("127.0.0.1:0", tmp_path / "l.sqlite", transport=wire.INSECURE, operator_listen="nowhere")
+        serve("127.0.0.1:0", tmp_path / "l.sqlite", transport=INSECURE, operator_listen="nowhere")

@@ -1,4 +1,4 @@
-"""Operating a federation (issue #12): Prometheus metrics on both daemons, the gRPC health
+"""Operating a federation (docs/how-to/monitor.md): Prometheus metrics on both daemons, the gRPC health
 service, a site asking its own daemon for its status, and the coordinator's log lines.
 
 One coordinator and three peer daemons in this process (threads, each with its own metrics
@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 
@@ -19,12 +18,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from fedrelay import params as run_params, wire
+from fedrelay import params as run_params
+from fedrelay.transport import INSECURE, Transport
 from fedrelay.coordinator import pki
 from fedrelay.coordinator.client import OperatorClient
 from fedrelay.health import probe
 from fedrelay.v1 import coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
-from conftest import free_port, start_thread
+from conftest import chain_to_the_end, free_port, start_thread, stop_threads
 
 pytestmark = pytest.mark.integration
 
@@ -66,7 +66,7 @@ def fed(three_sites, tmp_path_factory):
     tls = {"coordinator": root / "pki" / "coordinator", "operator": root / "pki" / "operator"}
     for n in names:
         tls[n] = pki.enroll(n, root / "pki", root / f"{n}.pki")
-    ids = {k: wire.Transport.from_dir(v) for k, v in tls.items()}
+    ids = {k: Transport.from_dir(v) for k, v in tls.items()}
     handler = Lines()
     logger = logging.getLogger("fedrelay")
     old_level = logger.level
@@ -83,19 +83,12 @@ def fed(three_sites, tmp_path_factory):
                                     metrics_listen=metrics[n], fork_workers=True))
     client = OperatorClient(address, ids["operator"])
     try:
-        while {p.name for p in client.peers()} != set(names):  # each registers as it starts
-            threading.Event().wait(0.1)
-        reply = client.start_chain(peers=names, order="given", seed=1, model="cnn", params=run_params.to_pb(PARAMS))
-        for _ in client.watch(reply.run_id):  # the stream ends with the run
-            pass
+        _, run = chain_to_the_end(client, names, run_params.to_pb(PARAMS))
         yield dict(root=root, tls=tls, ids=ids, names=names, address=address, peers=peers, metrics=metrics,
-                   run=client.run(reply.run_id), lines=handler.lines, daemons=daemons)
+                   run=run, lines=handler.lines, daemons=daemons)
     finally:
         client.close()
-        for t, stop in reversed(daemons):
-            stop.set()
-        for t, stop in daemons:
-            t.join(30)
+        stop_threads(daemons)
         logger.removeHandler(handler)
         logger.setLevel(old_level)
 
@@ -201,16 +194,16 @@ def test_health_goes_not_serving_on_shutdown_and_the_coordinator_logs_it(tmp_pat
     address = f"127.0.0.1:{free_port()}"
     try:
         thread, stop = start_thread(serve_coordinator, listen=address, db=tmp_path / "ledger.sqlite",
-                                    transport=wire.INSECURE)
-        assert probe(wire.INSECURE, address) == (True, "SERVING")
-        with wire.INSECURE.channel(address) as ch:
+                                    transport=INSECURE)
+        assert probe(INSECURE, address) == (True, "SERVING")
+        with INSECURE.channel(address) as ch:
             watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             stop.set()
             assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
             watch.cancel()
         thread.join(30)
-        ok, line = probe(wire.INSECURE, address, timeout=2)
+        ok, line = probe(INSECURE, address, timeout=2)
         assert not ok and line.startswith("UNREACHABLE")
         res = subprocess.run([str(BIN / "coordinator"), "health", "--coordinator", address, "--insecure",
                               "--timeout", "2"], capture_output=True, text=True, timeout=60)

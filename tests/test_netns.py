@@ -10,11 +10,10 @@ import subprocess
 
 import pytest
 
-from bench.common import deploy_script
+from deploy import netns_trial
 
 pytestmark = pytest.mark.system
 
-netns_trial = deploy_script("netns_trial")
 
 OK, WHY = netns_trial.netns_available()
 

@@ -98,10 +98,9 @@ def test_the_wire_carries_the_options_as_text_and_gives_them_back_typed():
 
 @pytest.mark.integration
 def test_a_run_through_the_daemons_hands_the_method_its_options(three_sites, tmp_path):
-    from bench.common import deploy_script
+    from deploy import local_trial
     from fedrelay.coordinator.client import OperatorClient
 
-    local_trial = deploy_script("local_trial")
     record = tmp_path / "record"
     record.mkdir()
     env = {registry.PLUGINS_ENV: "toy_method:METHODS", toy_method.RECORD_ENV: str(record),

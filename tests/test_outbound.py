@@ -1,4 +1,4 @@
-"""Sites that only connect out (issue 14): the relay (sealed envelopes, who may put and get,
+"""Sites that only connect out (docs/how-to/firewall.md): the relay (sealed envelopes, who may put and get,
 resume through it) and a real trial whose outbound-only sites get their models through it with
 the same final digest as the direct run."""
 
@@ -10,25 +10,17 @@ import os
 import grpc
 import pytest
 
-from fedrelay import sealing, wire
+from fedrelay import sealing
+from fedrelay.callers import caller_identity
+from fedrelay.calls import CHUNK_BYTES
+from fedrelay.transport import INSECURE, Transport
 from fedrelay.coordinator import pki
 from fedrelay.coordinator.relay import RelayService
 from fedrelay.peer import relaying
-from fedrelay.peer.transfer import TransferError, partial_path
+from fedrelay.receiving import TransferError, partial_path
 from fedrelay.v1 import common_pb2, relay_pb2
 
 pytestmark = pytest.mark.system
-
-
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory):
-    """A CA, the coordinator's identity and three sites'."""
-    root = tmp_path_factory.mktemp("pki")
-    pki.init_ca(root / "pki")
-    ids = {"coordinator": wire.Transport.from_dir(root / "pki" / "coordinator")}
-    for name in ("site-a", "site-b", "site-c"):
-        ids[name] = wire.Transport.from_dir(pki.enroll(name, root / "pki", root / name))
-    return ids
 
 
 @pytest.fixture
@@ -56,7 +48,7 @@ def test_the_relay_runs_alone_only_with_the_coordinator_identity(federation, tmp
     from fedrelay.coordinator.relay import serve_relay
 
     with pytest.raises(ValueError, match="mutual TLS"):
-        serve_relay("127.0.0.1:0", tmp_path, transport=wire.INSECURE)
+        serve_relay("127.0.0.1:0", tmp_path, transport=INSECURE)
     with pytest.raises(ValueError, match="coordinator's identity"):
         serve_relay("127.0.0.1:0", tmp_path, transport=federation["site-a"])
 
@@ -116,14 +108,14 @@ def test_the_relay_refuses_a_sender_that_is_not_the_caller_and_plaintext(federat
                      grant=_grant(federation, "run-1", _transfer()))
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     with pytest.raises(relaying.RelayUnavailable, match="mutual TLS"):
-        relaying.seal(wire.INSECURE, "run-1", _transfer(), payload, b"", tmp_path / "out2")
+        relaying.seal(INSECURE, "run-1", _transfer(), payload, b"", tmp_path / "out2")
 
 
 def test_a_broken_upload_and_a_broken_download_resume_through_the_relay(federation, relay, tmp_path):
     address, service, _ = relay
     a, b = federation["site-a"], federation["site-b"]
     payload = tmp_path / "model.bin"
-    payload.write_bytes(os.urandom(3 * wire.CHUNK_BYTES + 123))
+    payload.write_bytes(os.urandom(3 * CHUNK_BYTES + 123))
     t = _transfer()
     sealed, size, sha = relaying.seal(a, "run-2", t, payload, b.cert, tmp_path / "out")
     # The sender's stream is cut after its first chunk: the relay keeps those bytes ...
@@ -132,15 +124,15 @@ def test_a_broken_upload_and_a_broken_download_resume_through_the_relay(federati
         relaying.put(address, a, "run-2", t, sealed, [0], cancelled=lambda: next(chunks, 1) == 1,
                      grant=_grant(federation, "run-2", t))
     dest = service.path("run-2", common_pb2.CHAIN_HOP, 1, "site-b")
-    assert partial_path(dest, sha).stat().st_size == wire.CHUNK_BYTES
+    assert partial_path(dest, sha).stat().st_size == CHUNK_BYTES
     # ... and the next attempt sends only the rest.
     sent = relaying.put(address, a, "run-2", t, sealed, [0], grant=_grant(federation, "run-2", t))
-    assert sent.resumed_from == wire.CHUNK_BYTES and sent.receipt.stored_bytes == size
+    assert sent.resumed_from == CHUNK_BYTES and sent.receipt.stored_bytes == size
     # A download that broke after 1 MiB carries on from there.
     key = relay_pb2.RelayKey(run_id="run-2", purpose=common_pb2.CHAIN_HOP, index=1, receiver="site-b")
     mine = tmp_path / "in" / "hop.sealed"
     mine.parent.mkdir()
-    partial_path(mine, sha).write_bytes(sealed.read_bytes()[:wire.CHUNK_BYTES])
+    partial_path(mine, sha).write_bytes(sealed.read_bytes()[:CHUNK_BYTES])
     got = relaying.fetch(address, b, key, "site-a", mine, size, sha, down := [0])
     assert got.path.read_bytes() == sealed.read_bytes()
     assert down[0] < size  # only the rest came over the wire
@@ -156,10 +148,9 @@ CHAIN = ["--models-per-site", "2", "--local-epochs", "1", "--warmup-epochs", "1"
 def test_outbound_only_sites_get_their_models_through_the_relay_with_the_same_digest(three_sites, tmp_path):
     import time
 
-    from bench.common import deploy_script
+    from deploy import local_trial
     from fedrelay.coordinator.client import OperatorClient
 
-    local_trial = deploy_script("local_trial")
     with local_trial.LocalTrial(tmp_path, three_sites) as trial:
         def run(seed: int) -> dict:
             res = trial.cli("start-chain", "--seed", str(seed), "--wait", "--json", *CHAIN, capture_output=True,
@@ -215,9 +206,9 @@ def test_outbound_only_sites_get_their_models_through_the_relay_with_the_same_di
 def test_outbound_only_needs_tls_and_no_advertised_address(three_sites, tmp_path):
     import subprocess
 
-    from bench.common import deploy_script
+    from deploy import local_trial
 
-    peer = deploy_script("local_trial")._tool("peer")
+    peer = local_trial.tool("peer")
     base = [peer, "serve", "--data", str(three_sites[0]), "--name", "site-00", "--outbound-only", "--check",
             "--state-dir", str(tmp_path / "state")]
     res = subprocess.run([*base, "--insecure"], capture_output=True, text=True, timeout=120)
@@ -231,7 +222,7 @@ def test_a_tunneled_call_is_answered_by_the_servicer_with_its_checks():
 
     class Servicer:
         def GetStatus(self, request, context):  # noqa: N802 - gRPC's name
-            assert wire.caller_identity(context) == "coordinator"  # the stream is the coordinator's
+            assert caller_identity(context) == "coordinator"  # the stream is the coordinator's
             return peer_pb2.PeerStatus(name="site-a")
 
         def EndRun(self, request, context):  # noqa: N802
@@ -300,15 +291,14 @@ def test_coordinator_relay_says_what_it_needs(federation, tmp_path):
 
 
 def test_through_the_operators_relay_senders_present_the_coordinators_grants(three_sites, tmp_path):
-    """``coordinator serve --relay HOST:PORT`` with ``coordinator relay`` there (issue 28): the
+    """``coordinator serve --relay HOST:PORT`` with ``coordinator relay`` there (docs/relay-bounds.md): the
     sender of each relayed transfer asks the coordinator for a grant and the relay takes the
     envelope with it; the run finishes with every relayed transfer done."""
     import threading
 
-    from bench.common import deploy_script
+    from deploy import local_trial
     from fedrelay.coordinator.relay import serve_relay
 
-    local_trial = deploy_script("local_trial")
     relay = f"127.0.0.1:{local_trial.free_ports(1)[0]}"
     sites = three_sites[:2]  # the shortest chain: its one hop goes through the relay
     last = sites[-1].name
@@ -316,7 +306,7 @@ def test_through_the_operators_relay_senders_present_the_coordinators_grants(thr
     with local_trial.LocalTrial(tmp_path, sites, coordinator_args=["--relay", relay],
                                 outbound_only=[last]) as trial:
         thread = threading.Thread(target=serve_relay, args=(relay, tmp_path / "own-relay"), daemon=True, kwargs=dict(
-            transport=wire.Transport.from_dir(trial.pki / "coordinator"), stop=stop, ready=ready,
+            transport=Transport.from_dir(trial.pki / "coordinator"), stop=stop, ready=ready,
             on_stored=stored.append))
         thread.start()
         try:

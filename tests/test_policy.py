@@ -1,4 +1,4 @@
-"""A site's own policy and more than one operator (issue 26, item 3; docs/site-policy.md).
+"""A site's own policy and more than one operator (docs/site-policy.md).
 
 Unit tests of the policy file (every bad key named, no traceback); then a coordinator and three
 peer daemons in this process over mutual TLS, the middle site with a policy file that each test
@@ -19,13 +19,15 @@ import grpc
 import pytest
 from typer.testing import CliRunner
 
-from fedrelay import params as run_params, wire
+from fedrelay import params as run_params
+from fedrelay.callers import is_operator
+from fedrelay.transport import Transport
 from fedrelay.cli.coordinator import app as coordinator_app
 from fedrelay.cli.peer import app as peer_app
 from fedrelay.coordinator import pki
 from fedrelay.peer import policy
 from fedrelay.v1 import peer_pb2
-from conftest import free_port, start_thread
+from conftest import serve_in_threads, stop_threads
 
 pytestmark = pytest.mark.integration
 
@@ -74,8 +76,8 @@ def test_no_policy_file_restricts_nothing_and_a_named_one_must_exist(tmp_path):
 
 
 def test_the_operator_identities():
-    assert wire.is_operator("operator") and wire.is_operator("operator.alice")
-    assert not any(map(wire.is_operator, ("", None, "operator.", "site-a", "coordinator", "operators")))
+    assert is_operator("operator") and is_operator("operator.alice")
+    assert not any(map(is_operator, ("", None, "operator.", "site-a", "coordinator", "operators")))
     assert pki.operator_identity("alice") == "operator.alice"
     for bad in ("Alice", "operator", "a.b", ""):
         with pytest.raises(pki.PKIError):
@@ -92,7 +94,7 @@ def test_enroll_operator_says_what_is_wrong(tmp_path):
     res = runner.invoke(coordinator_app, ["enroll", "bob", "--operator", "--ca", str(tmp_path / "pki"),
                                           "--out", str(tmp_path / "bob")])
     assert res.exit_code == 0, res.output
-    assert wire.Transport.from_dir(tmp_path / "bob").identity == "operator.bob"
+    assert Transport.from_dir(tmp_path / "bob").identity == "operator.bob"
 
 
 def test_a_site_that_connects_out_only_answers_the_policy_check_over_its_control_stream(tmp_path):
@@ -135,8 +137,6 @@ def world(three_sites, tmp_path_factory):
     ``--policy POLICY`` (a file the tests rewrite). Two operators: ``operator`` (init-ca) and
     ``operator.alice`` (enrolled with the CLI's ``enroll --operator alice``)."""
     from fedrelay.coordinator.client import OperatorClient
-    from fedrelay.coordinator.service import serve as serve_coordinator
-    from fedrelay.peer.daemon import serve as serve_peer
 
     root = tmp_path_factory.mktemp("policy")
     pki.init_ca(root / "pki")
@@ -147,15 +147,9 @@ def world(three_sites, tmp_path_factory):
     tls = {n: pki.enroll(n, root / "pki", root / f"{n}.pki") for n in names}
     rules = root / "policy.toml"
     rules.write_text('strategies = ["fedelmy"]\n')
-    address = f"127.0.0.1:{free_port()}"
-    daemons = [start_thread(serve_coordinator, listen=address, db=root / "ledger.sqlite",
-                      transport=wire.Transport.from_dir(root / "pki" / "coordinator"))]
-    for n, d in zip(names, three_sites):
-        daemons.append(start_thread(serve_peer, data_dir=d, name=n, listen=f"127.0.0.1:{free_port()}", coordinator=address,
-                              state_dir=root / "state" / n, device="cpu", transport=wire.Transport.from_dir(tls[n]),
-                              fork_workers=True, policy=rules if n == names[1] else None))
-    ops = {"operator": OperatorClient(address, wire.Transport.from_dir(root / "pki" / "operator")),
-           "operator.alice": OperatorClient(address, wire.Transport.from_dir(root / "alice"))}
+    address, daemons = serve_in_threads(root, three_sites, tls, **{names[1]: {"policy": rules}})
+    ops = {"operator": OperatorClient(address, Transport.from_dir(root / "pki" / "operator")),
+           "operator.alice": OperatorClient(address, Transport.from_dir(root / "alice"))}
     try:
         while {p.name for p in ops["operator"].peers()} != set(names):
             time.sleep(0.1)
@@ -163,10 +157,7 @@ def world(three_sites, tmp_path_factory):
     finally:
         for c in ops.values():
             c.close()
-        for _, stop in reversed(daemons):
-            stop.set()
-        for t, _ in daemons:
-            t.join(30)
+        stop_threads(daemons)
 
 
 def write_policy(world, text: str) -> None:

@@ -1,4 +1,4 @@
-"""Differential privacy at the site (issue 26, item 5): DP-SGD with Opacus as an option of a run.
+"""Differential privacy at the site (docs/differential-privacy.md): DP-SGD with Opacus as an option of a run.
 
 In-process: the options' checks and the CLI's messages, DP-SGD in ``fit`` (FedELMY's regulariser
 included), the accounting and its book, BatchNorm refused. Through the daemons (coordinator and 3
@@ -91,7 +91,26 @@ def test_a_run_configuration_file_takes_the_dp_options(tmp_path):
 # ------------------------------------------------------------------ training
 
 
-def test_dp_fedelmy_spends_the_target_epsilon_and_still_learns(tmp_path):
+@pytest.fixture
+def sigma_once(monkeypatch):
+    """``dp.noise_multiplier`` asked of Opacus once per (options, sample rate, steps): the models
+    of one visit have the same sample rate and planned steps, so the same sigma, and Opacus'
+    search for it (tens of RDP evaluations over ``dp.ALPHAS``) is most of these tests' time. The
+    sigmas are Opacus' own; ``asked`` counts the searches."""
+    real, known, asked = dp.noise_multiplier, {}, []
+
+    def once(options, sample_rate, steps):
+        key = (tuple(sorted(options.items())), sample_rate, steps)
+        if key not in known:
+            asked.append(key)
+            known[key] = real(options, sample_rate, steps)
+        return known[key]
+
+    monkeypatch.setattr(dp, "noise_multiplier", once)
+    return asked
+
+
+def test_dp_fedelmy_spends_the_target_epsilon_and_still_learns(tmp_path, sigma_once):
     book = dp.Book(tmp_path / privacy.BOOK)
     opts = privacy.options({**BASE, "dp_epsilon": 8.0})
     cfg = TrainConfig(**{k: BASE[k] for k in params.TRAIN_NAMES})
@@ -145,7 +164,7 @@ def test_a_retrained_model_replaces_its_entry_in_the_book(tmp_path):
     assert dp.spent([book.path], 1e-5)["steps"] == 20
 
 
-def test_a_star_sites_jobs_train_under_dp_and_its_evaluation_reports_what_it_spent(tmp_path):
+def test_a_star_sites_jobs_train_under_dp_and_its_evaluation_reports_what_it_spent(tmp_path, sigma_once):
     """The worker's jobs as a FedAvg site runs them: train (warm-up and S·E epochs under DP-SGD,
     booked in the visit's folder), then evaluate (the spent (ε, δ) in the statistics it signs)."""
     from fedrelay.peer import jobs
@@ -194,9 +213,8 @@ CHAIN = ["--models-per-site", "2", "--local-epochs", "1", "--warmup-epochs", "1"
 
 @pytest.fixture(scope="module")
 def trial(three_sites, tmp_path_factory):
-    from bench.common import deploy_script
+    from deploy import local_trial
 
-    local_trial = deploy_script("local_trial")
     with local_trial.LocalTrial(tmp_path_factory.mktemp("privacy"), three_sites[:2]) as t:  # two sites: one hop a round
         yield t
 

@@ -1,4 +1,4 @@
-"""The relay bounded like a peer's Handoff (issue 28, item 1): only transfers a run's plan names
+"""The relay bounded like a peer's Handoff (docs/relay-bounds.md): only transfers a run's plan names
 (the operator's relay: only with the coordinator's signed grant), the run's payload cap per
 envelope, per-run and per-sender quotas, no compressed requests, a stall timeout, and expiry of
 what is never fetched. Real relays on loopback over mutual TLS; an attacker holding one
@@ -13,27 +13,19 @@ import time
 import grpc
 import pytest
 
-from fedrelay import signing, transfer_bounds, wire
-from fedrelay.coordinator import pki
+from fedrelay import signing, transfer_bounds
+from fedrelay.callers import COORDINATOR_IDENTITY
+from fedrelay.calls import CHUNK_BYTES
+from fedrelay.files import sha256_file
+from fedrelay.server import make_server
 from fedrelay.coordinator.relay import RelayService, serve_relay
 from fedrelay.coordinator.relay_bounds import GRANT_SECONDS, CapUnknown, Permit, RelayLimits, issue_grant
 from fedrelay.peer import relaying
-from fedrelay.peer.transfer import partial_path
+from fedrelay.receiving import partial_path
 from fedrelay.v1 import common_pb2, relay_pb2, relay_pb2_grpc
 
 MiB = 1 << 20
 PUT = "/fedrelay.v1.Relay/Put"
-
-
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory):
-    """A CA, the coordinator's identity and three sites'."""
-    root = tmp_path_factory.mktemp("pki")
-    pki.init_ca(root / "pki")
-    ids = {"coordinator": wire.Transport.from_dir(root / "pki" / "coordinator")}
-    for name in ("site-a", "site-b", "site-c"):
-        ids[name] = wire.Transport.from_dir(pki.enroll(name, root / "pki", root / name))
-    return ids
 
 
 def _start(federation, folder, relay_limits: RelayLimits):
@@ -174,7 +166,7 @@ def test_a_compressed_put_is_refused_and_leaves_nothing(federation, relay_with, 
             counter.append(1)
             yield common_pb2.ModelChunk(data=zeros)
 
-    with federation["site-a"].channel(address, expect=wire.COORDINATOR_IDENTITY) as channel:
+    with federation["site-a"].channel(address, expect=COORDINATOR_IDENTITY) as channel:
         put = channel.stream_unary(PUT, request_serializer=common_pb2.ModelChunk.SerializeToString,
                                    response_deserializer=relay_pb2.RelayReceipt.FromString)
         with pytest.raises(grpc.RpcError) as err:
@@ -198,7 +190,7 @@ def test_a_put_that_sends_nothing_is_dropped_after_the_stall_timeout(federation,
     # (A Put that sends not even its header is dropped earlier still, by the server's guard:
     # fedrelay/guard.py's deadline for the first request message.)
     started = time.monotonic()
-    with federation["site-a"].channel(address, expect=wire.COORDINATOR_IDENTITY) as channel:
+    with federation["site-a"].channel(address, expect=COORDINATOR_IDENTITY) as channel:
         put = channel.stream_unary(PUT, request_serializer=common_pb2.ModelChunk.SerializeToString,
                                    response_deserializer=relay_pb2.RelayReceipt.FromString)
         try:
@@ -226,15 +218,15 @@ def test_envelopes_never_fetched_expire(federation, relay_with, tmp_path):
                      grant=_grant(federation, "run-x", _t(index=2), payload_cap=4 * MiB))
     service = RelayService(folder, limits=RelayLimits(lifetime=3600))
     dest2 = service.path("run-x", common_pb2.CHAIN_HOP, 2, "site-b")
-    assert partial_path(dest2, wire.sha256_file(envelope)).exists()
+    assert partial_path(dest2, sha256_file(envelope)).exists()
     assert service.sweep(force=True) == 0  # within their lifetime: kept
     removed = service.reservations.sweep(now=time.time() + 3601, force=True)
-    assert removed == 3 * MiB + wire.CHUNK_BYTES
+    assert removed == 3 * MiB + CHUNK_BYTES
     assert _stored(folder) == []
     key = relay_pb2.RelayKey(run_id="run-x", purpose=common_pb2.CHAIN_HOP, index=1, receiver="site-b")
     with pytest.raises(grpc.RpcError) as err:
         relaying.fetch(address, federation["site-b"], key, "site-a", tmp_path / "b.sealed", 3 * MiB,
-                       wire.sha256_file(envelope), [0])
+                       sha256_file(envelope), [0])
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -272,7 +264,7 @@ def _permits(runs, peer=None):
 
 def _coordinator_relay(federation, folder, authorize):
     service = RelayService(folder, authorize=authorize)
-    server, port = wire.make_server("127.0.0.1:0", transport=federation["coordinator"])
+    server, port = make_server("127.0.0.1:0", transport=federation["coordinator"])
     relay_pb2_grpc.add_RelayServicer_to_server(service, server)
     server.start()
     return server, f"127.0.0.1:{port}"
@@ -353,7 +345,7 @@ def test_a_planned_sender_gets_a_grant_the_operators_relay_takes_and_nobody_else
                       warnings=[], insecure=False, plan=chain_plan(sites).to_json())
     ledger.update_run("run-g", model_bytes=850_000)  # fixed by the run's first agreed transfer
     service = CoordinatorService(ledger, transport=federation["coordinator"], relay="127.0.0.1:1")
-    server, port = wire.make_server("127.0.0.1:0", transport=federation["coordinator"])
+    server, port = make_server("127.0.0.1:0", transport=federation["coordinator"])
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     server.start()
     coordinator = f"127.0.0.1:{port}"
@@ -400,7 +392,7 @@ def test_a_resealed_envelope_replaces_the_one_held_and_a_refused_one_leaves_noth
     relaying.put(address, federation["site-a"], "run-w", t, second, [0], grant=_grant(federation, "run-w", t))
     key = relay_pb2.RelayKey(run_id="run-w", purpose=common_pb2.CHAIN_HOP, index=1, receiver="site-b")
     got = relaying.fetch(address, federation["site-b"], key, "site-a", tmp_path / "b.sealed", 30_000,
-                         wire.sha256_file(second), [0])
+                         sha256_file(second), [0])
     assert got.path.read_bytes() == second.read_bytes()
     assert len([p for p in _stored(folder) if p.suffix == ".json"]) == 1  # one reservation for the transfer
     # A third whose bytes are not its declared digest: refused, and nothing of it or before it stays
@@ -408,7 +400,7 @@ def test_a_resealed_envelope_replaces_the_one_held_and_a_refused_one_leaves_noth
     header = common_pb2.TransferHeader(run_id="run-w", hop=1, purpose=common_pb2.CHAIN_HOP, sender="site-a",
                                        receiver="site-b", total_bytes=1000, sha256="ab" * 32)
     header.relay_grant.CopyFrom(_grant(federation, "run-w", t))
-    with federation["site-a"].channel(address, expect=wire.COORDINATOR_IDENTITY) as channel:
+    with federation["site-a"].channel(address, expect=COORDINATOR_IDENTITY) as channel:
         put = channel.stream_unary(PUT, request_serializer=common_pb2.ModelChunk.SerializeToString,
                                    response_deserializer=relay_pb2.RelayReceipt.FromString)
         with pytest.raises(grpc.RpcError) as err:
@@ -458,7 +450,7 @@ def test_a_grant_request_with_hostile_strings_is_invalid_argument(federation, tm
 
     ledger = Ledger(tmp_path / "ledger.sqlite")
     service = CoordinatorService(ledger, transport=federation["coordinator"], relay="127.0.0.1:1")
-    server, port = wire.make_server("127.0.0.1:0", transport=federation["coordinator"])
+    server, port = make_server("127.0.0.1:0", transport=federation["coordinator"])
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     server.start()
     try:
@@ -482,7 +474,7 @@ def test_a_newer_put_of_the_same_transfer_ends_the_older_one(federation, relay_w
     envelope = _junk(tmp_path, 3 * MiB)
     grant = _grant(federation, "run-n", t, payload_cap=4 * MiB)
     header = common_pb2.TransferHeader(run_id="run-n", hop=1, purpose=common_pb2.CHAIN_HOP, sender="site-a",
-                                       receiver="site-b", total_bytes=3 * MiB, sha256=wire.sha256_file(envelope))
+                                       receiver="site-b", total_bytes=3 * MiB, sha256=sha256_file(envelope))
     header.relay_grant.CopyFrom(grant)
     first_sent, release, outcome = threading.Event(), threading.Event(), {}
 
@@ -493,7 +485,7 @@ def test_a_newer_put_of_the_same_transfer_ends_the_older_one(federation, relay_w
         release.wait(120)
 
     def run_older():
-        with federation["site-a"].channel(address, expect=wire.COORDINATOR_IDENTITY) as channel:
+        with federation["site-a"].channel(address, expect=COORDINATOR_IDENTITY) as channel:
             put = channel.stream_unary(PUT, request_serializer=common_pb2.ModelChunk.SerializeToString,
                                        response_deserializer=relay_pb2.RelayReceipt.FromString)
             try:
@@ -521,6 +513,6 @@ def test_a_newer_put_of_the_same_transfer_ends_the_older_one(federation, relay_w
 
 def held(dest, envelope) -> int:
     try:
-        return partial_path(dest, wire.sha256_file(envelope)).stat().st_size
+        return partial_path(dest, sha256_file(envelope)).stat().st_size
     except FileNotFoundError:
         return 0

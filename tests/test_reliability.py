@@ -12,12 +12,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.common import deploy_script
+from deploy import local_trial
 from conftest import hold_env, hold_folders
 
 pytestmark = pytest.mark.system
 
-local_trial = deploy_script("local_trial")
 
 # The sites are killed at known steps of their training (peer/jobs.py hold_point), not raced.
 CHAIN = ["--models-per-site", "3", "--local-epochs", "1", "--warmup-epochs", "1", "--batch-size", "32"]

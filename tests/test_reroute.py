@@ -8,12 +8,11 @@ import time
 
 import pytest
 
-from bench.common import deploy_script
+from deploy import local_trial
 from conftest import hold_env, hold_folders, write_fashion_like
 
 pytestmark = pytest.mark.system
 
-local_trial = deploy_script("local_trial")
 
 CHAIN = ["--models-per-site", "2", "--local-epochs", "1", "--warmup-epochs", "1", "--batch-size", "32"]
 

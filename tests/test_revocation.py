@@ -1,4 +1,4 @@
-"""Revocation (issue 26, item 2), over real mutual-TLS sockets on loopback: `coordinator revoke`
+"""Revocation (docs/site-keys-and-revocation.md), over real mutual-TLS sockets on loopback: `coordinator revoke`
 signs a revocation list with the CA, the coordinator records who revoked whom and when and
 publishes the list; the revoked site's calls are refused by the coordinator and by a peer
 daemon, its calls in flight (a control stream, a model transfer) are cancelled, with no daemon
@@ -17,7 +17,9 @@ import grpc
 import pytest
 from typer.testing import CliRunner
 
-from fedrelay import revocation, wire
+from fedrelay import revocation
+from fedrelay.server import make_server
+from fedrelay.transport import Transport
 from fedrelay.cli.coordinator import app as coord_app
 from fedrelay.coordinator import pki
 from fedrelay.coordinator.ledger import Ledger
@@ -50,21 +52,21 @@ def world(tmp_path, three_sites):
     the daemon's revocation list), with run r1 (site-a -> site-b -> site-c) assigned to it."""
     root = tmp_path
     pki.init_ca(root / "pki")
-    ids = {n: wire.Transport.from_dir(pki.enroll(n, root / "pki", root / n)) for n in ORDER}
-    ids["operator"] = wire.Transport.from_dir(root / "pki" / "operator")
-    ids["coordinator"] = wire.Transport.from_dir(root / "pki" / "coordinator")
+    ids = {n: Transport.from_dir(pki.enroll(n, root / "pki", root / n)) for n in ORDER}
+    ids["operator"] = Transport.from_dir(root / "pki" / "operator")
+    ids["coordinator"] = Transport.from_dir(root / "pki" / "coordinator")
     ledger = Ledger(root / "ledger.sqlite")
     service = CoordinatorService(ledger, transport=ids["coordinator"])
     guard = service.monitor.guard()
     guard.watch(service.revocations.list)
-    server, port = wire.make_server("127.0.0.1:0", transport=ids["coordinator"], guard=guard)
+    server, port = make_server("127.0.0.1:0", transport=ids["coordinator"], guard=guard)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     server.start()
     coordinator = f"127.0.0.1:{port}"
 
     peer_revocations = revocation.for_daemon(ids["site-b"], keep=root / "state-b" / "crl.der")
-    peer_server, peer_port = wire.make_server("127.0.0.1:0", transport=ids["site-b"],
-                                              guard=Guard(revocations=peer_revocations))
+    peer_server, peer_port = make_server("127.0.0.1:0", transport=ids["site-b"],
+                                         guard=Guard(revocations=peer_revocations))
     node = PeerNode("site-b", f"127.0.0.1:{peer_port}", load_site(three_sites[0]), root / "state-b", "cpu", None,
                     start_workers=False, transport=ids["site-b"], stall_timeout=120)
     node.revocations = peer_revocations
@@ -204,7 +206,7 @@ def test_a_revoked_site_is_refused_and_cut_off_everywhere(world):
 
     # site-a is enrolled anew (a new key, a new certificate): back in good standing once it
     # registers; its old certificate stays refused; the peer learns it with its next heartbeat.
-    w["ids"]["site-a2"] = wire.Transport.from_dir(pki.enroll("site-a", w["root"] / "pki", w["root"] / "site-a2"))
+    w["ids"]["site-a2"] = Transport.from_dir(pki.enroll("site-a", w["root"] / "pki", w["root"] / "site-a2"))
     reply = coord_stub(w, "site-a2").Register(cpb.RegisterRequest(name="site-a", address="127.0.0.1:9", instance="ia2"),
                                               timeout=WAIT)
     assert (reply.crl_number, reply.revoked_sites) == (1, 0)

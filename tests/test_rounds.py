@@ -9,20 +9,10 @@ import json
 
 import pytest
 
-from bench.common import deploy_script
+from test_chain import CHAIN, trial  # noqa: F401 - a fixture: this module's own trial of three sites
 from test_reliability import finished, run_dir, show, wait_until
 
 pytestmark = pytest.mark.integration
-
-local_trial = deploy_script("local_trial")
-
-CHAIN = ["--models-per-site", "2", "--local-epochs", "1", "--warmup-epochs", "1", "--batch-size", "32"]
-
-
-@pytest.fixture(scope="module")
-def trial(three_sites, tmp_path_factory):
-    with local_trial.LocalTrial(tmp_path_factory.mktemp("rounds"), three_sites) as t:
-        yield t
 
 
 def start(trial, seed: int, *extra: str, wait: bool = True) -> dict:

@@ -11,14 +11,13 @@ import os
 from pathlib import Path
 
 import pytest
-from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from fedrelay import sealing
 from fedrelay.coordinator import pki
 from fedrelay.sealing import SealError, open_file, read_header, seal_file
+from conftest import self_signed
 
 HEADER = {"run_id": "run-1", "purpose": "model", "index": 2, "round": 0, "sender": "site-a", "receiver": "site-b"}
 EXPECT = {"run_id": "run-1", "purpose": "model", "index": 2, "sender": "site-a", "receiver": "site-b"}
@@ -171,12 +170,7 @@ def test_seal_checks_recipient_and_header(ids, tmp_path):
 
 
 def test_recipient_key_must_be_p256(ids, tmp_path):
-    key = ec.generate_private_key(ec.SECP384R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "site-b")])
-    now = dt.datetime.now(dt.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(1).not_valid_before(now).not_valid_after(now + dt.timedelta(days=1))
-            .sign(key, hashes.SHA256()))
+    _, cert = self_signed("site-b", ec.SECP384R1)
     with pytest.raises(SealError, match="key type EC secp384r1; sealing needs EC P-256"):
         seal_file(__file__, tmp_path / "env.seal", header=HEADER,
                   recipient_cert_pem=cert.public_bytes(serialization.Encoding.PEM),

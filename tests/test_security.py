@@ -16,14 +16,15 @@ import grpc
 import pytest
 import torch
 
-from fedrelay import signing, wire
+from fedrelay import signing
+from fedrelay.server import make_server
+from fedrelay.tensors import encode_state
+from fedrelay.transport import INSECURE, Transport, TransportError
 from fedrelay.coordinator import pki
-from fedrelay.coordinator.ledger import Ledger
-from fedrelay.coordinator.service import CoordinatorService
 from fedrelay.tasks.image_folder.data import load_site
 from fedrelay.models import ModelSpec, build_model
 from fedrelay.tasks.image_folder import spec as image_spec
-from conftest import image_offer_pbs
+from conftest import registration, start_coordinator
 from fedrelay.peer.node import PeerNode
 from fedrelay.peer.reporting import CoordinatorLink
 from fedrelay.peer.servicer import PeerServicer
@@ -40,25 +41,25 @@ STALL = 1.0  # the test peer's --stall-timeout, seconds
 
 # -- PKI and identities --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def ids(tmp_path_factory) -> dict[str, wire.Transport]:
+def ids(tmp_path_factory) -> dict[str, Transport]:
     root = tmp_path_factory.mktemp("pki")
     pki.init_ca(root / "pki")
-    out = {"coordinator": wire.Transport.from_dir(root / "pki" / "coordinator"),
-           "operator": wire.Transport.from_dir(root / "pki" / "operator")}
+    out = {"coordinator": Transport.from_dir(root / "pki" / "coordinator"),
+           "operator": Transport.from_dir(root / "pki" / "operator")}
     for name in ORDER:
-        out[name] = wire.Transport.from_dir(pki.enroll(name, root / "pki", root / name))
+        out[name] = Transport.from_dir(pki.enroll(name, root / "pki", root / name))
     # Another CA with identities of the same names: a different federation, or an attacker's.
     pki.init_ca(root / "rogue")
-    out["rogue-coordinator"] = wire.Transport.from_dir(root / "rogue" / "coordinator")
-    out["rogue-site-a"] = wire.Transport.from_dir(pki.enroll("site-a", root / "rogue", root / "rogue-a"))
+    out["rogue-coordinator"] = Transport.from_dir(root / "rogue" / "coordinator")
+    out["rogue-site-a"] = Transport.from_dir(pki.enroll("site-a", root / "rogue", root / "rogue-a"))
     # site-a's certificate from the right CA, expired a week ago.
     expired = pki.enroll("site-a", root / "pki", root / "expired-a", days=1,
                          not_before=dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=8))
-    with pytest.raises(wire.TransportError, match="valid from"):
-        wire.Transport.from_dir(expired)  # the CLI refuses it up front...
-    out["expired-site-a"] = wire.Transport(key=(expired / "key.pem").read_bytes(),
-                                           cert=(expired / "cert.pem").read_bytes(),
-                                           ca=(expired / "ca.pem").read_bytes(), identity="site-a")
+    with pytest.raises(TransportError, match="valid from"):
+        Transport.from_dir(expired)  # the CLI refuses it up front...
+    out["expired-site-a"] = Transport(key=(expired / "key.pem").read_bytes(),
+                                      cert=(expired / "cert.pem").read_bytes(),
+                                      ca=(expired / "ca.pem").read_bytes(), identity="site-a")
     out["_root"] = root
     return out
 
@@ -73,9 +74,9 @@ RUNS = ("replay", "bad", "fuzz", "final", "after", "stall", "cut")
 
 def start_peer(site_dir: Path, state: Path, ids, runs=RUNS, guard=None) -> tuple[grpc.Server, PeerNode, str]:
     """site-b's daemon over mutual TLS (its servicer and node, as `peer serve` builds them), with
-    ``runs`` assigned (site-a -> site-b -> site-c) and ``guard`` (default: ``wire.make_server``'s).
+    ``runs`` assigned (site-a -> site-b -> site-c) and ``guard`` (default: ``server.make_server``'s).
     Returns (server, node, address); stop the server when done."""
-    server, port = wire.make_server("127.0.0.1:0", transport=ids["site-b"], guard=guard)
+    server, port = make_server("127.0.0.1:0", transport=ids["site-b"], guard=guard)
     address = f"127.0.0.1:{port}"
     node = PeerNode("site-b", address, load_site(site_dir), state, "cpu", None, start_workers=False,
                     transport=ids["site-b"], stall_timeout=STALL)
@@ -95,7 +96,7 @@ def peer(three_sites, tmp_path_factory, ids):
     server.stop(0)
 
 
-def stub(transport: wire.Transport, address: str, expect: str | None = "site-b") -> peer_pb2_grpc.PeerStub:
+def stub(transport: Transport, address: str, expect: str | None = "site-b") -> peer_pb2_grpc.PeerStub:
     return peer_pb2_grpc.PeerStub(transport.channel(address, expect=expect))
 
 
@@ -111,7 +112,7 @@ def snapshot(node: PeerNode, run_id: str) -> dict[str, tuple]:
 
 def model_bytes(seed: int = 0, spec: ModelSpec = SPEC) -> bytes:
     torch.manual_seed(seed)
-    return wire.encode_state(build_model(spec).state_dict())
+    return encode_state(build_model(spec).state_dict())
 
 
 def header(run_id: str, data: bytes, **kw) -> common_pb2.TransferHeader:
@@ -125,16 +126,22 @@ GOOD = model_bytes()
 
 
 # -- who may connect -----------------------------------------------------------------------------
+def channel_as(ids, who: str, address: str, expect: str) -> grpc.Channel:
+    """A channel to the server ``expect`` (its certificate name) at ``address`` as ``who``: an
+    identity of ``ids``, ``"no certificate"`` (TLS that trusts the federation's CA and presents
+    no client certificate) or ``"plaintext"``."""
+    if who == "no certificate":
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ids["site-a"].ca),
+                                   options=[("grpc.ssl_target_name_override", expect)])
+    if who == "plaintext":
+        return INSECURE.channel(address)
+    return ids[who].channel(address, expect=expect)
+
+
 @pytest.mark.parametrize("who", ["rogue-coordinator", "rogue-site-a", "expired-site-a", "no certificate", "plaintext"])
 def test_connection_without_an_enrolled_valid_certificate_is_refused(peer, ids, who):
     node, address = peer
-    if who == "no certificate":
-        ch = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ids["site-b"].ca),
-                                 options=[("grpc.ssl_target_name_override", "site-b")])
-    elif who == "plaintext":
-        ch = wire.INSECURE.channel(address)
-    else:
-        ch = ids[who].channel(address, expect="site-b")
+    ch = channel_as(ids, who, address, "site-b")
     before = snapshot(node, "bad")
     with ch:
         for call in (lambda s: s.GetStatus(peer_pb2.StatusRequest(), timeout=5),
@@ -285,12 +292,12 @@ PAYLOADS = {
         b'{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},"b":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}',
         b"\x00" * 16), "safetensors"),
     "header not json": (lambda: _raw_safetensors(b"\xff\xfe{not json", b"\x00" * 16), "safetensors"),
-    "wrong tensor names": (lambda: wire.encode_state(_state(r=_rename)), "names"),
-    "an extra tensor": (lambda: wire.encode_state(_state(r=_extra)), "names"),
-    "wrong shape": (lambda: wire.encode_state(_state(r=_reshape)), "tensor"),
-    "wrong dtype": (lambda: wire.encode_state(_state(r=_retype)), "tensor"),
-    "NaN": (lambda: wire.encode_state(_state(r=_poison(float("nan")))), "NaN"),
-    "Inf": (lambda: wire.encode_state(_state(r=_poison(float("inf")))), "Inf"),
+    "wrong tensor names": (lambda: encode_state(_state(r=_rename)), "names"),
+    "an extra tensor": (lambda: encode_state(_state(r=_extra)), "names"),
+    "wrong shape": (lambda: encode_state(_state(r=_reshape)), "tensor"),
+    "wrong dtype": (lambda: encode_state(_state(r=_retype)), "tensor"),
+    "NaN": (lambda: encode_state(_state(r=_poison(float("nan")))), "NaN"),
+    "Inf": (lambda: encode_state(_state(r=_poison(float("inf")))), "Inf"),
     "another model": (lambda: model_bytes(spec=image_spec("cnn", 1, (28, 28), 7)), "tensor"),
 }
 
@@ -451,17 +458,6 @@ def test_a_cut_stream_resumes_and_a_bad_resume_loses_the_partial(peer, ids):
     healthy(ids, address)
 
 
-def start_coordinator(db: Path, ids, guard=None) -> tuple[grpc.Server, str, Ledger]:
-    """The coordinator's service over mutual TLS with a ledger at ``db`` and ``guard`` (default:
-    ``wire.make_server``'s). Returns (server, address, ledger); stop and close them when done."""
-    ledger = Ledger(db)
-    server, port = wire.make_server("127.0.0.1:0", transport=ids["coordinator"], guard=guard)
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-        CoordinatorService(ledger, transport=ids["coordinator"]), server)
-    server.start()
-    return server, f"127.0.0.1:{port}", ledger
-
-
 @pytest.fixture(scope="module")
 def coordinator(ids, tmp_path_factory):
     server, address, ledger = start_coordinator(tmp_path_factory.mktemp("ledger") / "l.sqlite", ids)
@@ -470,15 +466,11 @@ def coordinator(ids, tmp_path_factory):
     ledger.close()
 
 
-def cstub(transport: wire.Transport, address: str, signed: bool = True) -> coordinator_pb2_grpc.CoordinatorStub:
+def cstub(transport: Transport, address: str, signed: bool = True) -> coordinator_pb2_grpc.CoordinatorStub:
     """A stub to the coordinator with ``transport``'s identity; its reports are signed with that
     identity's key, as a peer's are (``signed=False``: sent as given)."""
     stub = coordinator_pb2_grpc.CoordinatorStub(transport.channel(address, expect="coordinator"))
     return signing.SigningStub(stub, signing.signer_for(transport)) if signed else stub
-
-
-def registration(name: str) -> cpb.RegisterRequest:
-    return cpb.RegisterRequest(name=name, address="127.0.0.1:9", tasks=image_offer_pbs({"Bag": (5, 1)}))
 
 
 def test_coordinator_takes_registrations_and_reports_only_from_the_site_itself(coordinator, ids):
@@ -528,13 +520,7 @@ def test_operator_calls_only_from_the_operator(coordinator, ids):
 @pytest.mark.parametrize("who", ["rogue-site-a", "expired-site-a", "no certificate", "plaintext"])
 def test_coordinator_refuses_connections_without_a_valid_enrolled_certificate(coordinator, ids, who):
     address, ledger = coordinator
-    if who == "no certificate":
-        ch = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ids["site-a"].ca),
-                                 options=[("grpc.ssl_target_name_override", "coordinator")])
-    elif who == "plaintext":
-        ch = wire.INSECURE.channel(address)
-    else:
-        ch = ids[who].channel(address, expect="coordinator")
+    ch = channel_as(ids, who, address, "coordinator")
     with ch, pytest.raises(grpc.RpcError) as err:
         coordinator_pb2_grpc.CoordinatorStub(ch).Register(registration("site-a"), timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE

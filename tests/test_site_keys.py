@@ -1,4 +1,4 @@
-"""Sites make their own keys (issue 26, item 1): `peer init` writes the site's key and request at
+"""Sites make their own keys (docs/site-keys-and-revocation.md): `peer init` writes the site's key and request at
 the site, `coordinator enroll --csr` signs the request, the private key never reaches the
 operator's folder; bad requests are refused with a clear message; a site-made identity speaks
 mutual TLS with the coordinator and signs reports that verify against the CA."""
@@ -15,7 +15,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from typer.testing import CliRunner
 
-from fedrelay import signing, wire
+from fedrelay import signing
+from fedrelay.server import make_server
+from fedrelay.transport import Transport
 from fedrelay.cli.coordinator import app as coord_app
 from fedrelay.cli.peer import app as peer_app
 from fedrelay.coordinator import pki
@@ -71,7 +73,7 @@ def test_the_key_stays_at_the_site(enrolled):
     assert [str(i) for i in sans.get_values_for_type(x509.IPAddress)] == ["10.0.0.5"]
     # The CA keeps a copy of what it issued (revocation finds it by name).
     assert [c.serial_number for c in pki.issued(root / "pki", "site-a")] == [cert.serial_number]
-    assert wire.Transport.from_dir(site_tls).identity == "site-a"
+    assert Transport.from_dir(site_tls).identity == "site-a"
 
 
 def test_init_never_replaces_a_key_silently(enrolled):
@@ -129,11 +131,11 @@ def test_site_made_identity_speaks_tls_and_signs_reports(enrolled, tmp_path):
     """The coordinator accepts the site-made identity over mutual TLS, and a report signed with
     the site's own key verifies against the CA (fedrelay/signing.py, as the ledger checks it)."""
     root, site_tls = enrolled
-    site = wire.Transport.from_dir(site_tls)
-    coordinator = wire.Transport.from_dir(root / "pki" / "coordinator")
+    site = Transport.from_dir(site_tls)
+    coordinator = Transport.from_dir(root / "pki" / "coordinator")
     ledger = Ledger(tmp_path / "ledger.sqlite")
     service = CoordinatorService(ledger, transport=coordinator)
-    server, port = wire.make_server("127.0.0.1:0", transport=coordinator)
+    server, port = make_server("127.0.0.1:0", transport=coordinator)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     server.start()
     try:

@@ -1,4 +1,4 @@
-"""The parallel one-shot methods through real daemons (issue #11): a star plan around one
+"""The parallel one-shot methods through real daemons (docs/explanation/methods.md): a star plan around one
 aggregating site, over mutual TLS, driven through the CLI, on tiny synthetic data.
 
 Every site trains from the run's initial model at once and uploads its payload (model + the
@@ -16,11 +16,10 @@ import time
 import pytest
 
 from fedrelay.tasks.image_folder import spec as image_spec
-from bench.common import deploy_script
+from deploy import local_trial
 
 pytestmark = pytest.mark.integration
 
-local_trial = deploy_script("local_trial")
 
 # S = 1, E = 2, Ew = 1 on ~70 images per site: seconds per site.
 STAR = ["--models-per-site", "1", "--local-epochs", "2", "--warmup-epochs", "1", "--batch-size", "32"]
@@ -107,12 +106,12 @@ def test_each_parallel_method_runs_through_the_daemons(trial, strategy, extra):
 
 
 def test_initial_weights_file_named_by_its_digest(trial, tmp_path):
-    from fedrelay import wire
+    from fedrelay.tensors import encode_state
     from fedrelay.models import build_seeded
 
     # The trial's images: 1 x 28 x 28, 10 classes (conftest).
     state = build_seeded(image_spec("cnn", 1, (28, 28), 10), 1234).state_dict()
-    data = wire.encode_state(state)
+    data = encode_state(state)
     sha = hashlib.sha256(data).hexdigest()
     # No site holds it yet: the run is refused, with where to put it, and nothing runs.
     res = start(trial, 4, "--strategy", "fedavg", "--init", "file", "--init-weights", sha, ok=False)
@@ -214,7 +213,7 @@ def test_the_aggregator_stops_waiting_at_the_upload_timeout(three_sites, tmp_pat
 def test_an_upload_without_the_aggregators_extra_tensors_is_refused(three_sites, tmp_path):
     """MA-Echo's uploads must carry its projection matrices and class counts: a bare model, or
     extras of the wrong shape, is refused before anything is kept."""
-    from fedrelay import wire
+    from fedrelay.tensors import encode_state
     from fedrelay.peer.aggregators import EXTRA
     from fedrelay.tasks.image_folder.data import load_site
     from fedrelay.models import build_seeded
@@ -227,7 +226,7 @@ def test_an_upload_without_the_aggregators_extra_tensors_is_refused(three_sites,
 
     state = build_seeded(image_spec("cnn", 1, (28, 28), 10), 1).state_dict()
     with pytest.raises(ValueError, match="tensor names differ"):
-        node.schemas.check_model_bytes(a, wire.encode_state(state), common_pb2.UPLOAD)
+        node.schemas.check_model_bytes(a, encode_state(state), common_pb2.UPLOAD)
     from fedrelay import params as run_params
     from fedrelay.peer.aggregators import join_payload
     from fedrelay.peer.aggregators import maecho
@@ -237,11 +236,11 @@ def test_an_upload_without_the_aggregators_extra_tensors_is_refused(three_sites,
     opts = run_params.options(run_params.to_dict(a.params))
     made = maecho.site_extras(state, image_spec("cnn", 1, (28, 28), 10), train, opts)
     extras = {k: v.clone() for k, v in join_payload(state, made).items()}
-    node.schemas.check_model_bytes(a, wire.encode_state(extras), common_pb2.UPLOAD)  # the real thing passes
+    node.schemas.check_model_bytes(a, encode_state(extras), common_pb2.UPLOAD)  # the real thing passes
     counts = EXTRA + "class_counts"
     extras[counts] = extras[counts][:5]
     with pytest.raises(ValueError, match="class_counts"):
-        node.schemas.check_model_bytes(a, wire.encode_state(extras), common_pb2.UPLOAD)
+        node.schemas.check_model_bytes(a, encode_state(extras), common_pb2.UPLOAD)
     # A final copy is the bare model: the extras are refused there.
     with pytest.raises(ValueError, match="tensor names differ"):
-        node.schemas.check_model_bytes(a, wire.encode_state(extras), common_pb2.FINAL_MODEL)
+        node.schemas.check_model_bytes(a, encode_state(extras), common_pb2.FINAL_MODEL)

@@ -11,11 +11,10 @@ import json
 import numpy as np
 import pytest
 
-from bench.common import deploy_script
+from deploy import local_trial
 
 pytestmark = pytest.mark.integration
 
-local_trial = deploy_script("local_trial")
 
 # Small and quick; the demo's own arguments (Makefile BC_CHAIN_ARGS) train longer.
 CHAIN = ["--task", "tabular-csv", "--models-per-site", "2", "--local-epochs", "2", "--warmup-epochs", "2",

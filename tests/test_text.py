@@ -15,7 +15,7 @@ from conftest import image_offers
 from rich.console import Console
 from typer.testing import CliRunner
 
-from fedrelay import wire
+from fedrelay.server import make_server
 from fedrelay.coordinator.ledger import Ledger
 from fedrelay.coordinator.plan import chain_plan
 from fedrelay.coordinator.service import CoordinatorService
@@ -93,7 +93,7 @@ class Context:
 def coordinator():
     ledger = Ledger(":memory:")
     service = CoordinatorService(ledger)
-    server, port = wire.make_server("127.0.0.1:0")
+    server, port = make_server("127.0.0.1:0")
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     server.start()
     # A running run whose site reported a hostile detail and a metric row with a hostile stage
@@ -157,7 +157,7 @@ def test_peer_status_shows_its_daemons_words_as_text():
                                        coordinator="127.0.0.1:2", registration_error=HOSTILE, last_registered=1.0,
                                        runs=[peer_pb2.RunStatus(run_id="r", state="[/]", detail=HOSTILE)])
 
-    server, port = wire.make_server("127.0.0.1:0")
+    server, port = make_server("127.0.0.1:0")
     peer_pb2_grpc.add_PeerServicer_to_server(Servicer(), server)
     server.start()
     try:

@@ -11,7 +11,9 @@ import grpc
 import pytest
 import torch
 
-from fedrelay import wire
+from fedrelay.server import make_server
+from fedrelay.tensors import encode_state
+from fedrelay.transport import INSECURE
 from fedrelay.coordinator.split import FASHION_MNIST_CLASSES
 from fedrelay.tasks.image_folder.data import load_site
 from fedrelay.models import ModelSpec, build_model
@@ -43,12 +45,12 @@ def assignment(run_id: str, order=("site-a", "site-b"), site: str = "site-b", ro
 @pytest.fixture(scope="module")
 def peer(three_sites, tmp_path_factory):
     state = tmp_path_factory.mktemp("state")
-    server, port = wire.make_server("127.0.0.1:0")
+    server, port = make_server("127.0.0.1:0")
     address = f"127.0.0.1:{port}"
     node = PeerNode("site-b", address, load_site(three_sites[0]), state, "cpu", None, start_workers=False)
     add_peer_servicer(PeerServicer(node), server)
     server.start()
-    channel = wire.INSECURE.channel(address)
+    channel = INSECURE.channel(address)
     stub = peer_pb2_grpc.PeerStub(channel)
     for run_id in ("ok", "bad"):
         stub.Assign(assignment(run_id), timeout=10)
@@ -62,7 +64,7 @@ def payload(tmp_path: Path, spec: ModelSpec = SPEC, nan: bool = False) -> tuple[
     state = build_model(spec).state_dict()
     if nan:
         next(v for v in state.values() if v.is_floating_point())[0] = float("nan")
-    data = wire.encode_state(state)
+    data = encode_state(state)
     path = tmp_path / "model.safetensors"
     path.write_bytes(data)
     return path, data
@@ -100,7 +102,7 @@ def test_good_handoff_is_verified_written_and_idempotent(peer, tmp_path):
     assert stored.read_bytes() == data
     # A different model for the same hop is refused and the accepted one is kept.
     torch.manual_seed(1)
-    different = wire.encode_state(build_model(SPEC).state_dict())
+    different = encode_state(build_model(SPEC).state_dict())
     with pytest.raises(grpc.RpcError) as err:
         stub.Handoff(stream(header("ok", different), different), timeout=10)
     assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS

@@ -209,13 +209,13 @@ def test_coordinator_ledger_that_cannot_be_opened_is_a_clear_error(tmp_path):
 
 
 def test_read_only_state_dir_is_refused_at_start(tmp_path):
-    from fedrelay import wire
+    from fedrelay.transport import Transport
     from fedrelay.peer import daemon
 
     state = _unwritable_folder(tmp_path) / "state"
     with pytest.raises(ValueError, match="--state-dir .* is not a writable folder"):
         daemon.serve(data_dir=tmp_path / "nowhere", name="site-a", listen="127.0.0.1:0", coordinator="127.0.0.1:9",
-                     state_dir=state, device="cpu", transport=wire.Transport.insecure())
+                     state_dir=state, device="cpu", transport=Transport.insecure())
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="--state-dir"):
         daemon.check_state_dir(tmp_path / "file")
@@ -228,13 +228,13 @@ def test_tls_and_plaintext_mismatch_is_named(tmp_path):
 
     from fedrelay.coordinator import pki
     from fedrelay.coordinator.service import serve
-    from fedrelay import wire
+    from fedrelay.transport import Transport, speaks_tls
 
     pki.init_ca(tmp_path / "pki")
     stop, servers = threading.Event(), {}
     threads = []
-    for kind, transport in (("tls", wire.Transport.from_dir(tmp_path / "pki" / "coordinator")),
-                            ("plain", wire.Transport.insecure())):
+    for kind, transport in (("tls", Transport.from_dir(tmp_path / "pki" / "coordinator")),
+                            ("plain", Transport.insecure())):
         import socket
 
         with socket.socket() as s:
@@ -247,7 +247,7 @@ def test_tls_and_plaintext_mismatch_is_named(tmp_path):
         assert ready.wait(30)
         servers[kind], threads = f"127.0.0.1:{port}", threads + [t]
     try:
-        assert wire.speaks_tls(servers["tls"]) is True and wire.speaks_tls(servers["plain"]) is False
+        assert speaks_tls(servers["tls"]) is True and speaks_tls(servers["plain"]) is False
         res = invoke(coord_cli.app, "runs", "-c", servers["tls"], "--insecure")
         assert res.exit_code == 2 and f"the coordinator at {servers['tls']} speaks TLS" in flat(res.output)
         assert "--tls DIR" in flat(res.output)
@@ -316,13 +316,14 @@ def test_load_model_from_a_file_with_metadata(tmp_path):
 
     import torch
 
-    from fedrelay import final_model, load_model, wire
+    from fedrelay import final_model, load_model
+    from fedrelay.tensors import encode_state
     from fedrelay.models import build_model
     from fedrelay.tasks.image_folder import spec as image_spec
 
     torch.manual_seed(0)
     source = build_model(image_spec("cnn", 1, (12, 12), 3)).eval()
-    site_bytes = wire.encode_state(source.state_dict())  # what the sites exchange; its digest is the ledger's
+    site_bytes = encode_state(source.state_dict())  # what the sites exchange; its digest is the ledger's
     sha = hashlib.sha256(site_bytes).hexdigest()
     meta = final_model.describe(spec=image_spec("cnn", 1, (12, 12), 3).to_dict(), class_names=["cat", "dog", "eel"],
                                 run_id="r-1", strategy="fedelmy", final_sha256=sha)
@@ -341,7 +342,7 @@ def test_load_model_from_a_file_with_metadata(tmp_path):
     with pytest.raises(ValueError, match="no fedrelay metadata.*fetch-model"):
         load_model(bare)
     other = tmp_path / "other.safetensors"
-    other.write_bytes(final_model.with_metadata(wire.encode_state(build_model(image_spec("cnn", 1, (12, 12), 3))
-                                                                  .state_dict()), meta))
+    other.write_bytes(final_model.with_metadata(encode_state(build_model(image_spec("cnn", 1, (12, 12), 3))
+                                                             .state_dict()), meta))
     with pytest.raises(ValueError, match="not the run's final model"):
         load_model(other)

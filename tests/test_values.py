@@ -17,12 +17,12 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-from conftest import image_offer_pbs, image_offers
+from conftest import Aborted, FakeContext, image_offer_pbs, image_offers, new_run
 
-from fedrelay import wire
+from fedrelay.server import make_server
+from fedrelay.transport import INSECURE
 from fedrelay.coordinator.client import OperatorClient
 from fedrelay.coordinator.ledger import Ledger
-from fedrelay.coordinator.plan import chain_plan
 from fedrelay.coordinator.service import CoordinatorService
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, peer_pb2_grpc
 
@@ -33,38 +33,17 @@ PARAMS = dict(strategy="fedelmy", models_per_site=1, local_epochs=1, warmup_epoc
               batch_size=8, weight_decay=0.0, selection="best-val")
 
 
-class Aborted(Exception):
-    pass
-
-
-class FakeContext:
-    def abort(self, code, message):
-        raise Aborted(code, message)
-
-    def auth_context(self):
-        return {}
-
-    def peer(self):
-        return "ipv4:127.0.0.1:1"
-
-
-def new_run(ledger: Ledger, run_id: str, sites=("a", "b")) -> None:
-    ledger.create_run(run_id, strategy="fedelmy", arch="cnn", seed=1, params={},
-                      chain=[{"name": n, "address": "127.0.0.1:9"} for n in sites], class_index=["x"], model={},
-                      warnings=[], insecure=True, plan=chain_plan(list(sites)).to_json())
-
-
 @pytest.fixture(scope="module")
 def coordinator():
     """A coordinator over a plaintext socket (the daemons' guard included): (service, ledger,
     stub, address)."""
     ledger = Ledger(":memory:")
     service = CoordinatorService(ledger)
-    server, port = wire.make_server("127.0.0.1:0")
+    server, port = make_server("127.0.0.1:0")
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     server.start()
     address = f"127.0.0.1:{port}"
-    with wire.INSECURE.channel(address) as channel:
+    with INSECURE.channel(address) as channel:
         yield service, ledger, coordinator_pb2_grpc.CoordinatorStub(channel), address
     server.stop(0)
     service.close()
@@ -232,22 +211,32 @@ def test_runs_whose_texts_add_up_past_the_message_cap_are_listed_in_pages(coordi
 
 
 def test_peers_and_metrics_past_the_message_cap_are_listed_in_pages(coordinator, monkeypatch):
+    from fedrelay.calls import MAX_MESSAGE_BYTES
     from fedrelay.coordinator import replies
 
     _, ledger, _, address = coordinator
+    # The replies' budgets under the message cap, and the peers' class lists, scaled down SCALE
+    # times: the same pages and cuts as at full size (three records of ~3.9 MB that take a page
+    # each, one past a reply's budget), with 1/SCALE of the bytes to make, store and send.
+    assert replies.PAGE_BYTES < replies.SUMMARY_BYTES < MAX_MESSAGE_BYTES
+    scale = 100
+    monkeypatch.setattr(replies, "PAGE_BYTES", replies.PAGE_BYTES // scale)
+    monkeypatch.setattr(replies, "SUMMARY_BYTES", replies.SUMMARY_BYTES // scale)
+    many = 30_000 // scale
+
     def long_classes(n: int) -> list[dict]:  # 128-character class names: ~3.9 MB per 30,000
         return image_offers({f"{i:06d}" + "c" * 122: (1, 1) for i in range(n)})
 
     for name in ("p-1", "p-2", "p-3"):
-        ledger.upsert_peer(name, "127.0.0.1:9", long_classes(30_000), "cpu", "x")
-    ledger.upsert_peer("p-4", "127.0.0.1:9", long_classes(90_000), "cpu", "x")  # one record past the cap
+        ledger.upsert_peer(name, "127.0.0.1:9", long_classes(many), "cpu", "x")
+    ledger.upsert_peer("p-4", "127.0.0.1:9", long_classes(3 * many), "cpu", "x")  # one record past the cap
     with OperatorClient(address) as client:
         peers = {p.name: p for p in client.peers()}
     assert {"p-1", "p-2", "p-3", "p-4"} <= set(peers)
-    assert all(len(peers[n].tasks[0].classes) == 30_000 and peers[n].classes_omitted == 0
+    assert all(len(peers[n].tasks[0].classes) == many and peers[n].classes_omitted == 0
                for n in ("p-1", "p-2", "p-3"))
     p4 = peers["p-4"]
-    assert p4.classes_omitted > 0 and len(p4.tasks[0].classes) + p4.classes_omitted == 90_000
+    assert p4.classes_omitted > 0 and len(p4.tasks[0].classes) + p4.classes_omitted == 3 * many
     # Metrics: small pages, so that a few rows take several.
     monkeypatch.setattr(replies, "PAGE_BYTES", 200)
     new_run(ledger, "metrics")
@@ -274,7 +263,7 @@ class FakeDirectPeer:
             def Assign(self, request, context):
                 return peer_pb2.AssignReply()
 
-        self.server, port = wire.make_server("127.0.0.1:0")
+        self.server, port = make_server("127.0.0.1:0")
         peer_pb2_grpc.add_PeerServicer_to_server(Servicer(), self.server)
         self.server.start()
         self.address = f"127.0.0.1:{port}"
@@ -378,7 +367,7 @@ def test_a_senders_failing_streams_are_reported_a_few_times_then_counted(three_s
 
     from fedrelay.peer.node import PeerNode
     from fedrelay.peer.refusals import ANNOUNCED
-    from fedrelay.peer.transfer import TransferError
+    from fedrelay.receiving import TransferError
 
     node = PeerNode("site-b", "127.0.0.1:1", load_site(three_sites[0]), tmp_path / "state", "cpu", None,
                     start_workers=False)

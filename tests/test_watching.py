@@ -222,9 +222,9 @@ CHAIN = ["--models-per-site", "2", "--local-epochs", "2", "--warmup-epochs", "2"
 
 @pytest.fixture(scope="module")
 def trial(three_sites, tmp_path_factory):
-    from bench.common import deploy_script
+    from deploy import local_trial
 
-    with deploy_script("local_trial").LocalTrial(tmp_path_factory.mktemp("watching"), three_sites) as t:
+    with local_trial.LocalTrial(tmp_path_factory.mktemp("watching"), three_sites) as t:
         yield t
 
 
@@ -289,9 +289,9 @@ def test_watch_show_metrics_runs_and_peers_of_a_real_run(trial):
     res = trial.cli("metrics", run_id, "--site", "nowhere", capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "nowhere" in res.stderr and "Traceback" not in res.stderr
     # Only the operator may read them.
-    from fedrelay import wire
+    from fedrelay.transport import Transport
 
-    site = wire.Transport.from_dir(trial.site_tls(order[0]))
+    site = Transport.from_dir(trial.site_tls(order[0]))
     with site.channel(trial.coordinator, expect="coordinator") as ch, pytest.raises(grpc.RpcError) as err:
         from fedrelay.v1 import coordinator_pb2_grpc
 

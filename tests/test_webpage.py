@@ -8,29 +8,17 @@ import json
 import os
 import shutil
 import socket
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from fedrelay.coordinator.ledger import Ledger
-from fedrelay.coordinator.plan import chain_plan
-from fedrelay.coordinator.service import CoordinatorService
+from conftest import new_run
 
 pytestmark = pytest.mark.integration
 
 ORDER = ["site-a", "site-b", "site-c"]
 M = 1000
-
-
-@pytest.fixture
-def service():
-    ledger = Ledger(":memory:")
-    svc = CoordinatorService(ledger)
-    yield svc
-    svc.close()
-    ledger.close()
 
 
 @pytest.fixture
@@ -43,15 +31,9 @@ def client(service):
         yield c
 
 
-def new_run(ledger: Ledger, run_id: str) -> None:
-    ledger.create_run(run_id, strategy="fedelmy", arch="cnn", seed=1, params={},
-                      chain=[{"name": n, "address": "127.0.0.1:9"} for n in ORDER], class_index=["x"], model={},
-                      warnings=[], insecure=True, plan=chain_plan(ORDER).to_json())
-
-
 def test_run_list_and_one_run_as_it_progresses(service, client):
     ledger = service.ledger
-    new_run(ledger, "r1")
+    new_run(ledger, "r1", ORDER)
     ledger.add_event("r1", "started", "run r1")
     ledger.add_event("r1", "state", "site-a: training", site="site-a", state="training", detail="")
     ledger.record_metric("r1", "site-a", "warmup", 0, 1, 2, 2.3, 0.25, 0.5)
@@ -144,7 +126,7 @@ def test_unknown_run_is_a_404_page_not_a_traceback(service, client):
 
 
 def test_pages_and_assets_are_served_from_the_package(service, client):
-    new_run(service.ledger, "r2")
+    new_run(service.ledger, "r2", ORDER)
     page = client.get("/runs/r2")
     assert page.status_code == 200 and 'id="graph"' in page.text and 'id="transfers"' in page.text
     assert "http://" not in page.text and "https://" not in page.text  # nothing from a CDN
@@ -156,7 +138,7 @@ def test_pages_and_assets_are_served_from_the_package(service, client):
 
 def test_event_stream_resumes_after_last_event_id_and_ends_with_the_run(service, client):
     ledger = service.ledger
-    new_run(ledger, "r3")
+    new_run(ledger, "r3", ORDER)
     first = ledger.add_event("r3", "started", "one")
     ledger.add_event("r3", "state", "two", site="site-a", state="training")
     ledger.finish_run("r3", "failed", error="boom", message="run failed: boom", site="site-a")
@@ -222,10 +204,9 @@ def test_the_page_follows_a_real_run_in_a_browser(three_sites, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from bench.common import deploy_script
+    from deploy import local_trial
 
     browser = chrome()
-    local_trial = deploy_script("local_trial")
     web = free_port()
     try:
         with local_trial.LocalTrial(tmp_path / "trial", three_sites, insecure=True,
@@ -291,7 +272,7 @@ def test_the_server_starts_on_a_port_and_stops_with_a_stream_still_open(service)
 
     from fedrelay.coordinator.web import start_web
 
-    new_run(service.ledger, "r4")
+    new_run(service.ledger, "r4", ORDER)
     service.ledger.add_event("r4", "started", "one")
     page = start_web(str(free_port()), service)
     assert page.url.startswith("http://127.0.0.1:")

@@ -1,4 +1,4 @@
-"""Issue 13's building blocks of a light site daemon: payload validation without torch
+"""The building blocks of a light site daemon (docs/explanation/scale.md): payload validation without torch
 (fedrelay/payload.py) and host-wide worker slots (peer/slots.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from fedrelay import payload, wire
+from fedrelay import payload
+from fedrelay.files import atomic_write
+from fedrelay.tensors import encode_state
 from fedrelay.peer.slots import HostSlots
 
 pytestmark = pytest.mark.integration
@@ -72,11 +74,11 @@ def test_schema_from_torch_matches_the_run_model(tmp_path):
     assert payload.load_schema(tmp_path / "schema.json") == schema
     assert payload.payload_bytes(schema) == state_bytes(spec)
     state = build_seeded(spec, 1).state_dict()
-    payload.check_payload(wire.encode_state(state), schema)
+    payload.check_payload(encode_state(state), schema)
     state["classifier.3.bias"] = state["classifier.3.bias"].clone()
     state["classifier.3.bias"][0] = torch.nan
     with pytest.raises(ValueError, match="holds NaN or Inf"):
-        payload.check_payload(wire.encode_state(state), schema)
+        payload.check_payload(encode_state(state), schema)
 
 
 def test_slots_are_bounded_host_wide_and_freed_by_a_killed_holder(tmp_path):
@@ -166,7 +168,7 @@ def test_worker_process_evaluates_and_a_killed_one_says_why(three_sites, tmp_pat
     k = max(2, len(classes))
     spec = image_spec("cnn", c, (h, w), k).to_dict()
     model = tmp_path / "m.safetensors"
-    wire.atomic_write(model, wire.encode_state(build_seeded(image_spec("cnn", c, (h, w), k), 3).state_dict()))
+    atomic_write(model, encode_state(build_seeded(image_spec("cnn", c, (h, w), k), 3).state_dict()))
     slots = HostSlots(1, tmp_path / "slots")
     worker = WorkerProcess(slot=slots.try_acquire())
     try:

@@ -172,7 +172,7 @@ def _entry_points() -> dict[str, tuple[str, str]]:
 
 def _candidates(extra: Sequence[str] = ()) -> dict[str, tuple[str, str | None]]:
     """name -> (module:attr, version or None: look it up) of every task this site could offer."""
-    from fedrelay import __version__
+    from fedrelay.version import __version__
 
     found: dict[str, tuple[str, str | None]] = {name: (target, __version__) for name, target in BUILTIN.items()}
     for name, (target, version) in _entry_points().items():

@@ -1,9 +1,10 @@
 """Inbound model streams: at most one stream writes into a destination, and none hangs.
 
-``peer.receiving.Receiving.handoff`` checks a transfer against the run's plan; this module keeps the streams it
-accepted: a newer stream of the same transfer (the sender resumed after a link dropped without
+A site's ``Peer.Handoff`` (``fedrelay.peer``) and the relay's ``Relay.Put``
+(``fedrelay.coordinator.relay``) check a transfer against the run's plan; this module keeps the
+streams they accepted: a newer stream of the same transfer (the sender resumed after a link dropped without
 a reset) ends the older one, keeping its bytes (``claim``/``end``); a stream that sends nothing
-for ``stall_timeout`` seconds, or runs past ``wire.transfer_timeout`` of its declared size, is
+for ``stall_timeout`` seconds, or runs past ``calls.transfer_timeout`` of its declared size, is
 dropped (``watched``).
 """
 
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import grpc
 
-from fedrelay import wire
-from fedrelay.peer.transfer import TransferError
+from fedrelay.calls import transfer_timeout
+from fedrelay.receiving import TransferError
 
 
 class Stream:
@@ -75,7 +76,7 @@ class InboundStreams:
     def watched(self, chunks, cancel: threading.Event | None = None):
         """``chunks``, read by a helper thread, with a watchdog: raises ``TransferError``
         (DEADLINE_EXCEEDED) when no message comes for ``stall_timeout`` seconds, or when the
-        stream runs past ``wire.transfer_timeout`` of its declared size; ABORTED soon after
+        stream runs past ``calls.transfer_timeout`` of its declared size; ABORTED soon after
         ``cancel`` is set (a newer stream of the same transfer took over)."""
         q: queue.Queue = queue.Queue(maxsize=4)
         done = threading.Event()
@@ -125,7 +126,7 @@ class InboundStreams:
                 if isinstance(item, BaseException):
                     raise item
                 if deadline is None and item.WhichOneof("kind") == "header":
-                    deadline = time.monotonic() + wire.transfer_timeout(item.header.total_bytes)
+                    deadline = time.monotonic() + transfer_timeout(item.header.total_bytes)
                 yield item
         finally:
             done.set()
