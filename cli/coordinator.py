@@ -151,7 +151,7 @@ def relay_command(
     transport = transport_from(tls, False)
     setup_logging(verbose, prefix="[relay] ")
     stop_on_sigterm()
-    from fedrelay.coordinator.relay import serve_relay
+    from fedrelay.coordinator.relay_server import serve_relay
     from fedrelay.coordinator.relay_bounds import RelayLimits
 
     try:

@@ -130,7 +130,7 @@ class Registrar:
     # -- control streams ---------------------------------------------------------------------------
     def control_stream(self, site: str, instance: str, replies: Iterator, is_active: Callable[[], bool]):
         """The coordinator's side of the control stream of ``site`` (daemon ``instance``), a
-        site that only connects out (``coordinator/tunnel.py``): yields the hello back, then
+        site that only connects out (``coordinator/tunnel_server.py``): yields the hello back, then
         the calls for the site (``ControlRequest``) until the stream ends; ``replies`` (the rest
         of the site's messages) is read in a thread of its own. A newer stream of the same site
         replaces this one. Raises ``Refused`` (FAILED_PRECONDITION: not registered as such;

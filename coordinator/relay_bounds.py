@@ -1,5 +1,5 @@
 """The relay's bounds (docs/relay-bounds.md): what one sender, one run and one envelope may make a relay
-hold, and for how long. ``coordinator/relay.py`` asks this module; it decides nothing itself.
+hold, and for how long. ``coordinator/relay_server.py`` asks this module; it decides nothing itself.
 
 - **Only planned transfers.** A relayed transfer needs a :class:`Permit`: the coordinator's own
   relay asks the ledger (the transfer must be in a running run's plan); an operator's relay

@@ -53,7 +53,7 @@ from fedrelay.coordinator.notices import Notices
 from fedrelay.coordinator.owed import Owed
 from fedrelay.coordinator.refusal import Refused
 from fedrelay.coordinator.registration import HEARTBEATS_PER_SECOND, Registrar  # noqa: F401 - re-exported
-from fedrelay.coordinator.relay import RelayService
+from fedrelay.coordinator.relay_server import RelayService
 from fedrelay.coordinator.relay_permits import RelayPermits
 from fedrelay.coordinator.reports import Reports
 from fedrelay.coordinator.revocations import Revocations
@@ -62,7 +62,7 @@ from fedrelay.coordinator.run_plans import RunPlans
 from fedrelay.coordinator.signatures import Signatures
 from fedrelay.coordinator.site_channels import SiteChannels
 from fedrelay.coordinator.summary import Summaries
-from fedrelay.coordinator.tunnel import Tunnels
+from fedrelay.coordinator.tunnel_server import Tunnels
 from fedrelay.final_model import MODEL_SPEC_METADATA
 from fedrelay.health import COORDINATOR_SERVICE, Health
 from fedrelay.v1 import common_pb2, coordinator_pb2 as cpb, coordinator_pb2_grpc, peer_pb2, relay_pb2_grpc
@@ -128,7 +128,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # A heartbeat's time stays in memory for at most a quarter of --peer-timeout (at most 30 s).
         ledger.last_seen_flush = min(ledger.last_seen_flush, peer_timeout / 4)
         self.plans = RunPlans(ledger)
-        # Sites that only connect out: their control streams (coordinator/tunnel.py).
+        # Sites that only connect out: their control streams (coordinator/tunnel_server.py).
         self.tunnels = Tunnels()
         self.tunnels.on_open.append(self.owed.tunnel_opened)
         self.channels = SiteChannels(ledger, transport, self.tunnels)
@@ -415,7 +415,7 @@ def serve(listen: str, db: str | Path, *, transport: Transport, ready: threading
     ``ValueError`` if a TLS identity is not the coordinator's or ``web``, ``metrics_listen``,
     ``operator_listen`` or a ``web_hosts`` name is malformed.
 
-    The relay (``coordinator/relay.py``) for sites that cannot be reached directly: under mutual
+    The relay (``coordinator/relay_server.py``) for sites that cannot be reached directly: under mutual
     TLS the coordinator serves it, keeping envelopes in ``relay_dir`` (default: the folder
     ``relay`` beside the ledger), unless ``relay`` names the operator's own relay (HOST:PORT,
     told to every site at registration). A plaintext coordinator serves none (sealing needs

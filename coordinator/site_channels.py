@@ -1,6 +1,6 @@
 """The coordinator's channels to the sites' peer daemons: one per (site, address), made once and
 reused by every call (gRPC reconnects it as needed), or the control stream of a site that only
-connects out (``coordinator/tunnel.py``)."""
+connects out (``coordinator/tunnel_server.py``)."""
 
 from __future__ import annotations
 

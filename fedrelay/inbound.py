@@ -1,7 +1,7 @@
 """Inbound model streams: at most one stream writes into a destination, and none hangs.
 
 A site's ``Peer.Handoff`` (``fedrelay.peer``) and the relay's ``Relay.Put``
-(``fedrelay.coordinator.relay``) check a transfer against the run's plan; this module keeps the
+(``fedrelay.coordinator.relay_server``) check a transfer against the run's plan; this module keeps the
 streams they accepted: a newer stream of the same transfer (the sender resumed after a link dropped without
 a reset) ends the older one, keeping its bytes (``claim``/``end``); a stream that sends nothing
 for ``stall_timeout`` seconds, or runs past ``calls.transfer_timeout`` of its declared size, is

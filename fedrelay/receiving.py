@@ -1,6 +1,6 @@
 """Receiving a model stream into a file, as both daemons do: a site's ``Peer.Handoff`` and its
 fetch of a relayed envelope (``fedrelay.peer``), and the relay's ``Relay.Put``
-(``fedrelay.coordinator.relay``).
+(``fedrelay.coordinator.relay_server``).
 
 A model stream is one ``TransferHeader`` followed by the safetensors payload in chunks of at most
 ``fedrelay.calls.CHUNK_BYTES``. :func:`receive_model`

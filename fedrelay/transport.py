@@ -30,7 +30,7 @@ CHANNEL_OPTIONS = [
 
 KEY_FILE, CERT_FILE, CA_FILE = "key.pem", "cert.pem", "ca.pem"
 # The Peer methods the coordinator may call over the control stream of a site that only connects
-# out (coordinator/tunnel.py, peer/control.py); site-to-site calls never go that way.
+# out (coordinator/tunnel_server.py, peer/tunnel_client.py); site-to-site calls never go that way.
 TUNNELED_METHODS = ("Assign", "Reroute", "EndRun", "Evaluate", "GetStatus", "FetchModel", "RelayReady", "Prepare",
                     "RelayQuota", "CheckPolicy")
 

@@ -4,7 +4,7 @@ heartbeat.
 The daemon never imports torch nor any task's code (a light daemon; an idle one holds about
 60 MB): it finds the tasks installed here and their code's digests from files alone
 (``fedrelay.tasks``), and its training, evaluation and payload schemas run in worker processes
-(``peer/workers.py``) that load the run's task and exit after their job. At start, one such
+(``peer/worker_pool.py``) that load the run's task and exit after their job. At start, one such
 worker has every offered task describe and read the site's folder once (a corrupt file is named
 now, not at the first run) and resolves ``--device auto``; the site registers each task with
 what it found (``fedrelay.tasks.offers.Offer``).
@@ -27,14 +27,14 @@ from fedrelay.server import make_server
 from fedrelay.transport import Transport, transport_mismatch
 from fedrelay.guard import Guard
 from fedrelay.health import PEER_SERVICE, Health
-from fedrelay.peer.control import ControlLink
+from fedrelay.peer.tunnel_client import ControlLink
 from fedrelay.peer.policy import SitePolicy
 from fedrelay.peer.node import DEFAULT_STALL_TIMEOUT, PeerNode
 from fedrelay.peer.site import DEFAULT_RELAY_AFTER
 from fedrelay.task import DataError
 from fedrelay.tasks.offers import Offer
 from fedrelay.peer.slots import DEFAULT_SLOTS, HostSlots
-from fedrelay.peer.workers import WorkerDied, WorkerError, WorkerPool
+from fedrelay.peer.worker_pool import WorkerDied, WorkerError, WorkerPool
 from fedrelay.peer.reporting import CoordinatorLink
 from fedrelay.peer.servicer import PeerServicer
 from fedrelay.peer.transfer import add_peer_servicer
@@ -204,9 +204,9 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
 
     ``outbound_only``: the site accepts no inbound connection from other sites or the
     coordinator (a hospital network's usual rule). It registers no address and keeps a control
-    stream open to the coordinator (``peer/control.py``), over which it gets its assignments,
+    stream open to the coordinator (``peer/tunnel_client.py``), over which it gets its assignments,
     reroutes, end notices, evaluation requests and relay notices; its models come through the
-    relay, sealed to its certificate key (``peer/relaying.py``). It still listens on ``listen``
+    relay, sealed to its certificate key (``peer/relay_client.py``). It still listens on ``listen``
     for its own administrator (``peer status``, ``peer health``): bind that to 127.0.0.1. Needs
     mutual TLS. ``relay_after``: seconds a receiver with an address may stay unreachable before
     this site sends to it through the relay (0: never; TLS only).

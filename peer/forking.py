@@ -1,6 +1,6 @@
 """Workers forked from a template process (``peer serve --fork-workers``).
 
-By default each worker is a fresh ``python -m fedrelay.peer.worker`` (``peer/workers.py``): it
+By default each worker is a fresh ``python -m fedrelay.peer.worker_main`` (``peer/worker_pool.py``): it
 imports torch and pays the first optimiser's one-time cost before it can work, about 3 s of CPU
 per job. With ``--fork-workers`` the daemon keeps a template process that has imported them once:
 the standard library's ``multiprocessing`` fork server, with torch and the worker's modules
@@ -40,7 +40,7 @@ __all__ = ["ForkedProcess", "PRELOAD"]
 # fedrelay/scoring.py: ~1.3 s of CPU, more than a test's training job), and the worker's own modules.
 # Task modules are not preloaded: a worker imports the run's task itself, after checking its code's
 # digest (a template that had imported it would keep the code of the daemon's start).
-PRELOAD = ["torch", "torch._dynamo", "sklearn.metrics", "fedrelay.peer.training", "fedrelay.peer.jobs", "fedrelay.peer.worker"]
+PRELOAD = ["torch", "torch._dynamo", "sklearn.metrics", "fedrelay.peer.training", "fedrelay.peer.jobs", "fedrelay.peer.worker_main"]
 
 _context = None
 _context_lock = threading.Lock()
@@ -73,10 +73,10 @@ def _rebuild_fd(dup) -> _Fd:
 
 
 def _child(stdin: _Fd, stdout: _Fd, stderr: _Fd, env: dict | None) -> None:
-    """The forked worker: the three pipes become its fd 0, 1 and 2, then ``worker.main``."""
+    """The forked worker: the three pipes become its fd 0, 1 and 2, then ``worker_main.main``."""
     import sys
 
-    from fedrelay.peer import worker
+    from fedrelay.peer import worker_main
 
     for fd, target in ((stdin.fd, 0), (stdout.fd, 1), (stderr.fd, 2)):
         os.dup2(fd, target)
@@ -87,7 +87,7 @@ def _child(stdin: _Fd, stdout: _Fd, stderr: _Fd, env: dict | None) -> None:
     if env is not None:
         os.environ.clear()
         os.environ.update(env)
-    sys.exit(worker.main())
+    sys.exit(worker_main.main())
 
 
 class ForkedProcess:

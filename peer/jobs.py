@@ -1,8 +1,8 @@
 """The torch side of a site's work, as jobs a worker process runs.
 
 The daemon (``peer/node.py``) never imports torch nor task code: it describes each piece of work
-as a typed request (``peer/worker_protocol.py``) and hands it to a worker (``peer/worker.py``, a
-process started by ``peer/workers.py``), which calls :func:`answer` here with the site's data as the run's task read it
+as a typed request (``peer/worker_protocol.py``) and hands it to a worker (``peer/worker_main.py``, a
+process started by ``peer/worker_pool.py``), which calls :func:`answer` here with the site's data as the run's task read it
 (a :class:`fedrelay.SiteData`). Every file a job writes is written
 atomically into the run's folder (the same files, names and contents the daemon wrote when it
 trained in its own process), so that a daemon restarted after a crash carries on from the last

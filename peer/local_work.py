@@ -16,7 +16,7 @@ from fedrelay.peer.assignment import InitialWeights, job_base
 from fedrelay.peer.runs import Run, RunEnded
 from fedrelay.peer.site import Site
 from fedrelay.peer.worker_protocol import AggregateJob, TrainJob
-from fedrelay.peer.workers import JobCancelled
+from fedrelay.peer.worker_pool import JobCancelled
 from fedrelay.v1 import coordinator_pb2 as cpb, peer_pb2
 
 log = logging.getLogger("fedrelay.peer")
@@ -96,7 +96,7 @@ class LocalWork:
         """Run a training or aggregation job for ``run`` (under the site's ``train_lock``): the state turns
         "training" (``detail``) once its worker is ready; epochs are reported as they end; the
         coordinator's end of the run stops the job (``RunEnded``). Raises ``RunEnded`` and what
-        the job raises (``peer.workers.WorkerDied`` / ``WorkerError``)."""
+        the job raises (``peer.worker_pool.WorkerDied`` / ``WorkerError``)."""
         if run.ended.is_set():  # ended while waiting for the site's hardware
             raise RunEnded(run.run_id)
         try:

@@ -16,7 +16,7 @@ shared ``peer.site.Site`` (name, state dir, transport, coordinator link, jobs, r
 - ``peer/assignment.py``: the checks an assignment must pass, its run, what every job is told;
 - ``peer/schemas.py``: a run's payload schemas, its payload cap, the payload check;
 - ``peer/receiving.py``: Handoff, TransferOffset, Prepare, RelayQuota, receipts;
-- ``peer/relaying.py`` (``RelayFetches``): payloads fetched from the relay;
+- ``peer/relay_client.py`` (``RelayFetches``): payloads fetched from the relay;
 - ``peer/local_work.py``: the train and aggregate jobs;
 - ``peer/chain_visit.py`` / ``peer/star_visit.py``: a chain plan's visits, a star plan's visit;
 - ``peer/sending.py``: deliveries with retry, relay fallback and revocation checks;
@@ -39,14 +39,14 @@ from fedrelay.peer.local_work import LocalWork
 from fedrelay.peer.monitoring import PeerMetrics
 from fedrelay.peer.policy import POLICY_FILE, SitePolicy
 from fedrelay.peer.receiving import Receiving
-from fedrelay.peer.relaying import RelayFetches
+from fedrelay.peer.relay_client import RelayFetches
 from fedrelay.peer.reporting import CoordinatorLink
 from fedrelay.peer.runs import ACTIVE, Run, RunEnded
 from fedrelay.peer.schemas import PayloadSchemas
 from fedrelay.peer.sending import Sending
 from fedrelay.peer.site import Site
 from fedrelay.peer.star_visit import StarVisit
-from fedrelay.peer.workers import InlineRunner
+from fedrelay.peer.worker_pool import InlineRunner
 from fedrelay.task import ModelSpec, SiteData
 from fedrelay.tasks.offers import Offer
 from fedrelay.v1 import common_pb2, peer_pb2
@@ -66,7 +66,7 @@ class PeerNode:
     """A site's daemon logic, independent of gRPC plumbing (the servicer is a thin shell).
 
     The node never imports torch nor task code: its training, aggregation, evaluation and
-    payload schemas are jobs (``peer/jobs.py``) run by ``jobs``, a ``peer.workers.WorkerPool`` in
+    payload schemas are jobs (``peer/jobs.py``) run by ``jobs``, a ``peer.worker_pool.WorkerPool`` in
     the daemon (worker processes) or, by default, an ``InlineRunner`` on ``data`` in this process
     (tests). ``data``: the site's task offers (``fedrelay.tasks.offers.Offer`` list, as the daemon
     registered them), or a loaded ``fedrelay.SiteData`` of the default task (tests; also what
@@ -180,7 +180,7 @@ class PeerNode:
         return self.receiving.relay_quota(run_id)
 
     def relay_ready(self, notice: peer_pb2.RelayNotice) -> str:
-        """``Peer.RelayReady`` (``peer.relaying.RelayFetches.ready``). Raises ``TransferError``."""
+        """``Peer.RelayReady`` (``peer.relay_client.RelayFetches.ready``). Raises ``TransferError``."""
         return self.relay_fetches.ready(notice)
 
     # -- the worker ---------------------------------------------------------------------------------

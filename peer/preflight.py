@@ -69,7 +69,7 @@ def check_serve_options(*, data_dir: Path, name: str, listen: str, coordinator: 
     ``ValueError`` for everything else, with a message naming the option.
     """
     from fedrelay.peer.daemon import check_outbound, check_state_dir
-    from fedrelay.peer.worker import Worker, resolve_device
+    from fedrelay.peer.worker_main import Worker, resolve_device
     from fedrelay.peer.worker_protocol import Describe
     from fedrelay.task import DataError, DataSummary
 

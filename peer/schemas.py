@@ -20,7 +20,7 @@ from fedrelay.v1 import common_pb2, peer_pb2
 
 class PayloadSchemas:
     """The payload schemas of the runs of one site (``state_dir``: the site's state dir; ``jobs``:
-    its job runner, ``peer/workers.py``)."""
+    its job runner, ``peer/worker_pool.py``)."""
 
     def __init__(self, state_dir: Path, jobs):
         self.state_dir = Path(state_dir)

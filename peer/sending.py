@@ -1,6 +1,6 @@
 """Sending from a site: a planned transfer delivered with retries (exponential backoff and
 jitter), to the receiver's address or, when it cannot be reached directly, through the relay
-(``peer/relaying.py``), never to a site whose certificate was revoked and never after a reroute
+(``peer/relay_client.py``), never to a site whose certificate was revoked and never after a reroute
 took the transfer off this site's part of the plan; then reported to the coordinator.
 """
 
@@ -15,8 +15,8 @@ import grpc
 from fedrelay import purpose as purposes
 from fedrelay.calls import CONTROL_TIMEOUT, backoff_delays, status_message
 from fedrelay.tensors import schema_digest
-from fedrelay.peer import relaying
-from fedrelay.peer.relaying import RelayUnavailable
+from fedrelay.peer import relay_client
+from fedrelay.peer.relay_client import RelayUnavailable
 from fedrelay.peer.reporting import RETRYABLE
 from fedrelay.peer.runs import Run, RunEnded, sent_key
 from fedrelay.peer.site import Site
@@ -42,7 +42,7 @@ class Sending:
         Direct first: the stream goes to the receiver's address. A receiver that only connects
         out (no address), or one not reached directly for ``relay_after`` seconds (0: never),
         gets the payload through the relay instead, sealed to its certificate key
-        (``peer/relaying.py``); the report then says ``route = "relayed"``.
+        (``peer/relay_client.py``); the report then says ``route = "relayed"``.
 
         Returns False, having sent nothing, when a reroute took ``t`` off this site's part of the
         plan meanwhile; True once delivered (or delivered before)."""
@@ -83,7 +83,7 @@ class Sending:
             except (RelayUnavailable, SealError) as exc:
                 raise RuntimeError(f"cannot send {purposes.said(t.purpose)} {t.index} to {to.name} through the "
                                    f"relay: {exc}") from exc
-            except relaying.NoCertificateYet as exc:  # the coordinator restarted: the receiver registers again soon
+            except relay_client.NoCertificateYet as exc:  # the coordinator restarted: the receiver registers again soon
                 if time.monotonic() + delay > deadline:
                     raise RuntimeError(f"cannot send to {to.name} through the relay: {exc}") from exc
                 log.warning("run %s: %s; retrying in %.1f s", run.run_id, exc, delay)
@@ -142,14 +142,14 @@ class Sending:
         if self.site.coordinator is None:
             raise RelayUnavailable("no coordinator to ask for the receiver's certificate")
         ref = self.site.coordinator.stub.ResolveSite(cpb.ResolveSiteRequest(name=t.receiver), timeout=CONTROL_TIMEOUT)
-        sealed, sealed_bytes, sealed_sha = relaying.seal(self.site.transport, run.run_id, t, path, ref.certificate,
+        sealed, sealed_bytes, sealed_sha = relay_client.seal(self.site.transport, run.run_id, t, path, ref.certificate,
                                                          run.path("sealed"))
         relay = self.site.relay_address
         grant = None
         if self.site.coordinator.relay:  # the operator's relay carries only what the coordinator granted
             grant = self.site.coordinator.stub.GrantRelay(cpb.RelayGrantRequest(
                 run_id=run.run_id, purpose=t.purpose, index=t.index, receiver=t.receiver), timeout=CONTROL_TIMEOUT)
-        sent = relaying.put(relay, self.site.transport, run.run_id, t, sealed, counter, cancelled=run.ended.is_set,
+        sent = relay_client.put(relay, self.site.transport, run.run_id, t, sealed, counter, cancelled=run.ended.is_set,
                             grant=grant)
         sent.route, sent.relay, sent.sealed_bytes, sent.sealed_sha256 = "relayed", relay, sealed_bytes, sealed_sha
         return sent

@@ -5,7 +5,7 @@ daemon from serving the next.
 
 Authorization under mutual TLS (identity = the caller's certificate name): Assign, CheckPolicy, Evaluate,
 FetchModel, Reroute, EndRun and RelayReady only from the ``coordinator`` identity (also when they
-come over the control stream of a site that only connects out: ``peer/control.py``); GetStatus from the coordinator or the
+come over the control stream of a site that only connects out: ``peer/tunnel_client.py``); GetStatus from the coordinator or the
 site's own identity (its administrator, with the site's own TLS folder); Handoff only from the run's
 assigned predecessor or last site (checked in ``peer/receiving.py``), TransferOffset and Prepare likewise. Refusals are
 PERMISSION_DENIED. A plaintext daemon has no identities (only the name checks apply).

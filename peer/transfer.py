@@ -157,7 +157,7 @@ class Sent:
     started: float  # unix seconds
     ended: float
     resumed_from: int = 0  # payload bytes the receiver already held: the stream began there
-    # How it went (peer/relaying.py): "direct", or "relayed" through the relay at ``relay`` as a
+    # How it went (peer/relay_client.py): "direct", or "relayed" through the relay at ``relay`` as a
     # sealed envelope of ``sealed_bytes`` bytes with SHA-256 ``sealed_sha256``.
     route: str = "direct"
     relay: str = ""
@@ -166,7 +166,7 @@ class Sent:
 
 
 # The calls a model stream makes: (offset query, stream, reply parser). A relay's Offset/Put have
-# the same shapes as a peer's TransferOffset/Handoff (peer/relaying.py).
+# the same shapes as a peer's TransferOffset/Handoff (peer/relay_client.py).
 PEER_METHODS = (OFFSET_METHOD, HANDOFF_METHOD, peer_pb2.HandoffReceipt.FromString)
 
 
@@ -186,7 +186,7 @@ def send_model(address: str, header: common_pb2.TransferHeader, path: Path, time
     when given, is asked before each chunk; when it says True the stream ends there, short of the
     payload (the receiver refuses it as truncated), and :class:`SendCancelled` is raised. Raises ``grpc.RpcError``
     when the receiver refuses or cannot be reached. ``methods``: the (offset query, stream,
-    reply parser) to use, by default the Peer service's (a relay's: ``peer.relaying``).
+    reply parser) to use, by default the Peer service's (a relay's: ``peer.relay_client``).
     """
     offset_method, stream_method, parse_reply = methods
     counter = counter if counter is not None else [0]

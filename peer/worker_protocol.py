@@ -1,5 +1,5 @@
 """The messages between a site daemon and its worker processes, typed: the one description of
-the protocol (``peer/worker.py`` is the worker's end, ``peer/workers.py`` the daemon's).
+the protocol (``peer/worker_main.py`` is the worker's end, ``peer/worker_pool.py`` the daemon's).
 
 On the pipe each message is one JSON object per line: requests on the worker's stdin, answers on
 its stdout (its stderr carries log lines only). A request names itself with ``"op"``, an answer
@@ -232,7 +232,7 @@ class EvaluateJob(Job):
 
 @dataclass(frozen=True)
 class Prepare(Request):
-    """Read the site's folder with a task and set up the device (``peer.worker.Worker.prepare``)."""
+    """Read the site's folder with a task and set up the device (``peer.worker_main.Worker.prepare``)."""
 
     NAME: ClassVar[str] = "prepare"
     data: str  # the site's data folder
@@ -246,7 +246,7 @@ class Prepare(Request):
 @dataclass(frozen=True)
 class Describe(Request):
     """The daemon's start-up check: each task describes and reads the folder
-    (``peer.worker.Worker.describe``)."""
+    (``peer.worker_main.Worker.describe``)."""
 
     NAME: ClassVar[str] = "describe"
     data: str  # the site's data folder

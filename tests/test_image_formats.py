@@ -253,7 +253,7 @@ def test_a_dicom_class_folder_trains(tmp_path):
     """A site folder of DICOM files only: the worker describes it (16-bit description), loads
     it, trains on it through the train job (which checks the data against the run's spec) and
     the model it sends beats chance on the site's test split."""
-    from fedrelay.peer.worker import Worker
+    from fedrelay.peer.worker_main import Worker
 
     root = tmp_path / "site"
     _dicom_site(root, per_class=24, seed=0)

@@ -1,5 +1,5 @@
 """The light site daemon (docs/explanation/scale.md). ``peer serve`` imports no torch and stays
-small; its work runs in worker processes (peer/workers.py) that exit after their job; a worker
+small; its work runs in worker processes (peer/worker_pool.py) that exit after their job; a worker
 that dies is replaced and the job resumes from its persisted steps with the same result; a warm
 worker is started only for a planned sender's Prepare."""
 
@@ -18,7 +18,7 @@ import pytest
 
 from fedrelay.peer.slots import HostSlots
 from fedrelay.peer.worker_protocol import Prepare, TrainJob
-from fedrelay.peer.workers import WorkerPool
+from fedrelay.peer.worker_pool import WorkerPool
 from fedrelay.v1 import peer_pb2, peer_pb2_grpc
 
 
@@ -124,7 +124,7 @@ def test_a_worker_killed_mid_training_is_replaced_and_gives_the_same_model(three
 
 def test_a_second_death_fails_the_job_with_its_reason(three_sites, tmp_path):
     """A worker killed again on the retry: the job fails with WorkerDied naming the signal."""
-    from fedrelay.peer.workers import WorkerDied
+    from fedrelay.peer.worker_pool import WorkerDied
 
     site = three_sites[0]
     pool = WorkerPool(site, "cpu", HostSlots(1, tmp_path / "slots"))
@@ -166,7 +166,7 @@ def test_forked_workers_train_the_same_model_and_say_how_they_died(three_sites, 
     """``--fork-workers``: a worker forked from the template trains the bit-identical model a new
     Python does, and one killed mid-request is reported with its signal, as a subprocess is."""
     from fedrelay.tasks.image_folder.scan import scan_site
-    from fedrelay.peer.workers import WorkerDied, WorkerProcess
+    from fedrelay.peer.worker_pool import WorkerDied, WorkerProcess
 
     site = three_sites[0]
     classes = sorted(set(scan_site(site).class_names) | {f"{i}" for i in range(10)})

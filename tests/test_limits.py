@@ -2,7 +2,7 @@
 member (``coordinator/progress_limit.py``), the run page's and metrics endpoint's own connection
 limits, ``Host:`` check and cached page data (``coordinator/http_limits.py``, ``coordinator/web``,
 ``fedrelay/metrics.py``), the gRPC servers' connection bounds (``fedrelay/limits.py``) and the
-peer's warm workers held only for planned senders (``peer/workers.py``, ``peer/prepared.py``).
+peer's warm workers held only for planned senders (``peer/worker_pool.py``, ``peer/prepared.py``).
 
 Every test here uses counts and hooks, never sleeps or timing margins."""
 
@@ -427,7 +427,7 @@ class FakeWorker:
 @pytest.fixture
 def pool(tmp_path):
     from fedrelay.peer.slots import HostSlots
-    from fedrelay.peer.workers import WorkerPool
+    from fedrelay.peer.worker_pool import WorkerPool
 
     clock = Clock()
     p = WorkerPool(tmp_path / "data", "cpu", HostSlots(3, tmp_path / "slots"), warm_timeout=120, clock=clock)

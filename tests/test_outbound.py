@@ -15,8 +15,8 @@ from fedrelay.callers import caller_identity
 from fedrelay.calls import CHUNK_BYTES
 from fedrelay.transport import INSECURE, Transport
 from fedrelay.coordinator import pki
-from fedrelay.coordinator.relay import RelayService
-from fedrelay.peer import relaying
+from fedrelay.coordinator.relay_server import RelayService
+from fedrelay.peer import relay_client
 from fedrelay.receiving import TransferError, partial_path
 from fedrelay.v1 import common_pb2, relay_pb2
 
@@ -29,7 +29,7 @@ def relay(federation, tmp_path):
     every envelope it held."""
     import threading
 
-    from fedrelay.coordinator.relay import serve_relay
+    from fedrelay.coordinator.relay_server import serve_relay
 
     held: list[bytes] = []
     stop, ready, bound = threading.Event(), threading.Event(), []
@@ -45,7 +45,7 @@ def relay(federation, tmp_path):
 
 
 def test_the_relay_runs_alone_only_with_the_coordinator_identity(federation, tmp_path):
-    from fedrelay.coordinator.relay import serve_relay
+    from fedrelay.coordinator.relay_server import serve_relay
 
     with pytest.raises(ValueError, match="mutual TLS"):
         serve_relay("127.0.0.1:0", tmp_path, transport=INSECURE)
@@ -73,8 +73,8 @@ def test_the_relay_holds_only_ciphertext_and_gives_it_to_its_receiver_only(feder
     payload = tmp_path / "model.safetensors"
     payload.write_bytes(os.urandom(300_000))
     t = _transfer()
-    sealed, size, sha = relaying.seal(a, "run-1", t, payload, b.cert, tmp_path / "out")
-    sent = relaying.put(address, a, "run-1", t, sealed, counter := [0], grant=_grant(federation, "run-1", t))
+    sealed, size, sha = relay_client.seal(a, "run-1", t, payload, b.cert, tmp_path / "out")
+    sent = relay_client.put(address, a, "run-1", t, sealed, counter := [0], grant=_grant(federation, "run-1", t))
     assert sent.receipt.stored_bytes == size and sent.receipt.sha256 == sha and counter[0] > size
     # What the relay holds shares no 64-byte window with the model (it cannot read it).
     plain = payload.read_bytes()
@@ -83,16 +83,16 @@ def test_the_relay_holds_only_ciphertext_and_gives_it_to_its_receiver_only(feder
     # Only the receiver gets it; another site of the federation is refused.
     key = relay_pb2.RelayKey(run_id="run-1", purpose=common_pb2.CHAIN_HOP, index=1, receiver="site-b")
     with pytest.raises(grpc.RpcError) as err:
-        relaying.fetch(address, c, key, "site-a", tmp_path / "c.sealed", size, sha, [0])
+        relay_client.fetch(address, c, key, "site-a", tmp_path / "c.sealed", size, sha, [0])
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "site-b" in err.value.details()
-    got = relaying.fetch(address, b, key, "site-a", tmp_path / "b.sealed", size, sha, down := [0])
+    got = relay_client.fetch(address, b, key, "site-a", tmp_path / "b.sealed", size, sha, down := [0])
     assert got.sha256 == sha and down[0] > size
     # The wrong key cannot open it; the receiver's can, and gets the model back bit for bit.
     with pytest.raises(sealing.SealError):
-        relaying.open_envelope(c, got.path, tmp_path / "c.bin", "run-1", _transfer(receiver="site-c"))
-    relaying.open_envelope(b, got.path, tmp_path / "b.bin", "run-1", t)
+        relay_client.open_envelope(c, got.path, tmp_path / "c.bin", "run-1", _transfer(receiver="site-c"))
+    relay_client.open_envelope(b, got.path, tmp_path / "b.bin", "run-1", t)
     assert (tmp_path / "b.bin").read_bytes() == plain
-    relaying.discard(address, b, key)
+    relay_client.discard(address, b, key)
     assert not service.path("run-1", common_pb2.CHAIN_HOP, 1, "site-b").exists()
 
 
@@ -100,15 +100,15 @@ def test_the_relay_refuses_a_sender_that_is_not_the_caller_and_plaintext(federat
     address, _, _ = relay
     payload = tmp_path / "model.bin"
     payload.write_bytes(b"x" * 1000)
-    sealed, _, _ = relaying.seal(federation["site-a"], "run-1", _transfer(), payload, federation["site-b"].cert,
+    sealed, _, _ = relay_client.seal(federation["site-a"], "run-1", _transfer(), payload, federation["site-b"].cert,
                                  tmp_path / "out")
     # site-c sends an envelope whose header says site-a: refused before any byte is kept.
     with pytest.raises(grpc.RpcError) as err:
-        relaying.put(address, federation["site-c"], "run-1", _transfer(), sealed, [0],
+        relay_client.put(address, federation["site-c"], "run-1", _transfer(), sealed, [0],
                      grant=_grant(federation, "run-1", _transfer()))
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    with pytest.raises(relaying.RelayUnavailable, match="mutual TLS"):
-        relaying.seal(INSECURE, "run-1", _transfer(), payload, b"", tmp_path / "out2")
+    with pytest.raises(relay_client.RelayUnavailable, match="mutual TLS"):
+        relay_client.seal(INSECURE, "run-1", _transfer(), payload, b"", tmp_path / "out2")
 
 
 def test_a_broken_upload_and_a_broken_download_resume_through_the_relay(federation, relay, tmp_path):
@@ -117,28 +117,28 @@ def test_a_broken_upload_and_a_broken_download_resume_through_the_relay(federati
     payload = tmp_path / "model.bin"
     payload.write_bytes(os.urandom(3 * CHUNK_BYTES + 123))
     t = _transfer()
-    sealed, size, sha = relaying.seal(a, "run-2", t, payload, b.cert, tmp_path / "out")
+    sealed, size, sha = relay_client.seal(a, "run-2", t, payload, b.cert, tmp_path / "out")
     # The sender's stream is cut after its first chunk: the relay keeps those bytes ...
     chunks = iter([0])
     with pytest.raises(Exception):
-        relaying.put(address, a, "run-2", t, sealed, [0], cancelled=lambda: next(chunks, 1) == 1,
+        relay_client.put(address, a, "run-2", t, sealed, [0], cancelled=lambda: next(chunks, 1) == 1,
                      grant=_grant(federation, "run-2", t))
     dest = service.path("run-2", common_pb2.CHAIN_HOP, 1, "site-b")
     assert partial_path(dest, sha).stat().st_size == CHUNK_BYTES
     # ... and the next attempt sends only the rest.
-    sent = relaying.put(address, a, "run-2", t, sealed, [0], grant=_grant(federation, "run-2", t))
+    sent = relay_client.put(address, a, "run-2", t, sealed, [0], grant=_grant(federation, "run-2", t))
     assert sent.resumed_from == CHUNK_BYTES and sent.receipt.stored_bytes == size
     # A download that broke after 1 MiB carries on from there.
     key = relay_pb2.RelayKey(run_id="run-2", purpose=common_pb2.CHAIN_HOP, index=1, receiver="site-b")
     mine = tmp_path / "in" / "hop.sealed"
     mine.parent.mkdir()
     partial_path(mine, sha).write_bytes(sealed.read_bytes()[:CHUNK_BYTES])
-    got = relaying.fetch(address, b, key, "site-a", mine, size, sha, down := [0])
+    got = relay_client.fetch(address, b, key, "site-a", mine, size, sha, down := [0])
     assert got.path.read_bytes() == sealed.read_bytes()
     assert down[0] < size  # only the rest came over the wire
     # An envelope other than the one reported is refused.
     with pytest.raises(TransferError, match="not the one reported"):
-        relaying.fetch(address, b, key, "site-a", tmp_path / "other.sealed", size, "0" * 64, [0])
+        relay_client.fetch(address, b, key, "site-a", tmp_path / "other.sealed", size, "0" * 64, [0])
 
 
 # -- a real trial ----------------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def test_outbound_only_needs_tls_and_no_advertised_address(three_sites, tmp_path
 
 # -- the control stream's two ends, without a network ------------------------------------------------
 def test_a_tunneled_call_is_answered_by_the_servicer_with_its_checks():
-    from fedrelay.peer.control import answer
+    from fedrelay.peer.tunnel_client import answer
     from fedrelay.v1 import coordinator_pb2 as cpb, peer_pb2
 
     class Servicer:
@@ -250,7 +250,7 @@ def test_a_tunneled_call_is_answered_by_the_servicer_with_its_checks():
 def test_a_call_on_a_closed_or_silent_control_stream_fails_clearly():
     import threading
 
-    from fedrelay.coordinator.tunnel import TunnelError, Tunnels
+    from fedrelay.coordinator.tunnel_server import TunnelError, Tunnels
     from fedrelay.v1 import coordinator_pb2 as cpb, peer_pb2
 
     tunnels = Tunnels()
@@ -297,7 +297,7 @@ def test_through_the_operators_relay_senders_present_the_coordinators_grants(thr
     import threading
 
     from deploy import local_trial
-    from fedrelay.coordinator.relay import serve_relay
+    from fedrelay.coordinator.relay_server import serve_relay
 
     relay = f"127.0.0.1:{local_trial.free_ports(1)[0]}"
     sites = three_sites[:2]  # the shortest chain: its one hop goes through the relay

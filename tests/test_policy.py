@@ -103,8 +103,8 @@ def test_a_site_that_connects_out_only_answers_the_policy_check_over_its_control
     from types import SimpleNamespace
 
     from fedrelay.coordinator.site_policy import first_refusal
-    from fedrelay.coordinator.tunnel import Tunnels
-    from fedrelay.peer.control import answer
+    from fedrelay.coordinator.tunnel_server import Tunnels
+    from fedrelay.peer.tunnel_client import answer
     from fedrelay.peer.servicer import PeerServicer
     from fedrelay.v1 import coordinator_pb2 as cpb
 

@@ -18,9 +18,9 @@ from fedrelay.callers import COORDINATOR_IDENTITY
 from fedrelay.calls import CHUNK_BYTES
 from fedrelay.files import sha256_file
 from fedrelay.server import make_server
-from fedrelay.coordinator.relay import RelayService, serve_relay
+from fedrelay.coordinator.relay_server import RelayService, serve_relay
 from fedrelay.coordinator.relay_bounds import GRANT_SECONDS, CapUnknown, Permit, RelayLimits, issue_grant
-from fedrelay.peer import relaying
+from fedrelay.peer import relay_client
 from fedrelay.receiving import partial_path
 from fedrelay.v1 import common_pb2, relay_pb2, relay_pb2_grpc
 
@@ -77,7 +77,7 @@ def _stored(folder) -> list:
 
 def _put_code(address, federation, run_id, t, path, grant=None, sender="site-a"):
     with pytest.raises(grpc.RpcError) as err:
-        relaying.put(address, federation[sender], run_id, t, path, [0], grant=grant)
+        relay_client.put(address, federation[sender], run_id, t, path, [0], grant=grant)
     return err.value
 
 
@@ -104,7 +104,7 @@ def test_the_operators_relay_refuses_made_up_runs_and_grants_not_the_coordinator
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED
     assert _stored(folder) == []
     # The coordinator's grant for exactly this transfer: stored.
-    sent = relaying.put(address, federation["site-a"], "run-1", t, envelope, [0], grant=_grant(federation, "run-1", t))
+    sent = relay_client.put(address, federation["site-a"], "run-1", t, envelope, [0], grant=_grant(federation, "run-1", t))
     assert sent.receipt.stored_bytes == 100_000
 
 
@@ -119,7 +119,7 @@ def test_an_envelope_over_the_runs_payload_cap_is_refused_not_stored(federation,
     assert _stored(folder) == []
     # At the cap plus the sealing overhead it fits.
     fits = _junk(tmp_path, transfer_bounds.sealed_cap(cap), "fits.sealed")
-    sent = relaying.put(address, federation["site-a"], "run-1", t, fits, [0],
+    sent = relay_client.put(address, federation["site-a"], "run-1", t, fits, [0],
                         grant=_grant(federation, "run-1", t, payload_cap=cap))
     assert sent.receipt.stored_bytes == transfer_bounds.sealed_cap(cap)
 
@@ -129,22 +129,22 @@ def test_a_runs_quota_and_a_senders_quota_bound_what_the_relay_holds(federation,
     envelope = _junk(tmp_path, 50_000)
     # Run quota: its plan has 2 transfers, so a third envelope of the run is refused.
     for index in (1, 2):
-        relaying.put(address, federation["site-a"], "run-q", _t(index=index), envelope, [0],
+        relay_client.put(address, federation["site-a"], "run-q", _t(index=index), envelope, [0],
                      grant=_grant(federation, "run-q", _t(index=index), planned=2))
     err = _put_code(address, federation, "run-q", _t(index=3), envelope,
                     grant=_grant(federation, "run-q", _t(index=3), planned=2))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "run run-q" in err.details()
     # Sender quota (3 envelopes over all runs): site-a's fourth is refused, in any run ...
-    relaying.put(address, federation["site-a"], "run-r", _t(), envelope, [0], grant=_grant(federation, "run-r", _t()))
+    relay_client.put(address, federation["site-a"], "run-r", _t(), envelope, [0], grant=_grant(federation, "run-r", _t()))
     err = _put_code(address, federation, "run-s", _t(), envelope, grant=_grant(federation, "run-s", _t()))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "site-a" in err.details()
     # ... while another sender still gets its transfer through.
     t = _t(index=2, sender="site-c")
-    relaying.put(address, federation["site-c"], "run-s", t, envelope, [0], grant=_grant(federation, "run-s", t))
+    relay_client.put(address, federation["site-c"], "run-s", t, envelope, [0], grant=_grant(federation, "run-s", t))
     # Once the receiver discarded one, site-a has room again (a resent envelope replaces, not adds).
     key = relay_pb2.RelayKey(run_id="run-r", purpose=common_pb2.CHAIN_HOP, index=1, receiver="site-b")
-    relaying.discard(address, federation["site-b"], key)
-    relaying.put(address, federation["site-a"], "run-s", _t(), envelope, [0], grant=_grant(federation, "run-s", _t()))
+    relay_client.discard(address, federation["site-b"], key)
+    relay_client.put(address, federation["site-a"], "run-s", _t(), envelope, [0], grant=_grant(federation, "run-s", _t()))
     assert len([p for p in _stored(folder) if p.suffix == ".sealed"]) == 4
 
 
@@ -208,12 +208,12 @@ def test_envelopes_never_fetched_expire(federation, relay_with, tmp_path):
     address, folder = relay_with()
     t = _t()
     envelope = _junk(tmp_path, 3 * MiB)
-    relaying.put(address, federation["site-a"], "run-x", t, envelope, [0],
+    relay_client.put(address, federation["site-a"], "run-x", t, envelope, [0],
                  grant=_grant(federation, "run-x", t, payload_cap=4 * MiB))
     # A broken upload of another transfer leaves a partial one behind.
     chunks = iter([0])
     with pytest.raises(Exception):
-        relaying.put(address, federation["site-a"], "run-x", _t(index=2), envelope, [0],
+        relay_client.put(address, federation["site-a"], "run-x", _t(index=2), envelope, [0],
                      cancelled=lambda: next(chunks, 1) == 1,
                      grant=_grant(federation, "run-x", _t(index=2), payload_cap=4 * MiB))
     service = RelayService(folder, limits=RelayLimits(lifetime=3600))
@@ -225,7 +225,7 @@ def test_envelopes_never_fetched_expire(federation, relay_with, tmp_path):
     assert _stored(folder) == []
     key = relay_pb2.RelayKey(run_id="run-x", purpose=common_pb2.CHAIN_HOP, index=1, receiver="site-b")
     with pytest.raises(grpc.RpcError) as err:
-        relaying.fetch(address, federation["site-b"], key, "site-a", tmp_path / "b.sealed", 3 * MiB,
+        relay_client.fetch(address, federation["site-b"], key, "site-a", tmp_path / "b.sealed", 3 * MiB,
                        sha256_file(envelope), [0])
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
@@ -233,7 +233,7 @@ def test_envelopes_never_fetched_expire(federation, relay_with, tmp_path):
 def test_the_operators_relay_removes_expired_envelopes_on_its_own(federation, relay_with, tmp_path):
     address, folder = relay_with(lifetime=0.5, sweep_every=0.1)
     t = _t()
-    relaying.put(address, federation["site-a"], "run-y", t, _junk(tmp_path, 10_000), [0],
+    relay_client.put(address, federation["site-a"], "run-y", t, _junk(tmp_path, 10_000), [0],
                  grant=_grant(federation, "run-y", t))
     deadline = time.monotonic() + 60
     while _stored(folder) and time.monotonic() < deadline:
@@ -286,7 +286,7 @@ def test_the_coordinators_relay_takes_the_runs_cap_from_its_sizes_and_only_plann
             err = _put_code(address, federation, run_id, tt, _junk(tmp_path, 1000))
             assert err.code() == grpc.StatusCode.PERMISSION_DENIED, run_id
         assert _stored(folder) == []
-        relaying.put(address, federation["site-a"], "run-1", t, _junk(tmp_path, 4 * MiB), [0])
+        relay_client.put(address, federation["site-a"], "run-1", t, _junk(tmp_path, 4 * MiB), [0])
     finally:
         server.stop(0)
 
@@ -326,7 +326,7 @@ def test_before_the_runs_sizes_are_known_the_receiver_states_its_cap(federation,
 
 def _unreachable():
     """What a Peer stub over a closed control stream raises."""
-    from fedrelay.coordinator.tunnel import TunnelError
+    from fedrelay.coordinator.tunnel_server import TunnelError
 
     return TunnelError(grpc.StatusCode.UNAVAILABLE, "site-b has no control stream open")
 
@@ -367,7 +367,7 @@ def test_a_planned_sender_gets_a_grant_the_operators_relay_takes_and_nobody_else
         err = _put_code(relay, federation, "run-g", t, _junk(tmp_path, 24 * MiB), grant=mine)
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert _stored(folder) == []
-        sent = relaying.put(relay, federation["site-a"], "run-g", t, _junk(tmp_path, 900_000, "ok.sealed"), [0],
+        sent = relay_client.put(relay, federation["site-a"], "run-g", t, _junk(tmp_path, 900_000, "ok.sealed"), [0],
                             grant=mine)
         assert sent.receipt.stored_bytes == 900_000
         # site-c cannot use site-a's grant (the relay checks the caller is the header's sender).
@@ -388,10 +388,10 @@ def test_a_resealed_envelope_replaces_the_one_held_and_a_refused_one_leaves_noth
     address, folder = relay_with()
     t = _t()
     first, second = _junk(tmp_path, 20_000, "1.sealed"), _junk(tmp_path, 30_000, "2.sealed")
-    relaying.put(address, federation["site-a"], "run-w", t, first, [0], grant=_grant(federation, "run-w", t))
-    relaying.put(address, federation["site-a"], "run-w", t, second, [0], grant=_grant(federation, "run-w", t))
+    relay_client.put(address, federation["site-a"], "run-w", t, first, [0], grant=_grant(federation, "run-w", t))
+    relay_client.put(address, federation["site-a"], "run-w", t, second, [0], grant=_grant(federation, "run-w", t))
     key = relay_pb2.RelayKey(run_id="run-w", purpose=common_pb2.CHAIN_HOP, index=1, receiver="site-b")
-    got = relaying.fetch(address, federation["site-b"], key, "site-a", tmp_path / "b.sealed", 30_000,
+    got = relay_client.fetch(address, federation["site-b"], key, "site-a", tmp_path / "b.sealed", 30_000,
                          sha256_file(second), [0])
     assert got.path.read_bytes() == second.read_bytes()
     assert len([p for p in _stored(folder) if p.suffix == ".json"]) == 1  # one reservation for the transfer
@@ -501,7 +501,7 @@ def test_a_newer_put_of_the_same_transfer_ends_the_older_one(federation, relay_w
         deadline = time.monotonic() + 30
         while held(dest, envelope) < MiB and time.monotonic() < deadline:  # the relay wrote the first MiB
             time.sleep(0.05)
-        sent = relaying.put(address, federation["site-a"], "run-n", t, envelope, [0], grant=grant)
+        sent = relay_client.put(address, federation["site-a"], "run-n", t, envelope, [0], grant=grant)
         assert sent.resumed_from == MiB and sent.receipt.stored_bytes == 3 * MiB
         thread.join(30)
         assert outcome.get("code") == grpc.StatusCode.ABORTED, outcome

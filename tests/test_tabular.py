@@ -16,7 +16,7 @@ from fedrelay import tasks
 from fedrelay.coordinator.plan import PeerInfo, choose_sites
 from fedrelay.coordinator.split import split_dataset
 from fedrelay.coordinator.split_tabular import load_breast_cancer, split_breast_cancer
-from fedrelay.peer.worker import Worker
+from fedrelay.peer.worker_main import Worker
 from fedrelay.task import DataError, DataSummary, ModelSpec
 from fedrelay.tasks.offers import Offer
 from fedrelay.tasks.tabular_csv import TabularCsvTask, feature_stats, scaling, spec

@@ -1,6 +1,6 @@
 """Hostile values at the coordinator: every reported number, enumeration and digest checked
 (``fedrelay/checks.py``), replies kept under the message cap (``coordinator/replies.py``), a
-garbled answer over a control stream refused cleanly (``coordinator/tunnel.py``), a forgotten
+garbled answer over a control stream refused cleanly (``coordinator/tunnel_server.py``), a forgotten
 peer kept out (``coordinator/forgotten.py``), and a sender's failing streams counted rather than
 logged one by one (``peer/refusals.py``).
 

@@ -28,7 +28,7 @@ def test_payload_checks_without_torch(tmp_path):
         import numpy as np
         from safetensors.numpy import save
         from fedrelay import payload
-        import fedrelay.tasks.image_folder.scan, fedrelay.peer.slots, fedrelay.peer.workers  # the daemon's side
+        import fedrelay.tasks.image_folder.scan, fedrelay.peer.slots, fedrelay.peer.worker_pool  # the daemon's side
         schema = {"w": ((2, 3), "F32"), "n": ((), "I64")}
         good = {"w": np.ones((2, 3), np.float32), "n": np.array(5, np.int64)}
         out = {}
@@ -160,7 +160,7 @@ def test_worker_process_evaluates_and_a_killed_one_says_why(three_sites, tmp_pat
     from fedrelay.models import build_seeded
     from fedrelay.tasks.image_folder import spec as image_spec
     from fedrelay.peer.worker_protocol import EvaluateJob, Prepare, ProtocolError, SchemaJob
-    from fedrelay.peer.workers import WorkerDied, WorkerError, WorkerProcess
+    from fedrelay.peer.worker_pool import WorkerDied, WorkerError, WorkerProcess
 
     site = load_site(three_sites[0])
     c, h, w = site.image_shape
@@ -199,7 +199,7 @@ def test_a_worker_answers_a_malformed_request_and_ends_at_an_unreadable_line():
     object with an op ends it with exit code 2."""
     from fedrelay.peer.worker_protocol import Error, parse_answer
 
-    proc = subprocess.Popen([sys.executable, "-m", "fedrelay.peer.worker"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "fedrelay.peer.worker_main"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         answers = []

@@ -1,7 +1,7 @@
 """Transfers through a relay, for a receiver that cannot be reached directly.
 
 Direct transfer (``peer/transfer.py``) is the default and is tried first. A sender goes through
-the relay (``coordinator/relay.py``) when the receiver only connects out (it registered no
+the relay (``coordinator/relay_server.py``) when the receiver only connects out (it registered no
 address), or when it could not reach the receiver directly for ``--relay-after`` seconds. Then:
 
 1. :func:`seal`: the payload is sealed to the receiver's certificate key and signed with this

@@ -1,6 +1,6 @@
-"""The worker process: ``python -m fedrelay.peer.worker``, the process that imports torch and
+"""The worker process: ``python -m fedrelay.peer.worker_main``, the process that imports torch and
 the run's task and holds a site's samples, so that the daemon need not. Started by the daemon with
-``subprocess`` (``peer/workers.py``: never fork, the daemon has gRPC threads), it runs one job at a
+``subprocess`` (``peer/worker_pool.py``: never fork, the daemon has gRPC threads), it runs one job at a
 time (``peer/jobs.py``) and exits when its stdin closes, at once, even in the middle of a job (the
 daemon ended it, or died: its files are written atomically, so a restarted daemon resumes from the
 last persisted step). Its memory, GPU memory included, goes with it.
@@ -54,7 +54,7 @@ def resolve_device(device: str) -> str:
 
 class Worker:
     """A site's data and device, and the jobs run on them (also used in-process by
-    ``peer.workers.InlineRunner``, with data already decoded).
+    ``peer.worker_pool.InlineRunner``, with data already decoded).
 
     :meth:`answer` takes and gives typed messages (``peer/worker_protocol.py``); :meth:`handle`,
     :meth:`prepare` and :meth:`describe` take a message or its JSON object and give the answer's

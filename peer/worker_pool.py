@@ -1,6 +1,6 @@
-"""The daemon's side of its worker processes (``peer/worker.py``), without torch (issue 13).
+"""The daemon's side of its worker processes (``peer/worker_main.py``), without torch (issue 13).
 
-``WorkerProcess`` is one ``python -m fedrelay.peer.worker`` child, started with ``subprocess``
+``WorkerProcess`` is one ``python -m fedrelay.peer.worker_main`` child, started with ``subprocess``
 (not fork: the daemon has gRPC threads), or forked from a template process that has imported
 torch (``peer/forking.py``, ``peer serve --fork-workers``), and spoken to in the typed messages of
 ``peer/worker_protocol.py`` (one JSON object per line). A worker that exits or is
@@ -65,7 +65,7 @@ class JobCancelled(Exception):
 
 
 class WorkerProcess:
-    """One ``python -m fedrelay.peer.worker`` child. ``slot``: a ``peer.slots.Slot`` it holds
+    """One ``python -m fedrelay.peer.worker_main`` child. ``slot``: a ``peer.slots.Slot`` it holds
     (released by ``close``, or here if the worker cannot be started); ``stderr_lines``: how many
     of its last stderr lines to keep. ``fork``: fork it from the daemon's template process
     (``peer/forking.py``, ``peer serve --fork-workers``) instead of starting a new Python.
@@ -82,7 +82,7 @@ class WorkerProcess:
 
                 self.proc = ForkedProcess(env=env)
             else:
-                self.proc = subprocess.Popen([sys.executable, "-m", "fedrelay.peer.worker"], stdin=subprocess.PIPE,
+                self.proc = subprocess.Popen([sys.executable, "-m", "fedrelay.peer.worker_main"], stdin=subprocess.PIPE,
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
                                              env=env, close_fds=True)
         except BaseException:
@@ -397,7 +397,7 @@ class WorkerPool:
         """The daemon's start-up check in one worker, closed afterwards: each of ``tasks``
         (name -> SHA-256 of its code) loaded, its ``describe`` of the site folder and a full
         ``load`` (every sample read once), and ``--device auto`` resolved: the worker's
-        ``describe`` answer (``peer/worker.py``). Raises ``WorkerError``, ``WorkerDied`` or
+        ``describe`` answer (``peer/worker_main.py``). Raises ``WorkerError``, ``WorkerDied`` or
         ``JobCancelled`` (the daemon stops while waiting for a slot)."""
         worker = self._take(None, None)
         try:
@@ -420,7 +420,7 @@ class InlineRunner:
     epoch). Imports torch."""
 
     def __init__(self, data, device: str = "cpu"):
-        from fedrelay.peer.worker import Worker
+        from fedrelay.peer.worker_main import Worker
 
         self.worker = Worker(data, device)
         self.started = 0

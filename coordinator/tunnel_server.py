@@ -4,7 +4,7 @@ A site started with ``peer serve --outbound-only`` accepts no inbound connection
 ``Coordinator.Connect`` (a bidirectional stream) and keeps it open; the coordinator sends the
 ``Peer`` calls it has for that site down the stream (``ControlRequest``: an id, the method name,
 the serialized request) and the site answers each with ``ControlReply`` messages of the same id
-(``peer/control.py`` is the site's end). :class:`TunnelStub` quacks like the generated
+(``peer/tunnel_client.py`` is the site's end). :class:`TunnelStub` quacks like the generated
 ``PeerStub`` for the calls the coordinator makes (``stub.Assign(request, timeout=...)``), so
 the service's code does not care how a site is reached.
 

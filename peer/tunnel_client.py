@@ -1,7 +1,7 @@
 """The site's end of its control stream, for a daemon that only connects out.
 
 ``peer serve --outbound-only`` registers without an address and keeps ``Coordinator.Connect``
-open (``coordinator/tunnel.py`` is the other end): the coordinator's calls for this site arrive
+open (``coordinator/tunnel_server.py`` is the other end): the coordinator's calls for this site arrive
 as ``ControlRequest`` messages and are answered by the same ``PeerServicer`` methods that serve
 them over a direct connection, so every check (names, the coordinator-only rule, the run's plan)
 is the same. The stream is opened again with the daemons' one retry policy
