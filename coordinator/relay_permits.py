@@ -1,4 +1,4 @@
-"""Which relayed transfers the coordinator allows, and with which bounds (issue 28): the
+"""Which relayed transfers the coordinator allows, and with which bounds: the
 :class:`~fedrelay.coordinator.relay_bounds.Permit` of a transfer of a running run's plan, for the
 coordinator's own relay (asked on every Put) and for the grants it signs for an operator's
 relay (``Coordinator.GrantRelay``).

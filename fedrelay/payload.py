@@ -1,4 +1,4 @@
-"""Payload validation without torch (issue 13, item 1): a received safetensors payload checked
+"""Payload validation without torch: a received safetensors payload checked
 against a schema with safetensors' numpy API, so that a light site daemon that never imports
 torch can refuse a bad model before keeping it.
 

@@ -53,7 +53,7 @@ class Receiving:
         seconds, or runs past ``calls.transfer_timeout`` of its declared size, is dropped
         (DEADLINE_EXCEEDED).
 
-        Resume (issue #5): the bytes of a stream from that legitimate sender that broke, stalled
+        Resume: the bytes of a stream from that legitimate sender that broke, stalled
         or was superseded stay in the run folder (``transfer.partial_path``, one per
         destination), and a later stream with ``header.offset`` carries on from them
         (``transfer_offset`` tells the sender where); a refused stream leaves nothing.

@@ -1,4 +1,4 @@
-"""Host-wide worker slots (issue 13, items 3 and 4): at most N training/evaluation worker
+"""Host-wide worker slots: at most N training/evaluation worker
 processes at once on one machine, shared by every site daemon there.
 
 A slot is a file ``slot-<i>`` in a folder (default ``/tmp/fedrelay-worker-slots-<uid>``) held

@@ -1,4 +1,4 @@
-"""The daemon's side of its worker processes (``peer/worker_main.py``), without torch (issue 13).
+"""The daemon's side of its worker processes (``peer/worker_main.py``), without torch.
 
 ``WorkerProcess`` is one ``python -m fedrelay.peer.worker_main`` child, started with ``subprocess``
 (not fork: the daemon has gRPC threads), or forked from a template process that has imported

@@ -7,7 +7,7 @@ pool average.  Line 19: the final model is the uniform mean of the N pool averag
 ``m_final = (1/N) Σ_i m_avg^i`` (:func:`fedrelay.peer.states.average_states`: every state
 entry, float64 sums in upload order).  No extras.  With missing uploads it is the mean of those
 that arrived.  Whether all sites share one initialisation is not specified by the paper
-(implementation-notes section 1.8); this step does not care.
+(reference-code §1.8); this step does not care.
 """
 
 from __future__ import annotations

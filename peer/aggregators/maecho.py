@@ -3,7 +3,7 @@
 Paper: Su, Li, Xue, "One-shot Federated Learning without server-side training" (MA-Echo),
 Neural Networks, Algorithm 1 and Eq. 5-11.  Behaviour follows the authors'
 released code (``FudanVI/MAEcho``, ``utils.py::createp`` and ``noniid_aggr``) as
-implementation-notes section 2 describes it; every difference is listed under "Differences".
+reference-code §2 describes it; every difference is listed under "Differences".
 
 Site side (:func:`site_extras`)
     After its local training, each site makes one pass over its own train split with its model
@@ -33,7 +33,7 @@ Aggregator side (:func:`aggregate`, :func:`echo_layer`)
         V_m += η · rownorm((W − V_m) P_mᵀ)            # Eq. 11, rows normalised if maecho_norm
 
     The final model is the class-aware mean of the echoed *local* models V_m, not W, as the
-    released code returns ``noniid_avgmodel(w)`` (implementation-notes 2.3).  The layers do not
+    released code returns ``noniid_avgmodel(w)`` (reference-code §2.3).  The layers do not
     interact, so running all iterations of one layer before the next (done here) gives the
     same result as the code's ``for t: for layer`` loop.
 
@@ -42,7 +42,7 @@ Aggregator side (:func:`aggregate`, :func:`echo_layer`)
     then): minimise ``αᵀGα`` s.t. ``Σα = 1, 0 ≤ α ≤ C`` (``maecho_c``) with the Gram matrix
     ``G_ij = ⟨(W − V_i)(I − P_i^c), (W − V_j)(I − P_j^c)⟩`` built with each site's *span*
     projector ``I − P^c`` on both sides (the code's ``SVM.fit`` leaves it out of the diagonal,
-    implementation-notes 2.3: a bug not copied).  The ``2`` of Eq. (6)/(7) is dropped like the
+    reference-code §2.3: a bug not copied).  The ``2`` of Eq. (6)/(7) is dropped like the
     code does (it only rescales η).
 
 Class-aware mean (head)

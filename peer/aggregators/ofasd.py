@@ -1,8 +1,8 @@
 """OFASD: one-shot federated anisotropic scaling distillation.
 
 Paper: Koshibuchi, Kera, Kawamoto, "OFASD: One-Shot Federated Anisotropic Scaling
-Distillation", Algorithm 1.  No code has been published (implementation-notes section 3.1);
-details the paper leaves open follow aTLAS (``fredzzhang/atlas``, implementation-notes 3.2),
+Distillation", Algorithm 1.  No code has been published (reference-code §3.1);
+details the paper leaves open follow aTLAS (``fredzzhang/atlas``, reference-code §3.2),
 the code OFASD builds on, and every difference from it is listed below.
 
 Algorithm (:func:`aggregate`)
@@ -11,7 +11,7 @@ Algorithm (:func:`aggregate`)
     ``ValueError``).  Each τ_k is split into B blocks: ``ofasd_mode="block"`` (default) makes
     every floating *parameter* tensor its own block (weights and biases of conv, linear and
     BatchNorm layers, as aTLAS's ``make_functional_with_buffers`` grouping), matched by NAME,
-    not by position (implementation-notes 3.2's pitfall: with BatchNorm buffers in the state a
+    not by position (reference-code §3.2's pitfall: with BatchNorm buffers in the state a
     positional pairing misaligns); ``"client"`` makes the whole parameter vector one block.
     Each block is normalised to unit norm (a zero block stays zero) and the global model is::
 

@@ -2,7 +2,7 @@
 
 Paper: Wang et al., "One-Shot Sequential Federated Learning for Non-IID Data by Enhancing
 Local Model Diversity", ACM MM 2024, Algorithm 1 and Eq. 5-9; behaviour follows the
-authors' code as described in ../shared/papers/implementation-notes.md section 1.
+authors' code as docs/explanation/reference-code.md section 1 describes it.
 
 Each site builds a model pool ``[m0, b1, ..., bS]``.  Model ``bj`` starts from the uniform
 average of the pool so far, trains ``E`` epochs with ``CE - alpha*d1/a + beta*d2/a`` and
@@ -61,7 +61,7 @@ def train_pool(m0: Mapping[str, Tensor], spec: ModelSpec, train, val, cfg: Train
     model (global RNG untouched), load ``average_states(pool)``, train it with
     :func:`train_one_model` (batch order ``derive_seed(seed, "pool", j)``,
     d2 to ``pool[0]``, d1 to the pool members + the frozen start point, as the
-    reference code does; implementation-notes section 1.1/1.2), append the selected
+    reference code does; reference-code §1.1/§1.2), append the selected
     state and call ``on_model(j, state)`` so that the caller can persist it.
 
     Resume: pass the states already trained (in order) as ``finished``; since each
@@ -118,7 +118,7 @@ def train_one_model(model: nn.Module, train, val, cfg: TrainConfig, generator: t
                     task: Task) -> State:
     """Train ``model`` for ``cfg.local_epochs`` epochs and return the selected state.
 
-    Paper Algorithm 1 lines 9-13 (Eq. 9); implementation-notes section 1.2/1.4.  A
+    Paper Algorithm 1 lines 9-13 (Eq. 9); reference-code §1.2/§1.4.  A
     fresh optimiser (the task's: ``torch.optim.Adam(lr=cfg.lr, weight_decay=cfg.weight_decay)``
     by default); batches are slices of ``torch.randperm(N, generator=generator)`` of
     ``cfg.batch_size`` (last partial batch included; the loop is
@@ -272,7 +272,7 @@ def d1(params: Sequence[Tensor], pool_params: Sequence[Sequence[Tensor]]) -> Ten
 
     ``mean_j ||params - pool_params[j]||^2`` over the members of ``pool_params``.
 
-    As in the reference code (implementation-notes section 1.2) the caller passes the
+    As in the reference code (reference-code §1.2) the caller passes the
     pool *plus a frozen copy of the current model's start point* (the pool average),
     i.e. |M|+1 members, not the |M| of Eq. 7.  Consequently, for the first model of
     a site (pool ``[m0]``, start point ``m0``) d1 equals d2, and with alpha == beta

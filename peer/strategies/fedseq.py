@@ -57,7 +57,7 @@ def train_fedseq(m0: Mapping[str, Tensor], spec: ModelSpec, train, val, cfg: Tra
     Same optimiser, batching and selection as FedELMY's pool models
     (:func:`fedrelay.peer.training.fit`); batch order from ``derive_seed(seed, "fedseq")``.
     Neither FedSeq nor its hyperparameters are in the reference repository
-    (implementation-notes section 1.7); S*E epochs give it the same local compute as
+    (reference-code §1.7); S*E epochs give it the same local compute as
     FedELMY (paper section 4.3.2).  ``on_epoch`` gets ``stage="fedseq"``, ``model=0``,
     ``epochs=S*E``.
 
