@@ -8,6 +8,8 @@ Listed under ``hooks:`` in ``mkdocs.yml``; nothing here is typed in by hand:
   ``SCHEMA`` (applied to an in-memory database; the comments are the SQL's own);
 - ``reference/protocol.md``: the gRPC services and messages of ``proto/fedrelay/v1/*.proto``,
   compiled with protoc (grpcio-tools) keeping the source comments;
+- ``reference/modules.md``: every module of the repository's Python folders, folder by folder,
+  with the first sentence of its docstring (read with ``ast``, nothing imported);
 - ``explanation/benchmark-results.md``: every study's figures from ``bench/results.json`` (the
   same rendering as ``bench/RESULTS.md``), with its plots.
 
@@ -360,12 +362,59 @@ def benchmarks_markdown() -> str:
     return text.replace("](plots/", "](bench-plots/")
 
 
+# -- the module map ------------------------------------------------------------------------------
+
+# Folder -> what it installs as (pyproject.toml's package-dir) and what it holds.
+MODULE_FOLDERS = (
+    ("fedrelay", "fedrelay", "the shared core: the task interface, the built-in tasks, what both daemons use"),
+    ("peer", "fedrelay.peer", "the site daemon"),
+    ("coordinator", "fedrelay.coordinator", "the coordinator"),
+    ("cli", "fedrelay.cli", "the typer apps behind the commands"),
+    ("deploy", "deploy", "trials on one machine and on several hosts (not installed)"),
+    ("bench", "bench", "the benchmark studies (not installed)"),
+)
+
+
+def _first_sentence(doc: str | None) -> str:
+    """A docstring's first sentence, on one line, reST literals as Markdown code."""
+    if not doc:
+        return ""
+    para = " ".join(doc.strip().split("\n\n")[0].split())
+    m = re.search(r"(?<!e\.g)(?<!i\.e)(?<!\bvs)\.(\s|$)", para)
+    return (para[:m.start() + 1] if m else para).replace("``", "`")
+
+
+def modules_markdown() -> str:
+    """Each folder's modules (generated stubs left out) with the first sentence of their docstrings."""
+    import ast
+
+    lines = _page("Module map",
+                  "Where each concept lives: every module of the repository's Python folders with the first "
+                  "sentence of its docstring, read from the source when the site is built. "
+                  "`tests/test_layout.py` checks the layering: the shared core imports neither daemon, "
+                  "the daemons import only the shared core and themselves, and no import circle.")
+    for folder, package, what in MODULE_FOLDERS:
+        lines += [f"## `{folder}/`: {what}", "", f"Installs as `{package}`." if package != folder or folder == "fedrelay"
+                  else "", "", "| module | what it owns |", "|---|---|"]
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT / folder)
+            if rel.parts[0] in ("v1", "_hooks") or "template" in rel.parts or path.name.startswith("test_"):
+                continue
+            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+            if path.name == "__init__.py" and not doc:
+                continue
+            lines.append(f"| `{folder}/{rel.as_posix()}` | {_cell(_first_sentence(doc))} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
 # -- MkDocs events -------------------------------------------------------------------------------
 
 PAGES = {
     "reference/cli.md": cli_markdown,
     "reference/ledger.md": ledger_markdown,
     "reference/protocol.md": protocol_markdown,
+    "reference/modules.md": modules_markdown,
     "explanation/benchmark-results.md": benchmarks_markdown,
 }
 
