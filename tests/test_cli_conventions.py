@@ -21,7 +21,7 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from fedrelay.cli import coordinator as coord_cli, exits, fedrelay as fedrelay_cli, peer as peer_cli
+from fedrelay.cli import connection, coordinator as coord_cli, exits, fedrelay as fedrelay_cli, peer as peer_cli
 from fedrelay.cli.common import address_callback, web_callback
 
 BIN = Path(sys.executable).parent
@@ -180,7 +180,7 @@ def test_exit_codes_tell_a_bad_value_an_unreachable_daemon_a_failed_run_and_a_re
         def run(self, run_id):
             return {"status": "failed", "run_id": run_id}
 
-    monkeypatch.setattr(coord_cli, "_client", lambda *a: Client())
+    monkeypatch.setattr(connection, "open_client", lambda *a: Client())
     res = runner.invoke(coord_cli.app, ["runs", "--json"])
     assert res.exit_code == exits.REFUSED and json.loads(res.stdout) == {
         "error": "the operator identity is required", "code": exits.REFUSED}

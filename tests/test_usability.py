@@ -11,7 +11,7 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from fedrelay.cli import coordinator as coord_cli, peer as peer_cli
+from fedrelay.cli import connection, coordinator as coord_cli, peer as peer_cli
 
 pytestmark = pytest.mark.integration
 
@@ -128,7 +128,7 @@ class _FakeClient:
 
 
 def test_config_file_sets_options_and_the_command_line_overrides_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(coord_cli, "_client", lambda *a: _FakeClient())
+    monkeypatch.setattr(connection, "open_client", lambda *a: _FakeClient())
     _FakeClient.calls.clear()
     cfg = tmp_path / "run.toml"
     cfg.write_text('seed = 7\nstrategy = "fedseq"\nmodels-per-site = 3\nlocal_epochs = 4\nlr = 0.01\n'
@@ -279,7 +279,7 @@ def test_fetch_model_into_a_folder_writes_run_id_safetensors(tmp_path, monkeypat
             written.append(out)
             return "ab" * 32, 10
 
-    monkeypatch.setattr(coord_cli, "_client", lambda *a: Client())
+    monkeypatch.setattr(connection, "open_client", lambda *a: Client())
     res = invoke(coord_cli.app, "fetch-model", "run-1", "-o", str(tmp_path), "--insecure")
     assert res.exit_code == 0 and written == [tmp_path / "run-1.safetensors"]
 
