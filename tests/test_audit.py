@@ -395,7 +395,7 @@ def _rechain_and_reseal(finished, path, run_id: str) -> None:
     ledger.sealer = Signatures(Transport.from_dir(finished["pki"] / "coordinator")).seal
     with ledger.lock:
         ledger._db.execute("BEGIN IMMEDIATE")
-        ledger._seal(run_id, time.time())
+        ledger.event_log.seal(run_id, time.time())
         ledger._db.execute("COMMIT")
     ledger.close()
 
