@@ -19,6 +19,7 @@ from fedrelay import signing
 from fedrelay.coordinator import hashchain
 from fedrelay.coordinator.audit_bundle import AuditError, unb64
 from fedrelay.coordinator.audit_report import Problem, Report
+from fedrelay.coordinator.ledger_runs import TERMINAL
 from fedrelay.coordinator.plan import Plan
 from fedrelay.signing import SignatureError
 from fedrelay.v1 import coordinator_pb2 as cpb, peer_pb2
@@ -28,7 +29,6 @@ MESSAGES = {m.DESCRIPTOR.full_name: m for m in (cpb.HopReport, cpb.ReceiptReport
 # The event kinds a record of each type is kept with.
 EVENT_KINDS = {"HopReport": ("hop", "upload", "final_copy"), "ReceiptReport": ("receipt",), "FinalReport": ("final",),
                "FailureReport": ("failed",), "EvaluateReply": ("evaluated",)}
-TERMINAL = ("finished", "failed", "cancelled")
 
 
 def describe_event(e: dict) -> str:
