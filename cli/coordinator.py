@@ -1181,7 +1181,7 @@ def split_dataset(
     train.csv/test.csv tables (breast-cancer, for --task tabular-csv)."""
     import math
 
-    from fedrelay.coordinator.split import DatasetNotFound, split_dataset as do_split
+    from fedrelay.datasets.split import DatasetNotFound, split_dataset as do_split
 
     if dirichlet is not None and not (math.isfinite(dirichlet) and dirichlet > 0):
         fail(f"--dirichlet must be a finite number > 0 (the concentration of the label skew), got {dirichlet:g}")
