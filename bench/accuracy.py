@@ -223,7 +223,8 @@ def make_domain_sites(out: Path, cfg: Config, source: Path | None) -> list[Path]
         return site_dirs(out)
     import numpy as np
 
-    from fedrelay.coordinator.split import FASHION_MNIST_CLASSES, load_fashion_mnist, write_sites
+    from fedrelay.datasets.fashion_mnist import FASHION_MNIST_CLASSES, load_fashion_mnist
+    from fedrelay.datasets.site_folders import write_sites
 
     train_x, train_y, test_x, test_y = load_fashion_mnist(source)
     rng = np.random.default_rng(cfg.domain_seed)

@@ -1,4 +1,4 @@
-"""``split-dataset``: site folders for a trial, from a public data set (coordinator/split.py)."""
+"""``split-dataset``: site folders for a trial, from a public data set (fedrelay/datasets/)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def split_dataset(
     train.csv/test.csv tables (breast-cancer, for --task tabular-csv)."""
     import math
 
-    from fedrelay.coordinator.split import DatasetNotFound, split_dataset as do_split
+    from fedrelay.datasets.split import DatasetNotFound, split_dataset as do_split
 
     if dirichlet is not None and not (math.isfinite(dirichlet) and dirichlet > 0):
         fail(f"--dirichlet must be a finite number > 0 (the concentration of the label skew), got {dirichlet:g}")

@@ -71,7 +71,7 @@ def idx_source(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def three_sites(tmp_path_factory, idx_source) -> list[Path]:
     """Three site folders split from the synthetic IDX files (Dirichlet 0.5, seed 0)."""
-    from fedrelay.coordinator.split import split_dataset
+    from fedrelay.datasets.split import split_dataset
 
     out = tmp_path_factory.mktemp("sites")
     split_dataset("fashion-mnist", sites=3, dirichlet=0.5, seed=0, out=out, source=idx_source)

@@ -40,14 +40,7 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 # Circles in modules that other changes restructure (each entry: the modules of one circle). Remove an entry once its circle is gone; the test fails on any other circle, and on
 # an entry that no longer is one.
-KNOWN_CIRCLES = [
-    # split.py's split_dataset imports split_tabular inside the function; split_tabular imports
-    # split.py's folder helpers (the dataset tool is to move out of the coordinator)
-    ["fedrelay.coordinator.split", "fedrelay.coordinator.split_tabular"],
-    # the package imports .models inside ImageFolderTask.build_model; models.py imports MODELS
-    # from the package
-    ["fedrelay.tasks.image_folder", "fedrelay.tasks.image_folder.models"],
-]
+KNOWN_CIRCLES: list[list[str]] = []
 
 
 def _resolve(name: str) -> str | None:

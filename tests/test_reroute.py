@@ -19,7 +19,7 @@ CHAIN = ["--models-per-site", "2", "--local-epochs", "1", "--warmup-epochs", "1"
 
 @pytest.fixture(scope="module")
 def trial(tmp_path_factory):
-    from fedrelay.coordinator.split import split_dataset
+    from fedrelay.datasets.split import split_dataset
 
     base = tmp_path_factory.mktemp("reroute")
     split_dataset("fashion-mnist", sites=4, dirichlet=1.0, seed=2, out=base / "sites",

@@ -1,4 +1,4 @@
-"""Tests for fedrelay.coordinator.split (trial-site construction from Fashion-MNIST IDX files).
+"""Tests for fedrelay.datasets (trial-site construction from Fashion-MNIST IDX files).
 
 Everything runs on tiny synthetic IDX files; the real data set is never needed.
 """
@@ -14,16 +14,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedrelay.coordinator import split as sp
-from fedrelay.coordinator.split import (
-    FASHION_MNIST_CLASSES,
-    DatasetNotFound,
-    dirichlet_label_split,
-    load_fashion_mnist,
-    read_idx,
-    split_dataset,
-    split_test,
-)
+from fedrelay.datasets import site_folders as sp
+from fedrelay.datasets.fashion_mnist import FASHION_MNIST_CLASSES, DatasetNotFound, load_fashion_mnist, read_idx
+from fedrelay.datasets.partition import dirichlet_label_split, split_test
+from fedrelay.datasets.split import split_dataset
 
 # ----------------------------------------------------------------------------- helpers
 

@@ -1,5 +1,5 @@
 """The built-in ``tabular-csv`` task (fedrelay/tasks/tabular_csv.py) and ``coordinator split-dataset
-breast-cancer`` (coordinator/split_tabular.py): reading a site's CSV files, the errors a site's
+breast-cancer`` (fedrelay/datasets/breast_cancer.py): reading a site's CSV files, the errors a site's
 administrator sees, the federation's feature scaling from summed statistics, the models."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 
 from fedrelay import tasks
 from fedrelay.coordinator.plan import PeerInfo, choose_sites
-from fedrelay.coordinator.split import split_dataset
-from fedrelay.coordinator.split_tabular import load_breast_cancer, split_breast_cancer
+from fedrelay.datasets.split import split_dataset
+from fedrelay.datasets.breast_cancer import load_breast_cancer, split_breast_cancer
 from fedrelay.peer.worker_main import Worker
 from fedrelay.task import DataError, DataSummary, ModelSpec
 from fedrelay.tasks.offers import Offer

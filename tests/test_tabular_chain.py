@@ -23,7 +23,7 @@ CHAIN = ["--task", "tabular-csv", "--models-per-site", "2", "--local-epochs", "2
 
 @pytest.fixture(scope="module")
 def trial(tmp_path_factory):
-    from fedrelay.coordinator.split import split_dataset
+    from fedrelay.datasets.split import split_dataset
 
     out = tmp_path_factory.mktemp("bc-sites")
     split_dataset("breast-cancer", sites=3, seed=0, out=out)

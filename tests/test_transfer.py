@@ -14,7 +14,7 @@ import torch
 from fedrelay.server import make_server
 from fedrelay.tensors import encode_state
 from fedrelay.transport import INSECURE
-from fedrelay.coordinator.split import FASHION_MNIST_CLASSES
+from fedrelay.datasets.fashion_mnist import FASHION_MNIST_CLASSES
 from fedrelay.tasks.image_folder.data import load_site
 from fedrelay.models import ModelSpec, build_model
 from fedrelay.tasks.image_folder import spec as image_spec

@@ -34,8 +34,11 @@ from fedrelay.task import Task
 
 from fedrelay.models import ModelSpec, build_model, state_signature
 from ..states import State, average_states, build_loaded, flatten, param_names
-from ..training import (EpochCallback, ModelCallback, TrainConfig, check_site_data, derive_seed, fill_pool, fit,
-                        seeded_generator)
+from ..determinism import derive_seed, seeded_generator
+from ..model_pool import ModelCallback, fill_pool
+from ..site_data import check_site_data
+from ..train_config import TrainConfig
+from ..training_loop import EpochCallback, fit
 
 __all__ = [
     "train_pool",

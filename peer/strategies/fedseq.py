@@ -18,8 +18,11 @@ from fedrelay import tasks
 
 from fedrelay.models import ModelSpec, expected_signature
 from ..states import State, build_loaded, check_signature
-from ..training import (EpochCallback, ModelCallback, TrainConfig, check_site_data, derive_seed, fill_pool, fit,
-                        seeded_generator)
+from ..determinism import derive_seed, seeded_generator
+from ..model_pool import ModelCallback, fill_pool
+from ..site_data import check_site_data
+from ..train_config import TrainConfig
+from ..training_loop import EpochCallback, fit
 
 __all__ = ["train", "models_to_keep", "train_fedseq"]
 

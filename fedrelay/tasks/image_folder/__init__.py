@@ -25,9 +25,9 @@ from pathlib import Path
 
 from fedrelay.task import DataSummary, ModelSpec, Task, canonical_json
 
-__all__ = ["ImageFolderTask", "MODELS", "spec"]
+from .architectures import MODELS
 
-MODELS = ("cnn", "resnet18", "cnn-gn")  # :mod:`.models` builds them; the first is the default
+__all__ = ["ImageFolderTask", "MODELS", "spec"]
 
 
 class ImageFolderTask(Task):

@@ -1,6 +1,6 @@
 """A site's local image data: an ImageFolder-style folder, decoded once into memory.
 
-Layout (the same one ``coordinator split`` writes)::
+Layout (the same one ``coordinator split-dataset`` writes)::
 
     root/
       train/<class name>/<file>.png|.jpg|.jpeg|.dcm     (required; at least one image overall)

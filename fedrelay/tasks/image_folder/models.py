@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import MODELS
+from .architectures import MODELS
 
 __all__ = ["MODELS", "MIN_SIZE", "SmallCNN", "build"]
 

@@ -11,7 +11,7 @@ IS&T/SPIE 1993; UCI Machine Learning Repository, "Breast Cancer Wisconsin (Diagn
 ``split_breast_cancer(sites=3, seed=0, out=Path("sites"))`` gives each site a disjoint share of
 the patients, stratified by diagnosis (``sklearn.model_selection.StratifiedKFold``: every site
 has the overall mix), or with ``dirichlet=A`` a label-skewed share
-(:func:`fedrelay.coordinator.split.dirichlet_label_split`, as for Fashion-MNIST); then cuts each
+(:func:`fedrelay.datasets.partition.dirichlet_label_split`, as for Fashion-MNIST); then cuts each
 site's share into train (80 %) and test (20 %), stratified by diagnosis where the site has at
 least two patients of each diagnosis (``sklearn.model_selection.train_test_split``). Each site
 folder holds::
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fedrelay.coordinator.split import (SPLIT_FORMAT, dirichlet_label_split, prepare_out, site_dir_name,
-                                        staging_dir, swap_in)
+from .partition import dirichlet_label_split
+from .site_folders import SPLIT_FORMAT, prepare_out, site_dir_name, staging_dir, swap_in
 
 __all__ = ["BREAST_CANCER", "LABEL", "ID_COLUMN", "TEST_FRACTION", "load_breast_cancer", "site_shares",
            "split_breast_cancer"]
@@ -121,7 +121,7 @@ def split_breast_cancer(*, sites: int, seed: int, out: str | Path, dirichlet: fl
     """Write ``sites`` tabular-csv site folders under ``out`` from the breast-cancer data (module
     docstring), and ``out/split.json``.
 
-    Safety as :func:`fedrelay.coordinator.split.write_sites`: a non-empty ``out`` must hold a
+    Safety as :func:`fedrelay.datasets.site_folders.write_sites`: a non-empty ``out`` must hold a
     previous ``split.json``, whose site folders alone are replaced; everything is written into
     a hidden staging folder first and moved into place at the end.
 
