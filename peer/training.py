@@ -87,7 +87,7 @@ def warm_up(model: nn.Module, train, val, cfg: TrainConfig, seed: int, device, o
     """Warm up the first site's freshly built model (paper Algorithm 1 line 1).
 
     The task's plain loss (cross-entropy by default) for ``cfg.warmup_epochs`` epochs with the same optimiser, batching and
-    selection as every strategy (:func:`fit`; implementation-notes section 1.4); batch
+    selection as every strategy (:func:`fit`; reference-code §1.4); batch
     order from ``derive_seed(seed, "warmup")``.  ``model`` is built and seeded by the
     caller.  With ``warmup_epochs == 0`` it returns a copy of the model's state
     untouched.  ``on_epoch`` gets ``stage="warmup"``, ``model=0``.
@@ -140,7 +140,7 @@ def run_site(
     global RNG state is restored) and under the model zoo's construction lock, so a
     concurrent ``build_model`` in another thread cannot change the initialisation.
     Both strategies get the warm-up so that they spend the same local epochs (the
-    reference repository has no FedSeq; implementation-notes section 1.7).  A resumed
+    reference repository has no FedSeq; reference-code §1.7).  A resumed
     first site re-runs the warm-up, which is deterministic; passing the warm-up state
     as ``m0`` instead gives the identical result.
 

@@ -10,7 +10,7 @@ Architectures (:data:`MODELS`):
 
 ``"cnn"``
     A small CPU-friendly CNN (not one of the reference code's CNNs, which are
-    BN-free and sized for GPUs; implementation-notes section 1.6)::
+    BN-free and sized for GPUs; reference-code §1.6)::
 
         Conv3x3(C->16, pad 1) + BatchNorm2d + ReLU + MaxPool2
         Conv3x3(16->32, pad 1) + BatchNorm2d + ReLU + MaxPool2
@@ -27,7 +27,7 @@ Architectures (:data:`MODELS`):
 
 ``"resnet18"``
     ``torchvision.models.resnet18(num_classes=K)`` with the CIFAR-style stem used
-    by the reference code's ``models/resnet.py`` (implementation-notes section 1.6):
+    by the reference code's ``models/resnet.py`` (reference-code §1.6):
     ``conv1 = Conv2d(C, 64, 3, stride 1, padding 1, bias=False)`` and
     ``maxpool = Identity``.  BasicBlocks [2, 2, 2, 2], widths 64-512, adaptive
     average pool, Linear head.  Needs ``H, W >= 9`` (the stem keeps the resolution
