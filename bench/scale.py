@@ -312,7 +312,6 @@ def measure(n: int, visit_seconds: float, work: Path) -> dict:
     """One N-site chain against a fresh coordinator: its CPU seconds and SQLite writes per hop."""
     from fedrelay import params as run_params
     from fedrelay.coordinator.client import OperatorClient
-    from fedrelay.v1 import coordinator_pb2 as cpb
 
     work.mkdir(parents=True, exist_ok=True)
     coord = CoordinatorProcess(work)

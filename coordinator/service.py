@@ -52,7 +52,7 @@ from fedrelay.coordinator.monitoring import CoordinatorMonitor
 from fedrelay.coordinator.notices import Notices
 from fedrelay.coordinator.owed import Owed
 from fedrelay.coordinator.refusal import Refused
-from fedrelay.coordinator.registration import HEARTBEATS_PER_SECOND, Registrar  # noqa: F401 - re-exported
+from fedrelay.coordinator.registration import Registrar
 from fedrelay.coordinator.relay_server import RelayService
 from fedrelay.coordinator.relay_permits import RelayPermits
 from fedrelay.coordinator.reports import Reports

@@ -30,7 +30,6 @@ from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
 
 from fedrelay import purpose as purposes
 from fedrelay.addresses import split_hostport, with_port
-from fedrelay.v1 import common_pb2
 
 log = logging.getLogger("fedrelay.metrics")
 

@@ -83,7 +83,7 @@ def test_a_heartbeat_reads_nothing_once_its_site_is_known_and_the_period_bounds_
     memory and dropped on any write); the heartbeat period grows with the number of registered
     sites so that all of them together heartbeat about twice a second, and never exceeds a
     quarter of --peer-timeout."""
-    from fedrelay.coordinator.service import HEARTBEATS_PER_SECOND
+    from fedrelay.coordinator.registration import HEARTBEATS_PER_SECOND
 
     class Plaintext:  # a plaintext server's call context: no identities
         def auth_context(self):
