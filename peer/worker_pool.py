@@ -249,7 +249,7 @@ class WorkerPool:
     def __init__(self, data_dir: str | Path, device: str, slots, *, deterministic: bool = True,
                  stop: threading.Event | None = None, warm_timeout: float = DEFAULT_WARM_TIMEOUT,
                  env: dict | None = None, fork: bool = False, extra_tasks: list[str] | tuple = (),
-                 clock=time.monotonic):
+                 clock=time.monotonic, start_process: Callable[[object], WorkerProcess] | None = None):
         self.data_dir = str(Path(data_dir).resolve())
         self.device = device
         self.deterministic = deterministic
@@ -260,6 +260,8 @@ class WorkerPool:
         self.fork = fork
         self.extra_tasks = list(extra_tasks)  # module:attr tasks (peer serve --task), for the workers' lookups
         self.clock = clock
+        # How a worker process is started on a host slot: a WorkerProcess, or a test's stand-in.
+        self.start_process = start_process or (lambda slot: WorkerProcess(slot=slot, env=self.env, fork=self.fork))
         self._warm: dict[str, _Warm] = {}
         self._lock = threading.Lock()
         self.started = 0  # worker processes started (for tests and metrics)
@@ -275,7 +277,7 @@ class WorkerPool:
 
     def _new_worker(self, slot) -> WorkerProcess:
         self.started += 1
-        return WorkerProcess(slot=slot, env=self.env, fork=self.fork)
+        return self.start_process(slot)
 
     def warm(self, run_id: str, prefetch: list[tuple[Job, Callable]] = (), spec: dict | None = None,
              sender: str = "") -> bool:
@@ -285,7 +287,7 @@ class WorkerPool:
         answers' JSON objects (None: failed) passed to their callbacks. The worker is closed after
         ``warm_timeout`` seconds unused. True when a worker was started (False: the callbacks
         are not called)."""
-        self._expire()
+        self.expire()
         with self._lock:
             if run_id in self._warm or self.stop.is_set():
                 return False
@@ -298,13 +300,15 @@ class WorkerPool:
                 return False
             self._warm[run_id] = _Warm(self._new_worker(slot), self._prepare_request(spec), list(prefetch),
                                        sender=sender, started=self.clock())
-        timer = threading.Timer(self.warm_timeout + 0.1, self._expire)
+        timer = threading.Timer(self.warm_timeout + 0.1, self.expire)
         timer.daemon = True
         timer.start()
         log.info("run %s: started a worker ahead of the model's arrival", run_id)
         return True
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
+        """Close the workers started ahead that no job has used for ``warm_timeout`` seconds
+        (``clock``'s); a timer calls it after each ``warm``."""
         now = self.clock()
         with self._lock:
             old = [k for k, w in self._warm.items() if now - w.started > self.warm_timeout]

@@ -430,15 +430,15 @@ def pool(tmp_path):
     from fedrelay.peer.worker_pool import WorkerPool
 
     clock = Clock()
-    p = WorkerPool(tmp_path / "data", "cpu", HostSlots(3, tmp_path / "slots"), warm_timeout=120, clock=clock)
-    p.workers = []
+    workers = []
 
-    def new_worker(slot):
-        p.started += 1
-        p.workers.append(FakeWorker(slot))
-        return p.workers[-1]
+    def start_process(slot):
+        workers.append(FakeWorker(slot))
+        return workers[-1]
 
-    p._new_worker = new_worker
+    p = WorkerPool(tmp_path / "data", "cpu", HostSlots(3, tmp_path / "slots"), warm_timeout=120, clock=clock,
+                   start_process=start_process)
+    p.workers = workers
     p.test_clock = clock
     yield p
     p.close()
@@ -466,7 +466,7 @@ def test_one_sender_cannot_pin_the_worker_slots(pool):
     assert pool.run(TRAIN, run_id="r4") == {"op": "train"} and pool.workers[1].closed
     # Left unused: closed after warm_timeout; the run's end closes its own at once.
     pool.test_clock.now += 121
-    pool._expire()
+    pool.expire()
     assert all(w.closed for w in pool.workers[:3])
     assert pool.warm("r6", sender="site-x")
     pool.drop("r6")
