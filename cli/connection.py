@@ -31,6 +31,16 @@ def open_client(address: str, tls: Path | None, insecure: bool):
     return OperatorClient(address, transport)
 
 
+def ask(coordinator: str, tls, insecure: bool, call):
+    """One call to the coordinator: open the operator's client (:func:`open_client`), return
+    ``call(client)``'s answer and close it; a failed call ends the command (:func:`rpc_fail`)."""
+    with open_client(coordinator, tls, insecure) as client:
+        try:
+            return call(client)
+        except grpc.RpcError as exc:
+            rpc_fail(exc, coordinator)
+
+
 def rpc_fail(exc: grpc.RpcError, address: str) -> None:
     """Exit with a message for a call to the coordinator that failed: the wrong transport flag
     (exit 2), a failed TLS handshake (4), an unreachable coordinator, else the call's own details;

@@ -29,11 +29,7 @@ def forget_peer(
     """Remove a registered peer from the ledger (refused while it is a site of a running run).
     The daemon registered under that name is refused from then on; a daemon started there
     afterwards registers anew (stop the site's daemon to remove the site for good)."""
-    with connection.open_client(coordinator, tls, insecure) as client:
-        try:
-            reply = client.forget_peer(name)
-        except grpc.RpcError as exc:
-            connection.rpc_fail(exc, coordinator)
+    reply = connection.ask(coordinator, tls, insecure, lambda client: client.forget_peer(name))
     if as_json:
         print(json.dumps({"name": reply.name, "address": reply.address}))
         return
@@ -48,11 +44,7 @@ def show(run_id: str = typer.Argument(..., help="The run's id (from start-chain 
          tls: Path = TLS, insecure: bool = INSECURE) -> None:
     """Show one run: order, hops, bytes, final accuracy; while it runs, what each site is doing
     now (state, pool model, epoch)."""
-    with connection.open_client(coordinator, tls, insecure) as client:
-        try:
-            s = client.run(run_id)
-        except grpc.RpcError as exc:
-            connection.rpc_fail(exc, coordinator)
+    s = connection.ask(coordinator, tls, insecure, lambda client: client.run(run_id))
     if as_json:
         print(json.dumps(s, indent=1))
     else:
@@ -64,11 +56,7 @@ def runs(coordinator: str = COORD,
                                       "(created, ended: unix seconds)."),
          tls: Path = TLS, insecure: bool = INSECURE) -> None:
     """List the runs in the ledger."""
-    with connection.open_client(coordinator, tls, insecure) as client:
-        try:
-            all_runs = client.runs()
-        except grpc.RpcError as exc:
-            connection.rpc_fail(exc, coordinator)
+    all_runs = connection.ask(coordinator, tls, insecure, lambda client: client.runs())
     if as_json:
         print(json.dumps(all_runs, indent=1))
         return
@@ -93,11 +81,7 @@ def peers(coordinator: str = COORD,
     (heard from within the coordinator's --peer-timeout) or stale."""
     from fedrelay.coordinator.client import peer_dict
 
-    with connection.open_client(coordinator, tls, insecure) as client:
-        try:
-            records = client.peers()
-        except grpc.RpcError as exc:
-            connection.rpc_fail(exc, coordinator)
+    records = connection.ask(coordinator, tls, insecure, lambda client: client.peers())
     if as_json:
         print(json.dumps([peer_dict(p) for p in records], indent=1))
         return

@@ -164,11 +164,7 @@ def stop(
     """Cancel a running run: every site stops at its next epoch or transfer boundary and removes
     its partial files; the run ends `cancelled`, with who and when. Models already made stay at
     the sites (`peer prune` removes ended runs' files)."""
-    with connection.open_client(coordinator, tls, insecure) as client:
-        try:
-            s = client.stop(run_id, reason=reason)
-        except grpc.RpcError as exc:
-            connection.rpc_fail(exc, coordinator)
+    s = connection.ask(coordinator, tls, insecure, lambda client: client.stop(run_id, reason=reason))
     if as_json:
         print(json.dumps(s, indent=1))
         return
