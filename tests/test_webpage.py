@@ -201,6 +201,7 @@ def chrome():
 
 
 def test_the_page_follows_a_real_run_in_a_browser(three_sites, tmp_path):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -217,10 +218,12 @@ def test_the_page_follows_a_real_run_in_a_browser(three_sites, tmp_path):
             assert res.returncode == 0, res.stderr
             run_id = json.loads(res.stdout)["run_id"]
             browser.get(f"http://127.0.0.1:{web}/runs/{run_id}")
-            wait = WebDriverWait(browser, 45, poll_frequency=0.1)
+            # The page redraws the graph as events arrive: an element found may be gone when read
+            # (StaleElementReferenceException), so the waits read in one go and try again.
+            wait = WebDriverWait(browser, 45, poll_frequency=0.1, ignored_exceptions=(StaleElementReferenceException,))
             # Every site is drawn in the graph, and the plan's hops are rows of the table.
-            wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#graph [data-site]")) == 3)
-            drawn = [e.get_attribute("data-site") for e in browser.find_elements(By.CSS_SELECTOR, "#graph [data-site]")]
+            drawn = wait.until(lambda b: (lambda names: names if len(names) == 3 else False)(
+                [e.get_attribute("data-site") for e in b.find_elements(By.CSS_SELECTOR, "#graph [data-site]")]))
             assert sorted(drawn) == trial.names
             # While the run is still running, a site is seen training and hop 1 arrives in the
             # table (pushed by the event stream: the page is never reloaded).
