@@ -25,13 +25,13 @@ from google.protobuf import message_factory
 
 from fedrelay.calls import CONTROL_TIMEOUT, transfer_timeout
 from fedrelay.files import iter_file_chunks
+from fedrelay.guard import HANDOFF_METHOD
 from fedrelay.transport import insecure_channel
 from fedrelay.v1 import common_pb2, peer_pb2
 
 GRPC_FRAME_BYTES = 5  # gRPC length-prefixed message framing: 1 flag byte + 4 length bytes
 
 
-HANDOFF_METHOD = "/fedrelay.v1.Peer/Handoff"
 _DATA_TAG = b"\x12"  # ModelChunk field 2 (data), wire type 2 (length-delimited)
 
 
