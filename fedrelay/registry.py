@@ -344,15 +344,26 @@ def unregister(*entries: Strategy | Aggregator) -> None:
         listener()
 
 
+class PluginError(RuntimeError):
+    """``FEDRELAY_METHODS`` names an entry that cannot be imported or registered; the message
+    names the variable, the item and the cause."""
+
+
 def _load_plugins(spec: str) -> None:
-    """Register the entries named by ``FEDRELAY_METHODS`` (``module:attr,...``)."""
+    """Register the entries named by ``FEDRELAY_METHODS`` (``module:attr,...``).
+
+    Raises:
+        PluginError: an item's module cannot be imported, has no such attribute, or its entry
+            is refused by :func:`register` (e.g. an option name already taken).
+    """
     for item in filter(None, (part.strip() for part in spec.split(","))):
         module, _, attr = item.partition(":")
         try:
             found = getattr(importlib.import_module(module), attr or "METHODS")
             register(*(found if isinstance(found, (tuple, list)) else (found,)))
-        except (ImportError, AttributeError, ValueError) as exc:
-            raise RuntimeError(f"{PLUGINS_ENV}={spec}: cannot register {item!r}: {exc}") from exc
+        except (ImportError, AttributeError, ValueError, TypeError) as exc:
+            raise PluginError(f"{PLUGINS_ENV}={spec}: cannot register {item!r}: {exc}; fix or unset "
+                              f"{PLUGINS_ENV}") from exc
 
 
 def load(name: str):

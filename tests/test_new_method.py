@@ -149,3 +149,16 @@ def test_a_chain_strategy_gets_its_declared_options_typed_at_its_train(one_torch
         run_site(None, spec, data, data, cfg, 0, "cpu", options=params.options(d))
         (seen,) = toy_method.SEEN
         assert seen["toy_visits"] == expected and type(seen["toy_visits"]) is int
+
+
+def test_a_plug_in_that_cannot_be_loaded_ends_the_command_with_one_line_not_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, registry.PLUGINS_ENV: "no_such_module_here:METHODS"}
+    res = subprocess.run([sys.executable, "-c", "from fedrelay.cli.coordinator import app; app()", "runs"],
+                         env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode != 0
+    assert "Traceback" not in res.stderr, res.stderr
+    assert "FEDRELAY_METHODS=no_such_module_here:METHODS: cannot register" in res.stderr
+    assert "No module named 'no_such_module_here'" in res.stderr
