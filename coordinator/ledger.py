@@ -113,12 +113,6 @@ class Ledger:
         """The ledger's (re-entrant) lock: held, nothing is written or published meanwhile."""
         return self._lock
 
-    def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
-        return self.store.exec(sql, args)
-
-    def _all(self, sql: str, args: tuple = ()) -> list[dict[str, Any]]:
-        return self.store.all(sql, args)
-
     # -- registrations (ledger_peers.py) ---------------------------------------------------------
     upsert_peer = _forward("peer_registry", PeerRegistry.upsert_peer)
     flush_last_seen = _forward("peer_registry", PeerRegistry.flush_last_seen)

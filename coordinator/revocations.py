@@ -59,9 +59,9 @@ class Revocations:
         self.secure = transport.secure
         self.list = revocation.RevocationList(transport.ca if transport.secure else None)
         with ledger.lock:
-            ledger._db.executescript(SCHEMA)
+            ledger.store.db.executescript(SCHEMA)
         self._entries = self._read_entries()
-        newest = ledger._all("SELECT number, der FROM crls ORDER BY number DESC LIMIT 1")
+        newest = ledger.store.all("SELECT number, der FROM crls ORDER BY number DESC LIMIT 1")
         if newest:
             try:
                 self.list.update(bytes(newest[0]["der"]), self.entries(), source="the ledger's newest CRL")
@@ -73,7 +73,7 @@ class Revocations:
         return list(self._entries)
 
     def _read_entries(self) -> list[Revoked]:
-        rows = self.ledger._all("SELECT * FROM revocations ORDER BY revoked_at, serial")
+        rows = self.ledger.store.all("SELECT * FROM revocations ORDER BY revoked_at, serial")
         return [Revoked(r["name"], int(r["serial"], 16), r["revoked_at"], r["revoked_by"], r["reason"]) for r in rows]
 
     def of(self, name: str) -> Revoked | None:
@@ -128,7 +128,7 @@ class Revocations:
                                     + ", ".join(f"{s:x}" for s in sorted(missing)))
         now = time.time()
         with self.ledger.lock:
-            db = self.ledger._db
+            db = self.ledger.store.db
             db.execute("BEGIN IMMEDIATE")
             try:
                 for serial in sorted(wanted):

@@ -201,7 +201,7 @@ def test_unsigned_or_badly_signed_reports_and_evaluations_are_refused(coordinato
 
 
 def ledger_path(ledger: Ledger) -> str:
-    return ledger._db.execute("PRAGMA database_list").fetchone()[2]
+    return ledger.store.db.execute("PRAGMA database_list").fetchone()[2]
 
 
 # -- a real run, then its ledger tampered with -----------------------------------------------------------
@@ -394,9 +394,9 @@ def _rechain_and_reseal(finished, path, run_id: str) -> None:
     ledger = Ledger(path)
     ledger.sealer = Signatures(Transport.from_dir(finished["pki"] / "coordinator")).seal
     with ledger.lock:
-        ledger._db.execute("BEGIN IMMEDIATE")
+        ledger.store.db.execute("BEGIN IMMEDIATE")
         ledger.event_log.seal(run_id, time.time())
-        ledger._db.execute("COMMIT")
+        ledger.store.db.execute("COMMIT")
     ledger.close()
 
 

@@ -177,7 +177,7 @@ def _peers(ledger: Ledger, names: list[str], stale: list[str]) -> None:
         ledger.upsert_peer(n, f"127.0.0.1:{9000 + len(n)}", image_offers({"c": (5, 1)}),
                            "cpu", "x")
     for n in stale:
-        ledger._exec("UPDATE peers SET last_seen = ? WHERE name = ?", (time.time() - 600, n))
+        ledger.store.exec("UPDATE peers SET last_seen = ? WHERE name = ?", (time.time() - 600, n))
 
 
 PARAMS = dict(strategy="fedelmy", models_per_site=1, local_epochs=1, warmup_epochs=0, alpha=1.0, beta=1.0, lr=1e-3,

@@ -190,7 +190,7 @@ def test_a_revoked_site_is_refused_and_cut_off_everywhere(world):
     assert w["node"].sending.is_revoked("site-a") and not w["node"].sending.is_revoked("site-c")
 
     # The ledger says who revoked whom, when and why; `peers` says so.
-    row = w["ledger"]._all("SELECT * FROM revocations")
+    row = w["ledger"].store.all("SELECT * FROM revocations")
     assert [(x["name"], x["revoked_by"], x["reason"]) for x in row] == [("site-a", "operator", "left the federation")]
     r = runner.invoke(coord_app, ["peers", "--json", "-c", w["coordinator"], "--tls",
                                   str(w["root"] / "pki" / "operator")], env={"FEDRELAY_INSECURE": None})

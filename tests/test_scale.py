@@ -42,7 +42,7 @@ def test_watch_run_reads_the_ledger_once_to_catch_up_then_memory_only():
                           warnings=[], insecure=True, plan=chain_plan(order).to_json())
         for k in range(3):
             ledger.add_event("r", "state", f"early {k}", site="a", state="training")
-        ledger._db.set_trace_callback(counter)
+        ledger.store.db.set_trace_callback(counter)
         stream = service.WatchRun(cpb.WatchRunRequest(run_id="r"), Context())
         assert [next(stream).message for _ in range(3)] == ["early 0", "early 1", "early 2"]
         caught_up = counter.reads
@@ -63,7 +63,7 @@ def test_watch_run_reads_the_ledger_once_to_catch_up_then_memory_only():
 def test_heartbeats_that_change_nothing_write_nothing_and_still_show_last_seen():
     counter = WriteCounter()
     ledger = Ledger(":memory:")
-    ledger._db.set_trace_callback(counter)
+    ledger.store.db.set_trace_callback(counter)
     classes = image_offers({"c": (5, 1)})
     assert ledger.upsert_peer("a", "127.0.0.1:1", classes, "cpu", "1")
     first, writes = ledger.peer("a")["last_seen"], counter.writes
@@ -91,7 +91,7 @@ def test_a_heartbeat_reads_nothing_once_its_site_is_known_and_the_period_bounds_
 
     counter = WriteCounter()
     ledger = Ledger(":memory:")
-    ledger._db.set_trace_callback(counter)
+    ledger.store.db.set_trace_callback(counter)
     service = CoordinatorService(ledger, peer_timeout=120.0)
     offers = image_offer_pbs({"c": (5, 1)})
 

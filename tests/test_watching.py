@@ -130,7 +130,7 @@ def test_peers_are_live_or_stale_by_the_coordinators_peer_timeout():
     svc = CoordinatorService(ledger, peer_timeout=30.0)
     for name in ("fresh", "old"):
         ledger.upsert_peer(name, "127.0.0.1:1", image_offers({"c": (5, 1)}), "cpu", "0")
-    ledger._exec("UPDATE peers SET last_seen = ? WHERE name = 'old'", (time.time() - 45,))
+    ledger.store.exec("UPDATE peers SET last_seen = ? WHERE name = 'old'", (time.time() - 45,))
     from fedrelay.coordinator.client import peer_dict
 
     peers = {p["name"]: p for p in map(peer_dict, svc.ListPeers(cpb.ListPeersRequest(), Context()).peers)}
