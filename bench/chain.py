@@ -42,7 +42,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from bench.common import PLOTS, record
-from deploy.local_trial import tool
+from deploy.processes import tool
 from bench.measures import process_tree_rss, training_times
 
 

@@ -1,5 +1,6 @@
 """What the studies measure of processes and runs: the resident memory of a process tree (from
-``/proc``), and the chain's wall time and each site's training time (from a run's event log)."""
+``/proc``), the chain's wall time and each site's training time (from a run's event log), and
+the CPU kernels torch uses (:func:`cpu_capability`)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,11 @@ def training_times(events: list[dict]) -> tuple[float, dict[str, float]]:
         elif state in ("sending", "distributing") and e["site"] in began:
             spent[e["site"]] = e["time"] - began[e["site"]]
     return end - start, spent
+
+
+def cpu_capability() -> str:
+    """The CPU kernels torch dispatches to here (``AVX512``, ``AVX2``, ...): the trained bits depend
+    on them, and results.json's cpu name does not tell machines apart."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()

@@ -44,7 +44,7 @@ from pathlib import Path
 from bench.accuracy import (Cache, Config, _pct, _stats, dir_key, grid_todo, run_references,
                             start_chain)
 from bench.common import REPO, commits_note, failed, finish, grid_args, grid_flags, log, meta, record, study_start
-from bench.few_shot import cpu_capability
+from bench.measures import cpu_capability
 
 CHAIN = ("fedelmy", "fedseq")
 STAR = ("fedavg", "fedelmy-pfl", "maecho", "ofasd")

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from bench.common import REPO, meta, record, study_workdir
-from deploy.local_trial import tool
+from deploy.processes import tool
 
 SECTION = "privacy"
 DEFAULT_WORKDIR = REPO / ".fedrelay" / "bench-privacy"

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from bench.common import record
-from deploy.local_trial import tool
+from deploy.processes import tool
 
 SOCKET_SERVER = r'''
 import hashlib, os, socket, struct, sys

@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,57 +40,10 @@ from pathlib import Path
 PKI_CACHE_ENV = "FEDRELAY_TRIAL_PKI_CACHE"  # a folder keeping trials' PKIs by site names and hosts (tests)
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
 DATASETS = ("fashion-mnist", "breast-cancer")
-BIN = Path(sys.executable).parent
 
-
-def tool(name: str) -> str:
-    """Path of a console script of this environment (``peer``, ``coordinator``), else its name
-    (found on PATH)."""
-    path = BIN / name
-    return str(path) if path.exists() else name
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports on 127.0.0.1 (all held open while they are picked, so the
-    kernel cannot hand one out twice)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def raise_open_files_limit() -> None:
-    """Raise this process's soft limit of open files to its hard limit (the daemons inherit it):
-    a coordinator of 100 sites holds a connection to and from every site."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY or hard > soft:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
-    except (ImportError, ValueError, OSError):
-        pass
-
-
-def _die_with_parent() -> list[str]:
-    """A command prefix that gives the child SIGTERM if the launcher dies, even by SIGKILL
-    (Linux ``setpriv --pdeathsig``; nothing where setpriv is missing). Not a ``preexec_fn``:
-    Python code between fork and exec runs grpc's fork handlers in the child, which can abort
-    it ("epoll_wait error: Bad file descriptor")."""
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "TERM"] if setpriv else []
+if __package__ in (None, ""):  # run as a script (make demo): the repository root, for ``deploy.*``
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from deploy.processes import die_with_parent, free_ports, raise_open_files_limit, tool  # noqa: E402
 
 
 def ensure_fashion_mnist(source: Path | None) -> None:
@@ -242,7 +194,7 @@ class LocalTrial:
         argv = [*self.host_prefix(name), *argv]
         self.argv[name] = argv
         log = open(self.logs / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen([*_die_with_parent(), *argv], stdout=log, stderr=subprocess.STDOUT,
+        self.procs[name] = subprocess.Popen([*die_with_parent(), *argv], stdout=log, stderr=subprocess.STDOUT,
                                             env={**self.env, **self.site_env.get(name, {})}, start_new_session=True)
         log.close()
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from deploy import local_trial
+from deploy import local_trial, processes
 from conftest import Aborted, FakeContext, image_offers
 from fedrelay.coordinator.ledger import TERMINAL, Ledger
 
@@ -61,7 +61,7 @@ def _site_status(trial, name: str):
 
 
 def test_stop_a_run_mid_training(trial):
-    waiter = subprocess.Popen([local_trial.tool("coordinator"), "start-chain", "--seed", "3", "--wait", "--json",
+    waiter = subprocess.Popen([processes.tool("coordinator"), "start-chain", "--seed", "3", "--wait", "--json",
                                *SLOW, "--coordinator", trial.coordinator, *trial.security_args()],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=trial.env)
     try:
@@ -115,7 +115,7 @@ def test_stop_a_run_mid_training(trial):
         assert all(_site_status(trial, n).name == n for n in trial.names)
         # Retention at a site, while its daemon runs: the cancelled run goes (dry run first).
         state = trial.workdir / "state" / trial.names[0]
-        peer = [local_trial.tool("peer"), "prune", "--state-dir", str(state), "--older-than", "0"]
+        peer = [processes.tool("peer"), "prune", "--state-dir", str(state), "--older-than", "0"]
         dry = subprocess.run([*peer, "--dry-run"], capture_output=True, text=True, timeout=60, env=trial.env)
         assert dry.returncode == 0 and f"would remove run {run_id} (cancelled" in dry.stdout
         assert (state / "runs" / run_id).is_dir()
@@ -157,7 +157,7 @@ def test_a_second_daemon_under_a_live_name_is_refused(trial, tmp_path):
     try:
         second = CliRunner().invoke(app, [
             "serve", "--data", str(trial.site_dirs[1]), "--name", name, "--listen",
-            f"127.0.0.1:{local_trial.free_port()}", "--coordinator", trial.coordinator,
+            f"127.0.0.1:{processes.free_port()}", "--coordinator", trial.coordinator,
             "--state-dir", str(tmp_path / "second"), "--tls", str(trial.site_tls(name)), "--device", "cpu"])
     finally:
         signal.signal(signal.SIGTERM, sigterm)
@@ -328,7 +328,7 @@ def test_a_name_is_refused_only_while_its_daemon_answers_and_a_restart_takes_it_
     finally:
         live.server.stop(None).wait()
     # The first daemon is gone (a crash): a new one takes the name over, on another port.
-    moved = f"127.0.0.1:{local_trial.free_port()}"
+    moved = f"127.0.0.1:{processes.free_port()}"
     register(moved, "second")
     assert (ledger.peer("a")["address"], ledger.peer("a")["instance"]) == (moved, "second")
     # Another daemon answers at the registered address, as another instance (the port was reused).

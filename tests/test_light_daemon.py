@@ -24,7 +24,7 @@ from fedrelay.v1 import peer_pb2, peer_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
-from deploy.local_trial import free_port
+from deploy.processes import free_port
 
 
 def _children(pid: int) -> list[int]:

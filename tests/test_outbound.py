@@ -206,9 +206,9 @@ def test_outbound_only_sites_get_their_models_through_the_relay_with_the_same_di
 def test_outbound_only_needs_tls_and_no_advertised_address(three_sites, tmp_path):
     import subprocess
 
-    from deploy import local_trial
+    from deploy import processes
 
-    peer = local_trial.tool("peer")
+    peer = processes.tool("peer")
     base = [peer, "serve", "--data", str(three_sites[0]), "--name", "site-00", "--outbound-only", "--check",
             "--state-dir", str(tmp_path / "state")]
     res = subprocess.run([*base, "--insecure"], capture_output=True, text=True, timeout=120)
@@ -296,10 +296,10 @@ def test_through_the_operators_relay_senders_present_the_coordinators_grants(thr
     envelope with it; the run finishes with every relayed transfer done."""
     import threading
 
-    from deploy import local_trial
+    from deploy import local_trial, processes
     from fedrelay.coordinator.relay_server import serve_relay
 
-    relay = f"127.0.0.1:{local_trial.free_ports(1)[0]}"
+    relay = f"127.0.0.1:{processes.free_ports(1)[0]}"
     sites = three_sites[:2]  # the shortest chain: its one hop goes through the relay
     last = sites[-1].name
     stop, ready, stored = threading.Event(), threading.Event(), []

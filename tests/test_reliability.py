@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from deploy import local_trial
+from deploy import local_trial, processes
 from conftest import hold_env, hold_folders
 
 pytestmark = pytest.mark.system
@@ -136,7 +136,7 @@ def test_successor_and_coordinator_down_mid_run(trial, undisturbed):
     assert len(show(trial, run["run_id"])["hops"]) == 1
     trial.kill("coordinator")
     time.sleep(1.5)  # a few failed delivery attempts with backoff
-    moved = f"127.0.0.1:{local_trial.free_port()}"
+    moved = f"127.0.0.1:{processes.free_port()}"
     trial.restart(receiver, listen=moved)
     trial.restart("coordinator")
     done = finished(trial, run["run_id"])
