@@ -213,9 +213,9 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
                         "model (0: none).", minimum=0.0),
                  Option("kd_temperature", float, 2.0, "fedelmy-kd: the distillation's temperature T.",
                         minimum=0.0, positive=True),
-                 Option("kd_ce_classes", str, "seen", "fedelmy-kd: seen (cross-entropy over the classes the "
-                        "site's training split holds; FedRS's restricted softmax) | all (over every class).",
-                        choices=("seen", "all"))),
+                 Option("kd_ce_classes", str, "all", "fedelmy-kd: all (cross-entropy over every class) | seen "
+                        "(over the classes the site's training split holds only, after FedRS's restricted "
+                        "softmax).", choices=("all", "seen"))),
              outside_dp="its loss reads the set of classes each site holds, which DP-SGD does not noise, and "
                         "distils outside DP-SGD's per-sample clipping"),
     Strategy("fedavg", "one-shot FedAvg: every site trains one model in parallel, the aggregator averages them",

@@ -35,13 +35,14 @@ def test_start_chain_help_lists_the_strategy_and_its_options_with_their_defaults
     assert re.search(r"--kd-weight <float> fedelmy-kd: weight of the distillation[^-]*\[default: 3\.0\]", text)
     assert re.search(r"--kd-temperature <float> fedelmy-kd: the distillation's temperature T\.[^-]*"
                      r"\[default: 2\.0\]", text)
-    assert re.search(r"--kd-ce-classes <seen\|all> fedelmy-kd: seen .*\| all .*\[default: seen\]", text)
+    assert re.search(r"--kd-ce-classes <all\|seen> fedelmy-kd: all .*\| seen .*\[default: all\]", text)
 
 
 def test_bad_values_are_refused_naming_the_flag_before_the_coordinator_is_called():
     for flags, words in ((("--kd-weight", "-1"), "--kd-weight must be >= 0, got -1.0"),
                          (("--kd-temperature", "0"), "--kd-temperature must be > 0, got 0.0"),
-                         (("--kd-ce-classes", "some"), "'--kd-ce-classes': Value error, 'some' is not one of 'seen', 'all'"),
+                         (("--kd-ce-classes", "some"),
+                          "'--kd-ce-classes': Value error, 'some' is not one of 'all', 'seen'"),
                          (("--kd-weight", "nan"), "--kd-weight must be a finite number")):
         res = invoke("start-chain", "--seed", "1", "--strategy", "fedelmy-kd", *flags, "--coordinator",
                      "127.0.0.1:9", "--insecure")
@@ -57,6 +58,7 @@ def test_the_options_travel_as_text_and_come_back_typed():
     assert {k: opts[k] for k in ("kd_weight", "kd_temperature", "kd_ce_classes")} == \
         {"kd_weight": 0.5, "kd_temperature": 2.0, "kd_ce_classes": "all"}
     assert dict(params.to_pb(d).method_options) == {"kd_weight": "0.5", "kd_ce_classes": "all"}
+    assert params.options(params.to_dict(params.to_pb(BASE)))["kd_ce_classes"] == "all"  # the default
 
 
 def test_differential_privacy_refuses_the_strategy_by_name():

@@ -14,11 +14,14 @@ points, d1, d2, selection and seeds) whose pool models train, per batch, on
   batch as the student. Not at the first site of a run, where ``m0`` is the site's own warm-up
   (there is nothing received to keep); a later round's first site received the previous round's
   model, and distils towards it.
-* **Cross-entropy over the classes the site holds** (``kd_ce_classes="seen"``: the restricted
-  softmax of FedRS, Li & Zhan, KDD 2021, with its scaling factor 0): the softmax of the CE runs
-  over the logits of the classes present in the site's training split only, so the site's data
-  do not push down the classes it has never seen; their logits are left to the distillation.
-  ``"all"``: the task's loss over every class (FedELMY's CE).
+* **Cross-entropy over the classes the site holds** (``kd_ce_classes="seen"``, opt-in; after the
+  restricted softmax of FedRS, Li & Zhan, KDD 2021, which scales the missing classes' logits by
+  a factor alpha; here they are left out of the softmax): the softmax of the CE runs over the
+  logits of the classes present in the site's training split only, so the site's data do not
+  push down the classes it has never seen; their logits are left to the distillation. Nothing
+  then ranks the site's classes above the missing ones, which the distillation may keep high
+  (docs/explanation/fedelmy-kd.md). ``"all"`` (the default): the task's loss over every class
+  (FedELMY's CE).
 
 ``a`` (``fedelmy.magnitude_scale``) reads ``L``, so d2 stays about an order of magnitude below
 the data terms, as it stays below CE in FedELMY. With ``kd_weight = 0`` and ``kd_ce_classes =
@@ -27,7 +30,7 @@ visit is FedELMY's, bit for bit.
 
 Options (declared in :mod:`fedrelay.registry`, typed and checked before they reach
 :func:`train`): ``kd_weight`` (float >= 0, default 3.0), ``kd_temperature`` (float > 0, default
-2.0), ``kd_ce_classes`` (``"seen"`` | ``"all"``, default ``"seen"``). Not available under
+2.0), ``kd_ce_classes`` (``"all"`` | ``"seen"``, default ``"all"``). Not available under
 differential privacy (``fedrelay.privacy.check`` refuses it): the set of classes a site holds is
 a statistic of its data that DP-SGD does not noise.
 """
@@ -140,7 +143,7 @@ class ForgettingLoss:
         temperature: T > 0.
         seen: the classes of the site's training split (:func:`seen_classes`), or None: the
             task's loss over every class. Otherwise the mean cross-entropy of the logits of
-            these classes only (FedRS's restricted softmax), the labels renumbered among them.
+            these classes only (after FedRS's restricted softmax), the labels renumbered among them.
 
     :attr:`active` is False when the loss is exactly the task's (no teacher or weight 0, and no
     restriction): the caller then passes no batch loss at all.
