@@ -178,7 +178,7 @@ def run_site(
     cfg.validate()
     train, val = check_site_data(spec, train, val)
     task = tasks.resolve(spec)
-    received = m0 is not None
+    from_predecessor = m0 is not None  # before m0 is the warm-up's
     if m0 is None:
         if initial is not None:
             model = build_loaded(spec, initial)
@@ -200,6 +200,6 @@ def run_site(
     mine = {"options": dict(options or {})} if registry.strategy(cfg.strategy).options else {}
     strategy_train = registry.load(cfg.strategy).train
     if "received" in inspect.signature(strategy_train).parameters:
-        mine["received"] = received
+        mine["received"] = from_predecessor
     return strategy_train(m0, spec, train, val, cfg, seed, device,
                           finished=finished, on_epoch=on_epoch, on_model=on_model, **mine)
