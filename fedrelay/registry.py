@@ -8,10 +8,12 @@ module named by an entry is imported by the peer only when a site runs it (:func
 A **strategy** module (``fedrelay.peer.strategies.<name>``) provides::
 
     def train(m0, spec, train, val, cfg, seed, device, *, finished=(), on_epoch=None,
-              on_model=None[, options]) -> tuple[State, list[State]]
+              on_model=None[, options][, received]) -> tuple[State, list[State]]
         # one visit's local training from the received model m0: (what the site sends, its pool);
         # a strategy whose entry declares options gets them as ``options=`` (a typed dict: the
-        # declared ones given or at their default, already checked; fedrelay/params.py options)
+        # declared ones given or at their default, already checked; fedrelay/params.py options);
+        # one whose train takes ``received`` gets whether m0 came from a predecessor (False at
+        # a run's first site, where m0 is the warm-up; peer/training.py run_site)
     models_to_keep(cfg) -> int
         # how many intermediate models ``train`` persists through ``on_model`` (resume)
     payload_schema(spec) -> {name: (shape, dtype)}      (optional)
@@ -167,6 +169,9 @@ class Strategy:
     aggregator: str = ""   # star plans: the aggregator (AGGREGATORS) the aggregating site runs
     init: str = "shared"   # the initial model when --init is not given (fedrelay/params.py INITS)
     options: tuple[Option, ...] = ()   # its own options (besides its aggregator's and its plan's)
+    # Why differential privacy at the sites (fedrelay/privacy.py) does not cover its training
+    # (besides its aggregator's ``outside_dp``); "" = it does.
+    outside_dp: str = ""
 
 
 @dataclass(frozen=True)
@@ -200,6 +205,19 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              CHAIN, "fedrelay.peer.strategies.fedelmy"),
     Strategy("fedseq", "one model per site, plain cross-entropy for S·E epochs (sequential FL baseline)",
              CHAIN, "fedrelay.peer.strategies.fedseq"),
+    # fedrelay's own extension (issue #25), not in the FedELMY paper: docs/explanation/fedelmy-kd.md.
+    Strategy("fedelmy-kd", "fedrelay's extension of FedELMY, not in the paper: FedELMY's pool plus distillation "
+             "towards the received model and cross-entropy over the site's classes, against forgetting under "
+             "label skew", CHAIN, "fedrelay.peer.strategies.fedelmy_kd", options=(
+                 Option("kd_weight", float, 3.0, "fedelmy-kd: weight of the distillation towards the received "
+                        "model (0: none).", minimum=0.0),
+                 Option("kd_temperature", float, 2.0, "fedelmy-kd: the distillation's temperature T.",
+                        minimum=0.0, positive=True),
+                 Option("kd_ce_classes", str, "all", "fedelmy-kd: all (cross-entropy over every class) | seen "
+                        "(over the classes the site's training split holds only, after FedRS's restricted "
+                        "softmax).", choices=("all", "seen"))),
+             outside_dp="its loss reads the set of classes each site holds, which DP-SGD does not noise, and "
+                        "distils outside DP-SGD's per-sample clipping"),
     Strategy("fedavg", "one-shot FedAvg: every site trains one model in parallel, the aggregator averages them",
              STAR, "fedrelay.peer.strategies.fedseq", aggregator="mean"),
     # Supplementary Alg. 2 warms up "a randomly initialized model" per client and does not say

@@ -45,6 +45,7 @@ global RNG state as they found it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 
 from torch import Tensor, nn
@@ -157,6 +158,10 @@ def run_site(
             filled), handed to a strategy whose registry entry declares options of its own as
             ``train(..., options=...)``; the built-in strategies declare none.
 
+    A strategy whose ``train`` takes a ``received`` keyword gets ``received=True`` when ``m0``
+    came from a predecessor and ``False`` at the first site (``m0`` is then the warm-up):
+    ``fedelmy-kd`` distils towards a received model only.
+
     Returns:
         ``(model to send, pool)``: the final model of the chain when this is the last
         site.
@@ -173,6 +178,7 @@ def run_site(
     cfg.validate()
     train, val = check_site_data(spec, train, val)
     task = tasks.resolve(spec)
+    from_predecessor = m0 is not None  # before m0 is the warm-up's
     if m0 is None:
         if initial is not None:
             model = build_loaded(spec, initial)
@@ -192,5 +198,8 @@ def run_site(
         if dp.current() is not None:
             dp.check_model(received, f"the model {spec.model!r} of task {spec.task!r}")
     mine = {"options": dict(options or {})} if registry.strategy(cfg.strategy).options else {}
-    return registry.load(cfg.strategy).train(m0, spec, train, val, cfg, seed, device,
-                                             finished=finished, on_epoch=on_epoch, on_model=on_model, **mine)
+    strategy_train = registry.load(cfg.strategy).train
+    if "received" in inspect.signature(strategy_train).parameters:
+        mine["received"] = from_predecessor
+    return strategy_train(m0, spec, train, val, cfg, seed, device,
+                          finished=finished, on_epoch=on_epoch, on_model=on_model, **mine)

@@ -24,12 +24,16 @@ from .site_data import check_data
 from .states import State, clone_state
 from .train_config import TrainConfig
 
-__all__ = ["EpochCallback", "Regulariser", "train_one_epoch", "fit"]
+__all__ = ["EpochCallback", "Regulariser", "BatchLoss", "train_one_epoch", "fit"]
 
 EpochCallback = Callable[[dict], None]
 # A strategy's per-batch loss: ``regulariser(loss, params) -> loss``, from the task's loss of the
 # batch (0-d, with gradient) and the model's parameters in ``model.parameters()`` order.
 Regulariser = Callable[[Tensor, list[Tensor]], Tensor]
+# A strategy's own loss of a batch, in place of the task's: ``batch_loss(outputs, inputs, labels)
+# -> loss`` (0-d, with gradient) from the model's outputs (N x K logits), the inputs the model saw
+# (``task.batch``'s, on the device) and the labels (int64 N). The regulariser, when given, gets it.
+BatchLoss = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def train_one_epoch(
@@ -43,16 +47,19 @@ def train_one_epoch(
     *,
     task: Task,
     generator: torch.Generator | None = None,
+    batch_loss: BatchLoss | None = None,
 ) -> Tensor:
     """One pass over ``train`` in ``order`` (a permutation on the data's device), in slices of
     ``batch_size`` (last partial batch included); per batch the model sees
     ``task.batch(rows, train=True, generator=generator)``, the loss is ``task.loss(outputs,
-    labels)`` (the mean cross-entropy by default), or ``regulariser(loss, params)`` when given,
-    and one optimiser step.
+    labels)`` (the mean cross-entropy by default), or ``batch_loss(outputs, inputs, labels)``
+    instead when given (a strategy's own loss of the batch, e.g. ``fedelmy-kd``'s), then
+    ``regulariser(loss, params)`` when given, and one optimiser step. Without ``batch_loss`` the
+    arithmetic is the task loss's, unchanged.
 
     Returns:
-        The sum over the epoch of each batch's task loss times its size: a 0-d float64 tensor on
-        the data's device (read it once per epoch).
+        The sum over the epoch of each batch's loss (the task's, or ``batch_loss``'s) times its
+        size: a 0-d float64 tensor on the data's device (read it once per epoch).
 
     Raises:
         ValueError: the task's loss is not a 0-d tensor.
@@ -66,7 +73,8 @@ def train_one_epoch(
         idx = order[start:start + batch_size]
         x = task.batch(train_x[idx], train=True, generator=generator)
         y = train_y[idx]
-        ce = task.loss(model(x), y)
+        outputs = model(x)
+        ce = task.loss(outputs, y) if batch_loss is None else batch_loss(outputs, x, y)
         if not isinstance(ce, Tensor) or ce.dim() != 0:
             got = tuple(ce.shape) if isinstance(ce, Tensor) else type(ce).__name__
             raise ValueError(f"the loss of task {tasks.name_of(task)!r} returned {got}, not a scalar (a 0-d tensor)")
@@ -103,6 +111,7 @@ def fit(
     regulariser: Regulariser | None = None,
     on_epoch: EpochCallback | None = None,
     task: Task,
+    batch_loss: BatchLoss | None = None,
 ) -> State:
     """The training loop shared by the warm-up and every strategy: train ``model`` for
     ``epochs`` epochs and return the selected state.
@@ -111,7 +120,9 @@ def fit(
     (Adam by default); batches are slices of ``torch.randperm(N, generator=generator)`` of
     ``cfg.batch_size`` (last partial batch included; :func:`train_one_epoch`).  The loss is the
     task's (cross-entropy by default), or what ``regulariser(loss, params)`` makes of it: the
-    strategy's loss terms (FedELMY's d1 and d2), which this loop knows nothing about.  A task's
+    strategy's loss terms (FedELMY's d1 and d2), which this loop knows nothing about; a strategy
+    that needs the batch itself (``fedelmy-kd``'s distillation) replaces the task's loss by
+    ``batch_loss(outputs, inputs, labels)`` (:func:`train_one_epoch`).  A task's
     train-time transforms draw from their own CPU generator, seeded from ``generator``'s
     initial seed (so they do not shift the batch order).
 
@@ -137,8 +148,10 @@ def fit(
         epochs, stage, index: the length of the loop, and the ``"stage"`` and ``"model"``
             it reports.
         task: the run's task (batches, loss, optimiser).
+        batch_loss: the strategy's loss of a batch in place of the task's (:data:`BatchLoss`);
+            None (the default): the task's loss, arithmetic unchanged. Not under DP-SGD.
         on_epoch: called after each epoch with ``{"stage", "model": index, "epoch":
-            1-based, "epochs", "train_loss": mean task loss over the epoch's samples,
+            1-based, "epochs", "train_loss": mean task loss (or ``batch_loss``) over the epoch's samples,
             "val_accuracy": float in [0, 1], or None when not validated (an empty val, or
             an epoch before the last under last-epoch selection), "seconds": wall time of
             the epoch including evaluation}``.
@@ -147,7 +160,8 @@ def fit(
         The selected state (new CPU tensors).
 
     Raises:
-        ValueError: bad data; the task's loss is not a scalar, or not finite over an epoch.
+        ValueError: bad data; the task's loss is not a scalar, or not finite over an epoch;
+            ``batch_loss`` under DP-SGD (its per-sample terms are not clipped and noised there).
     """
     train_x, train_y = check_data(train, "train", allow_empty=False)
     val_x, val_y = check_data(val, "val", allow_empty=True)
@@ -158,6 +172,9 @@ def fit(
     use_best = cfg.selection == "best-val" and val_y.shape[0] > 0
     n = int(train_y.shape[0])
     session = dp.current()
+    if session is not None and batch_loss is not None:
+        raise ValueError(f"{stage}: a strategy's own batch loss (batch_loss) is not trained under differential "
+                         "privacy; DP-SGD clips and noises the task's loss only")
     if session is not None:  # DP-SGD (fedrelay.peer.privacy); never under best-val (fedrelay.privacy.check)
         use_best = False
         private = dp.DPTraining(session, model, optimizer, n, cfg.batch_size, key=f"{stage}/{index}",
@@ -174,7 +191,8 @@ def fit(
                 # epoch: a host-to-device copy per batch made a GPU wait for its queue every step.
                 order = torch.randperm(n, generator=generator).to(train_x.device)
                 ce_sum = float(train_one_epoch(model, optimizer, train_x, train_y, order, cfg.batch_size,
-                                               regulariser, task=task, generator=augment))
+                                               regulariser, task=task, generator=augment,
+                                               batch_loss=batch_loss))
             if not math.isfinite(ce_sum):
                 raise ValueError(f"the loss of task {tasks.name_of(task)!r} is not finite ({ce_sum}) in epoch "
                                  f"{epoch} of {stage}: check the task's loss and inputs (or lower --lr)")

@@ -38,7 +38,7 @@ from ..determinism import derive_seed, seeded_generator
 from ..model_pool import ModelCallback, fill_pool
 from ..site_data import check_site_data
 from ..train_config import TrainConfig
-from ..training_loop import EpochCallback, fit
+from ..training_loop import BatchLoss, EpochCallback, fit
 
 __all__ = [
     "train_pool",
@@ -57,7 +57,8 @@ __all__ = [
 
 def train_pool(m0: Mapping[str, Tensor], spec: ModelSpec, train, val, cfg: TrainConfig, seed: int, device, *,
                finished: Sequence[Mapping[str, Tensor]] = (), on_epoch: EpochCallback | None = None,
-               on_model: ModelCallback | None = None) -> tuple[State, list[State]]:
+               on_model: ModelCallback | None = None, batch_loss: BatchLoss | None = None,
+               ) -> tuple[State, list[State]]:
     """Build one site's FedELMY model pool (paper Algorithm 1 lines 5-16, Eq. 6-9).
 
     ``pool = [m0] + list(finished)``; then for ``j = len(finished)+1 .. S``: build the
@@ -71,6 +72,11 @@ def train_pool(m0: Mapping[str, Tensor], spec: ModelSpec, train, val, cfg: Train
     model depends only on the pool before it and its own derived seed, the result is
     bit-identical to an uninterrupted run.  ``on_model`` is called only for newly
     trained models.  ``on_epoch`` gets ``stage="pool"``, ``model=j``.
+
+    ``batch_loss`` (an extension's hook, not the paper's: ``fedelmy-kd``,
+    :mod:`fedrelay.peer.strategies.fedelmy_kd`) replaces the task's loss of every batch of
+    every pool model (:func:`fedrelay.peer.training_loop.train_one_epoch`); d1 and d2 are
+    added to it as to CE.  None (the default): the paper's loss, arithmetic unchanged.
 
     Returns:
         ``(average_states(pool), pool)`` with ``len(pool) == S + 1``; ``pool[0]`` is
@@ -95,6 +101,7 @@ def train_pool(m0: Mapping[str, Tensor], spec: ModelSpec, train, val, cfg: Train
         return train_one_model(  # lines 9-13
             model, train, val, cfg, seeded_generator(derive_seed(seed, "pool", j)), device,
             index=j, m0_params=m0_params, pool_params=pool_params, on_epoch=on_epoch, task=task,
+            batch_loss=batch_loss,
         )
 
     # line 5: M = {m0}, plus the models a resumed site already has; line 14 appends each new one
@@ -118,7 +125,7 @@ def models_to_keep(cfg: TrainConfig) -> int:
 def train_one_model(model: nn.Module, train, val, cfg: TrainConfig, generator: torch.Generator, device, *,
                     index: int = 0, m0_params: Sequence[Tensor] | None = None,
                     pool_params: Sequence[Sequence[Tensor]] | None = None, on_epoch: EpochCallback | None = None,
-                    task: Task) -> State:
+                    task: Task, batch_loss: BatchLoss | None = None) -> State:
     """Train ``model`` for ``cfg.local_epochs`` epochs and return the selected state.
 
     Paper Algorithm 1 lines 9-13 (Eq. 9); reference-code §1.2/§1.4.  A
@@ -149,6 +156,8 @@ def train_one_model(model: nn.Module, train, val, cfg: TrainConfig, generator: t
             takes them (the model is moved to ``device`` in place; ``train`` non-empty).
         index: the ``"model"`` reported to ``on_epoch`` (:func:`train_pool` passes the
             real 1-based model index).
+        batch_loss: replaces ``CE`` above by ``batch_loss(outputs, inputs, labels)``
+            (:data:`fedrelay.peer.training_loop.BatchLoss`; ``fedelmy-kd``); None: CE.
         on_epoch: called after each epoch with ``{"stage": "pool", "model": index,
             "epoch": 1-based, "epochs", "train_loss": mean CE over the epoch's
             samples, "val_accuracy": float in [0, 1], or None when not validated (an empty
@@ -170,6 +179,7 @@ def train_one_model(model: nn.Module, train, val, cfg: TrainConfig, generator: t
         model, train, val, cfg, generator, device,
         epochs=cfg.local_epochs, stage="pool", index=index,
         regulariser=regulariser if regulariser.active else None, on_epoch=on_epoch, task=task,
+        batch_loss=batch_loss,
     )
 
 
