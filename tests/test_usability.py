@@ -346,3 +346,24 @@ def test_load_model_from_a_file_with_metadata(tmp_path):
                                                              .state_dict()), meta))
     with pytest.raises(ValueError, match="not the run's final model"):
         load_model(other)
+
+
+def test_the_example_config_shows_every_declared_option_at_its_default():
+    """deploy/run.example.toml lists every option the registry declares (commented, at its
+    default), so that a reader of the example sees the methods' options too."""
+    import tomllib
+
+    from fedrelay import registry
+
+    example = (Path(__file__).resolve().parents[1] / "deploy" / "run.example.toml").read_text()
+    shown = {}
+    for line in example.splitlines():
+        if line.startswith("# ") and " = " in line and not line.startswith("# #"):
+            try:
+                shown.update(tomllib.loads(line[2:].split("  #")[0]))
+            except tomllib.TOMLDecodeError:
+                continue
+    missing = [o.name for o in registry.all_options() if o.name.replace("_", "-") not in shown]
+    assert not missing, f"deploy/run.example.toml lacks {missing}"
+    for o in registry.all_options():
+        assert shown[o.name.replace("_", "-")] == o.default, o.name
