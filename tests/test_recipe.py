@@ -100,6 +100,22 @@ def test_constant_schedule_attaches_nothing_and_keeps_lr(one_torch_thread):
     assert task.lrs == [0.01] * 6
 
 
+def test_at_the_defaults_fit_is_the_plain_loop_bit_for_bit(one_torch_thread):
+    """constant + none: no scheduler, no augmentation, no extra draw: the same weights as the
+    plain loop (Adam at --lr, randperm batches, train_one_epoch) written out here."""
+    from fedrelay.peer.training_loop import train_one_epoch
+
+    task, cfg = ImageFolderTask(), TrainConfig(lr=0.01, batch_size=16, selection="last-epoch")
+    state = _fit(task, cfg, epochs=2)
+    torch.manual_seed(0)
+    model = build("cnn", 1, (8, 8), 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=cfg.weight_decay)
+    g, (x, y) = torch.Generator().manual_seed(3), _data()
+    for _ in range(2):
+        train_one_epoch(model, opt, x, y, torch.randperm(40, generator=g), 16, task=task)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
 def test_cosine_factor_ends_at_zero():
     assert recipe.cosine_factor(0, 7) == 1.0 and recipe.cosine_factor(7, 7) == 0.0 and recipe.cosine_factor(9, 7) == 0.0
     assert recipe.cosine_factor(2, 4) == pytest.approx(0.5)
