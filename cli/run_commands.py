@@ -58,7 +58,7 @@ def start_chain(
                              "`coordinator peers` lists what each site offers)."),
     task_sha256: str = typer.Option("", "--task-sha256", help="Pin the task's code: the SHA-256 every site's copy "
                                     "must have \\[default: the one every site reports]."),
-    model: str = typer.Option("", "--model", help="One of the task's models (image-folder: cnn, resnet18, cnn-gn (for DP); "
+    model: str = typer.Option("", "--model", help="One of the task's models (image-folder: cnn, resnet18, cnn-gn (for DP), cnn-wide; "
                               "tabular-csv: mlp, logistic) \\[default: the task's first]."),
     aggregator: str = typer.Option("", "--aggregator", help="Parallel methods: the site that combines the uploads "
                                    "\\[default: chosen by --seed]."),

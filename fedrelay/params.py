@@ -149,8 +149,9 @@ def to_pb(d: dict):
 
 
 def train_config(d: dict) -> dict:
-    """The fields of ``d`` that ``fedrelay.peer.training.TrainConfig`` holds."""
-    return {k: d[k] for k in TRAIN_NAMES}
+    """The fields of ``d`` that ``fedrelay.peer.training.TrainConfig`` holds: the training fields
+    and the run's recipe (``registry.RECIPE_OPTIONS``; one not given, or empty, at its default)."""
+    return {**{k: d[k] for k in TRAIN_NAMES}, **{o.name: d.get(o.name) or o.default for o in registry.RECIPE_OPTIONS}}
 
 
 def read_by(strategy: str) -> tuple:

@@ -32,7 +32,8 @@ the uploads). An aggregator module (``fedrelay.peer.aggregators.<name>``) provid
 The CLI and the coordinator read the names, summaries and plans; only the peer imports modules.
 
 **Options.** A strategy or aggregator declares its options in its entry (:class:`Option`: name,
-type, default, range or choices, help); a plan's own options are :data:`PLAN_OPTIONS`. Everything
+type, default, range or choices, help); a plan's own options are :data:`PLAN_OPTIONS`, the run's
+training recipe that every strategy reads (learning-rate schedule, augmentation) :data:`RECIPE_OPTIONS`. Everything
 else is derived from that one declaration: ``coordinator start-chain``'s flags (``--name-with-
 dashes``) and its ``--config`` file's keys, the checks (``fedrelay.params.check``: by the CLI, the
 coordinator and the peer, each option for the strategies that read it), the wire (an option
@@ -55,7 +56,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 
-ARCHS = ("cnn", "resnet18", "cnn-gn")  # the model zoo (fedrelay/tasks/image_folder/models.py builds them)
+ARCHS = ("cnn", "resnet18", "cnn-gn", "cnn-wide")  # the model zoo (fedrelay/tasks/image_folder/models.py builds them)
 
 
 CHAIN, STAR = "chain", "star"
@@ -198,6 +199,20 @@ PLAN_OPTIONS: dict[str, tuple[Option, ...]] = {
                   "after its own training, then combines what arrived.", minimum=0.0, positive=True),),
 }
 
+# The run's training recipe: read by every strategy of every plan (the peer's TrainConfig holds
+# them; fedrelay/peer/training_loop.py ``fit`` applies them to each model it trains), so that the
+# methods compared under one recipe differ only in the method. At their defaults they change
+# nothing: no scheduler, no augmentation, no extra random draw.
+LR_SCHEDULES = ("constant", "cosine")
+AUGMENTATIONS = ("none", "flip-crop")
+RECIPE_OPTIONS: tuple[Option, ...] = (
+    Option("lr_schedule", str, "constant", "Every method: the learning rate per optimiser step: constant (--lr) | "
+           "cosine (from --lr to 0 over each trained model's epochs x batches).", choices=LR_SCHEDULES),
+    Option("augment", str, "none", "Every method: train-time augmentation of the task's training batches: none | "
+           "flip-crop (images: random crop with 2-pixel zero padding + random horizontal flip).",
+           choices=AUGMENTATIONS),
+)
+
 MAX_ITERATIONS = 100_000  # an int option's usual top (epochs, iterations): more is a typo, not a plan
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
@@ -276,19 +291,19 @@ def aggregator(name: str) -> Aggregator:
 
 
 def options_of(name: str) -> tuple[Option, ...]:
-    """The options strategy ``name`` reads: its plan's, its own and its aggregator's. Raises
-    ``ValueError`` for an unknown strategy."""
+    """The options strategy ``name`` reads: the run's recipe (:data:`RECIPE_OPTIONS`), its plan's,
+    its own and its aggregator's. Raises ``ValueError`` for an unknown strategy."""
     s = strategy(name)
-    return PLAN_OPTIONS[s.plan] + s.options + (aggregator(s.aggregator).options if s.aggregator else ())
+    return RECIPE_OPTIONS + PLAN_OPTIONS[s.plan] + s.options + (aggregator(s.aggregator).options if s.aggregator else ())
 
 
 def all_options() -> tuple[Option, ...]:
     """Every declared option once, in declaration order: the aggregators', the strategies', the
-    plans' (``start-chain``'s flags follow this order)."""
+    plans', the recipe's (``start-chain``'s flags follow this order)."""
     seen: dict[str, Option] = {}
     for o in [o for a in AGGREGATORS.values() for o in a.options] + [o for s in STRATEGIES.values()
                                                                      for o in s.options] \
-            + [o for p in PLANS for o in PLAN_OPTIONS[p]]:
+            + [o for p in PLANS for o in PLAN_OPTIONS[p]] + list(RECIPE_OPTIONS):
         seen.setdefault(o.name, o)
     return tuple(seen.values())
 
@@ -326,7 +341,7 @@ def _check_entries(strategies: Mapping[str, Strategy], aggregators: Mapping[str,
     declared: dict[str, Option] = {}
     for o in [o for a in aggregators.values() for o in a.options] + [o for s in strategies.values()
                                                                      for o in s.options] \
-            + [o for p in PLANS for o in PLAN_OPTIONS[p]]:
+            + [o for p in PLANS for o in PLAN_OPTIONS[p]] + list(RECIPE_OPTIONS):
         if declared.setdefault(o.name, o) != o:
             raise ValueError(f"option {o.name} is declared twice, differently")
 

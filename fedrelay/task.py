@@ -308,10 +308,15 @@ class Task:
         positive_class: for two-class tasks, the class name that sensitivity, specificity and
             the reported AUROC treat as positive (None: the second class of the run's sorted
             class index; with the classes ``benign`` and ``malignant``, ``malignant``).
+        augmentations: the train-time augmentations :meth:`augment` implements, by the names
+            of ``coordinator start-chain --augment`` (``fedrelay.registry.AUGMENTATIONS``, e.g.
+            ``"flip-crop"``). Default: none; a run asking for one the task does not list fails
+            at the site with a message naming ``--augment``.
     """
 
     models: ClassVar[tuple[str, ...]] = ("default",)
     positive_class: ClassVar[str | None] = None
+    augmentations: ClassVar[tuple[str, ...]] = ()
 
     # ----------------------------------------------------------------------- data (site side)
 
@@ -358,6 +363,18 @@ class Task:
         import torch
 
         return inputs.to(torch.float32)
+
+    def augment(self, inputs: "Tensor", *, method: str, generator: "torch.Generator") -> "Tensor":
+        """The run's train-time augmentation ``method`` (its ``--augment``, one of
+        :attr:`augmentations`) of a training batch: ``inputs`` is what :meth:`batch` returned with
+        ``train=True`` (``N`` rows, float, on the training device); return a tensor of the same
+        shape, dtype and device. Draw every random number from ``generator`` (a seeded CPU
+        ``torch.Generator``, the one :meth:`batch` gets; draw on the CPU and move the draws), so
+        that runs repeat and the batch order does not shift. Called by the training loop
+        (``fedrelay.peer.training_loop.fit``) only for training batches and only when the run's
+        ``--augment`` is not ``none``; never for validation or evaluation. Default: ``inputs``
+        unchanged (the identity)."""
+        return inputs
 
     def loss(self, outputs: "Tensor", labels: "Tensor") -> "Tensor":
         """The training loss of a batch: a 0-d tensor with gradient. ``outputs``: the model's

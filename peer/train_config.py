@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fedrelay import params
+from fedrelay import params, registry
 
 __all__ = ["TrainConfig"]
 
@@ -30,6 +30,13 @@ class TrainConfig:
         selection: ``"best-val"`` keeps the epoch with the strictly best validation
             accuracy (the reference behaviour; a validation pass after every epoch);
             ``"last-epoch"`` keeps the last (validated once, after the last epoch).
+        lr_schedule: the run's ``--lr-schedule`` (:data:`fedrelay.registry.LR_SCHEDULES`):
+            ``"constant"`` (``lr`` throughout) or ``"cosine"`` (per optimiser step, from ``lr``
+            to 0 over each trained model's epochs x batches;
+            :func:`fedrelay.peer.training_loop.fit`).
+        augment: the run's ``--augment`` (:data:`fedrelay.registry.AUGMENTATIONS`): ``"none"``
+            or the name of a train-time augmentation the task offers
+            (:attr:`fedrelay.Task.augmentations`, :meth:`fedrelay.Task.augment`).
     """
 
     strategy: str = "fedelmy"
@@ -42,8 +49,15 @@ class TrainConfig:
     batch_size: int = 128
     weight_decay: float = 1e-4
     selection: str = "best-val"
+    lr_schedule: str = "constant"
+    augment: str = "none"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field, if any, by its start-chain flag
-        (:func:`fedrelay.params.check`, the one check of a run's training parameters)."""
-        params.check(dataclasses.asdict(self))
+        (:func:`fedrelay.params.check`, the one check of a run's training parameters; the
+        recipe's by their declarations, ``fedrelay.registry.RECIPE_OPTIONS``)."""
+        fields = dataclasses.asdict(self)
+        recipe = {o: fields.pop(o.name) for o in registry.RECIPE_OPTIONS}
+        params.check(fields)
+        for option, value in recipe.items():
+            option.check(value)

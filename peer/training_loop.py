@@ -18,6 +18,7 @@ from fedrelay import tasks
 from fedrelay.task import Task
 
 from . import privacy as dp
+from . import recipe
 from .determinism import derive_seed, seeded_generator
 from .evaluation import evaluate
 from .site_data import check_data
@@ -126,6 +127,15 @@ def fit(
     train-time transforms draw from their own CPU generator, seeded from ``generator``'s
     initial seed (so they do not shift the batch order).
 
+    The run's recipe (:mod:`fedrelay.peer.recipe`): ``cfg.lr_schedule == "cosine"`` anneals the
+    learning rate per optimiser step from ``cfg.lr`` to 0 over this call's ``epochs x
+    ceil(N / cfg.batch_size)`` steps (each call, a pool model or the warm-up, is one cosine
+    cycle); ``cfg.augment != "none"`` passes every training batch through
+    ``task.augment(..., method=cfg.augment)`` (:meth:`fedrelay.Task.augment`), drawing from the
+    same transforms' generator (validation batches never). Both apply under DP-SGD too (the
+    scheduler steps with each noised step). At ``"constant"`` and ``"none"`` the loop is exactly
+    the plain one (no scheduler, no extra draw).
+
     ``cfg.selection == "best-val"`` evaluates after every epoch and returns a copy of the
     state of the epoch with the *strictly* best validation accuracy (the first epoch is
     always kept); ``"last-epoch"`` evaluates once, after the last epoch, and returns the
@@ -161,7 +171,9 @@ def fit(
 
     Raises:
         ValueError: bad data; the task's loss is not a scalar, or not finite over an epoch;
-            ``batch_loss`` under DP-SGD (its per-sample terms are not clipped and noised there).
+            ``batch_loss`` under DP-SGD (its per-sample terms are not clipped and noised there);
+            an augmentation the task does not offer (``--augment``), or one that changes the
+            batch's shape or dtype.
     """
     train_x, train_y = check_data(train, "train", allow_empty=False)
     val_x, val_y = check_data(val, "val", allow_empty=True)
@@ -171,6 +183,9 @@ def fit(
     augment = seeded_generator(derive_seed(generator.initial_seed(), "augment"))
     use_best = cfg.selection == "best-val" and val_y.shape[0] > 0
     n = int(train_y.shape[0])
+    # The run's recipe (peer/recipe.py): at its defaults, no scheduler and the task itself.
+    recipe.schedule(optimizer, cfg.lr_schedule, epochs * math.ceil(n / cfg.batch_size))
+    batches = recipe.augmenting(task, cfg.augment)
     session = dp.current()
     if session is not None and batch_loss is not None:
         raise ValueError(f"{stage}: a strategy's own batch loss (batch_loss) is not trained under differential "
@@ -185,13 +200,13 @@ def fit(
         for epoch in range(1, epochs + 1):
             started = time.perf_counter()
             if session is not None:
-                ce_sum = float(private.epoch(train_x, train_y, task, regulariser, generator=augment))
+                ce_sum = float(private.epoch(train_x, train_y, batches, regulariser, generator=augment))
             else:
                 # The batch order is drawn on the CPU (same order on every device) and moved once per
                 # epoch: a host-to-device copy per batch made a GPU wait for its queue every step.
                 order = torch.randperm(n, generator=generator).to(train_x.device)
                 ce_sum = float(train_one_epoch(model, optimizer, train_x, train_y, order, cfg.batch_size,
-                                               regulariser, task=task, generator=augment,
+                                               regulariser, task=batches, generator=augment,
                                                batch_loss=batch_loss))
             if not math.isfinite(ce_sum):
                 raise ValueError(f"the loss of task {tasks.name_of(task)!r} is not finite ({ce_sum}) in epoch "

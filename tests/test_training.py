@@ -103,7 +103,7 @@ def test_build_model_is_deterministic_and_rejects_bad_specs():
     torch.manual_seed(5)
     b = build_model(SPEC).state_dict()
     assert_states_equal(a, b)
-    assert MODELS == ("cnn", "resnet18", "cnn-gn")
+    assert MODELS == ("cnn", "resnet18", "cnn-gn", "cnn-wide")
     for bad in (
         image_spec("vgg", 1, (8, 8), 3),
         image_spec("cnn", 1, (3, 8), 3),

@@ -15,8 +15,9 @@ same ``(C, H, W)`` (or the site resizes them all: ``size = [H, W]`` in its ``fed
 is ``{"channels": C, "height": H, "width": W}``, plus ``"bits": 16`` for 16-bit images.
 Inputs are kept as uint8 (8-bit images) or uint16 (16-bit: 16-bit greyscale PNG, DICOM with
 more than 8 bits stored) and become float32 in ``[0, 1]`` per batch (``/ 255`` or
-``/ 65535``); no normalisation, no augmentation. Models (``--model``): ``cnn`` (the default) and
-``resnet18`` (:mod:`.models`).
+``/ 65535``); no normalisation. Train-time augmentation (``--augment flip-crop``): a random crop
+with 2-pixel zero padding and a random horizontal flip (:mod:`.augment`). Models (``--model``):
+``cnn`` (the default), ``cnn-gn``, ``cnn-wide`` and ``resnet18`` (:mod:`.models`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class ImageFolderTask(Task):
     """Class folders of PNG/JPEG/DICOM images (see the module docstring)."""
 
     models = MODELS
+    augmentations = ("flip-crop",)
 
     def describe(self, root: Path) -> DataSummary:
         """Class counts, the image shape and depth from listings, the site's ``fedrelay.toml``
@@ -73,6 +75,15 @@ class ImageFolderTask(Task):
             raise ValueError(f"image-folder inputs are uint8 or uint16 N x C x H x W pixels, got {inputs.dtype} of "
                              f"{inputs.dim()} dimensions")
         return inputs.to(torch.float32).div_(255.0 if inputs.dtype == torch.uint8 else 65535.0)
+
+    def augment(self, inputs, *, method: str, generator):
+        """``"flip-crop"``: :func:`.augment.flip_crop` of the float ``N x C x H x W`` batch (same
+        shape, dtype and device). Raises ``ValueError`` for another method."""
+        if method != "flip-crop":
+            raise ValueError(f"--augment {method}: image-folder offers {', '.join(self.augmentations)}")
+        from .augment import flip_crop
+
+        return flip_crop(inputs, generator)
 
 
 def spec(model: str, channels: int, size: tuple[int, int], num_classes: int, bits: int = 8) -> ModelSpec:

@@ -6,4 +6,4 @@ from __future__ import annotations
 
 __all__ = ["MODELS"]
 
-MODELS = ("cnn", "resnet18", "cnn-gn")  # :mod:`.models` builds them; the first is the default
+MODELS = ("cnn", "resnet18", "cnn-gn", "cnn-wide")  # :mod:`.models` builds them; the first is the default

@@ -25,6 +25,18 @@ Architectures (:data:`MODELS`):
     parameter count and initial draw of the convolutions and linear layers as ``"cnn"``; its
     state has no running statistics.
 
+``"cnn-wide"``
+    The ``"cnn"`` twice as wide in its convolutions and with a narrower dense layer, so that
+    fewer of its weights sit in one linear layer and its bytes on the wire do not grow::
+
+        Conv3x3(C->32, pad 1) + BatchNorm2d + ReLU + MaxPool2
+        Conv3x3(32->64, pad 1) + BatchNorm2d + ReLU + MaxPool2
+        Flatten, Linear(64*(H//4)*(W//4) -> 48) + ReLU, Linear(48 -> K)
+
+    170,074 parameters for 28x28 grey images and 10 classes (``"cnn"``: 207,018), 88 % of them
+    in the first linear layer (``"cnn"``: 97 %); about 3.3 times ``"cnn"``'s multiply-adds per
+    image (4.0 M against 1.2 M at 28x28). Same state-dict keys as ``"cnn"``. Needs ``H, W >= 4``.
+
 ``"resnet18"``
     ``torchvision.models.resnet18(num_classes=K)`` with the CIFAR-style stem used
     by the reference code's ``models/resnet.py`` (reference-code §1.6):
@@ -42,41 +54,49 @@ from torch import nn
 
 from .architectures import MODELS
 
-__all__ = ["MODELS", "MIN_SIZE", "SmallCNN", "build"]
+__all__ = ["MODELS", "MIN_SIZE", "WIDTHS", "SmallCNN", "build"]
 
-MIN_SIZE = {"cnn": 4, "cnn-gn": 4, "resnet18": 9}
+MIN_SIZE = {"cnn": 4, "cnn-gn": 4, "cnn-wide": 4, "resnet18": 9}
+# (first conv's channels, second conv's channels, dense layer's width) of the small CNNs
+WIDTHS = {"cnn": (16, 32, 128), "cnn-gn": (16, 32, 128), "cnn-wide": (32, 64, 48)}
 
 
 class SmallCNN(nn.Module):
-    """The ``"cnn"`` architecture (see the module docstring); ``norm="group"``: ``"cnn-gn"``.
+    """The ``"cnn"`` architecture (see the module docstring); ``norm="group"``: ``"cnn-gn"``;
+    ``widths=(32, 64, 48)``: ``"cnn-wide"``.
 
     Input ``N x C x H x W`` float32, output ``N x K`` float32 logits.
     State-dict keys: ``features.{0,1,4,5}.*`` (conv, BN, conv, BN) and
     ``classifier.{1,3}.*`` (the two Linear layers).
+
+    Args:
+        widths: output channels of the two convolutions and the width of the dense layer.
     """
 
-    def __init__(self, in_channels: int, image_size: tuple[int, int], num_classes: int, norm: str = "batch"):
+    def __init__(self, in_channels: int, image_size: tuple[int, int], num_classes: int, norm: str = "batch",
+                 widths: tuple[int, int, int] = WIDTHS["cnn"]):
         super().__init__()
         h, w = image_size
+        c1, c2, hidden = widths
 
         def normalise(c: int) -> nn.Module:  # "group": as opacus.validators.ModuleValidator.fix makes it
             return nn.BatchNorm2d(c) if norm == "batch" else nn.GroupNorm(min(32, c), c)
 
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, 16, kernel_size=3, padding=1),
-            normalise(16),
+            nn.Conv2d(in_channels, c1, kernel_size=3, padding=1),
+            normalise(c1),
             nn.ReLU(inplace=True),
             nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, kernel_size=3, padding=1),
-            normalise(32),
+            nn.Conv2d(c1, c2, kernel_size=3, padding=1),
+            normalise(c2),
             nn.ReLU(inplace=True),
             nn.MaxPool2d(2),
         )
         self.classifier = nn.Sequential(
             nn.Flatten(),
-            nn.Linear(32 * (h // 4) * (w // 4), 128),
+            nn.Linear(c2 * (h // 4) * (w // 4), hidden),
             nn.ReLU(inplace=True),
-            nn.Linear(128, num_classes),
+            nn.Linear(hidden, num_classes),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +118,7 @@ def build(model: str, channels: int, size: tuple[int, int], num_classes: int) ->
 
     Raises:
         ValueError: unknown ``model``; ``channels < 1``; ``num_classes < 2``; ``H`` or ``W``
-            below 4 (``"cnn"``, ``"cnn-gn"``) or 9 (``"resnet18"``); non-int sizes.
+            below 4 (``"cnn"``, ``"cnn-gn"``, ``"cnn-wide"``) or 9 (``"resnet18"``); non-int sizes.
     """
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r} for image-folder; choose one of {', '.join(MODELS)}")
@@ -110,8 +130,9 @@ def build(model: str, channels: int, size: tuple[int, int], num_classes: int) ->
         raise ValueError(f"the image size must be (H, W), got {size!r}") from None
     h = _check_int("height", h, MIN_SIZE[model])
     w = _check_int("width", w, MIN_SIZE[model])
-    if model in ("cnn", "cnn-gn"):
-        return SmallCNN(channels, (h, w), num_classes, norm="batch" if model == "cnn" else "group")
+    if model in WIDTHS:
+        return SmallCNN(channels, (h, w), num_classes, norm="group" if model == "cnn-gn" else "batch",
+                        widths=WIDTHS[model])
     # resnet18: the reference code's CIFAR ResNet-18 (3x3 stride-1 stem, no max-pool).
     from torchvision.models import resnet18  # imported lazily: torchvision is slow to import
 
