@@ -39,8 +39,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench.accuracy import (LABELS, Cache, Config, _load_sites, _pct, _stats, dir_key, grid_todo,
-                            start_chain)
+from bench.accuracy_figures import _pct, _stats
+from bench.cells import LABELS, Cache, Config, dir_key
+from bench.runs import _load_sites, start_chain
+from bench.sites import grid_todo
 from bench.common import (REPO, RESULTS_JSON, commits_note, failed, finish, grid_args, grid_flags, log, meta, record,
                           study_start, tally)
 from fedrelay.tasks import resolve as resolve_task
