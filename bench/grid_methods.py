@@ -20,18 +20,21 @@ from dataclasses import dataclass
 from deploy.local_trial import tool
 
 CHAINS = ("fedelmy", "fedelmy-kd", "fedelmy-kd-nod", "fedseq_last_epoch", "fedseq_best_val")
-STARS = ("fedavg", "fedavg-classaware", "fedelmy-pfl", "maecho", "ofasd")
+STARS = ("fedavg", "fedavg_uniform", "fedavg-classaware", "fedelmy-pfl", "maecho", "ofasd")
 REFS = ("local_only", "centralized")
 METHODS = CHAINS + STARS + REFS
-# fedseq_best_val is the weaker FedSeq at full data (bench/RESULTS.md, accuracy): opt in with --methods.
-DEFAULT_METHODS = tuple(m for m in METHODS if m != "fedseq_best_val")
+# Opt in with --methods: fedseq_best_val (the weaker FedSeq at full data: bench/RESULTS.md, accuracy) and
+# fedavg_uniform (FedAvg weighted as MA-Echo and fedavg-classaware weigh: the ablation's exact base).
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("fedseq_best_val", "fedavg_uniform"))
 FEDSEQS = ("fedseq_last_epoch", "fedseq_best_val")
 LABELS = {"fedelmy": "FedELMY (paper)", "fedelmy-kd": "FedELMY-KD (ours)",
           "fedelmy-kd-nod": "FedELMY-KD without d1/d2 (ours, α = β = 0)",
-          "fedseq_last_epoch": "FedSeq, last epoch", "fedseq_best_val": "FedSeq, best val", "fedavg": "FedAvg",
-          "fedavg-classaware": "FedAvg + class-aware last layer", "fedelmy-pfl": "FedELMY-PFL",
+          "fedseq_last_epoch": "FedSeq, last epoch", "fedseq_best_val": "FedSeq, best val",
+          "fedavg": "FedAvg (sample-weighted)", "fedavg_uniform": "FedAvg (uniform)",
+          "fedavg-classaware": "FedAvg (uniform) + class-aware last layer", "fedelmy-pfl": "FedELMY-PFL",
           "maecho": "MA-Echo", "ofasd": "OFASD", "local_only": "local only", "centralized": "centralized"}
-STRATEGY = {"fedelmy-kd-nod": "fedelmy-kd", "fedseq_last_epoch": "fedseq", "fedseq_best_val": "fedseq"}
+STRATEGY = {"fedelmy-kd-nod": "fedelmy-kd", "fedseq_last_epoch": "fedseq", "fedseq_best_val": "fedseq",
+            "fedavg_uniform": "fedavg"}
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,8 @@ class GridConfig:
         own = {"fedelmy": [*ab, "--selection", "best-val"], "fedelmy-kd": [*ab, "--selection", "best-val"],
                "fedelmy-kd-nod": ["--alpha", "0", "--beta", "0", "--selection", "best-val"],
                "fedseq_last_epoch": ["--selection", "last-epoch"], "fedseq_best_val": ["--selection", "best-val"],
-               "fedavg": ["--weighting", "samples"], "fedavg-classaware": [],
+               "fedavg": ["--weighting", "samples"], "fedavg_uniform": ["--weighting", "uniform"],
+               "fedavg-classaware": [],
                "fedelmy-pfl": [*ab, "--selection", "best-val"],
                "maecho": ["--maecho-tau", str(self.tau), "--maecho-eta", f"{self.eta:g}", "--maecho-alpha",
                           "uniform"], "ofasd": []}[method]

@@ -22,7 +22,7 @@ SECTION, SUB = "accuracy", "grid"
 TARGETS = {0.5: 0.895, 0.1: 0.75}
 FEDELMY_OVER_FEDSEQ = 0.03
 MARKERS = {"fedelmy": "o", "fedelmy-kd": "*", "fedelmy-kd-nod": "X", "fedseq_last_epoch": "s", "fedseq_best_val": "d",
-           "fedavg": "^", "fedavg-classaware": ">", "fedelmy-pfl": "D", "maecho": "v", "ofasd": "P"}
+           "fedavg": "^", "fedavg_uniform": "<", "fedavg-classaware": ">", "fedelmy-pfl": "D", "maecho": "v", "ofasd": "P"}
 
 
 def blocks(by_dirichlet: dict) -> dict:
@@ -111,7 +111,8 @@ def reading(block: dict) -> list[str]:
                    + (f" (equal at seed(s) {', '.join(same)})" if same else "")
                    + f"; its final model differs in {len(sha)} of {len(common)}; target 'differs in every cell' "
                    + ("MET." if every else "NOT met."))
-    for x, y in (("maecho", "fedavg"), ("fedavg-classaware", "fedavg"), ("maecho", "fedavg-classaware")):
+    for x, y in (("maecho", "fedavg"), ("fedavg-classaware", "fedavg"), ("maecho", "fedavg-classaware"),
+                 ("fedavg-classaware", "fedavg_uniform"), ("maecho", "fedavg_uniform")):
         d = paired(block, x, y)
         if d:
             out.append(f"{where}, MA-Echo ablation: {LABELS[x]} − {LABELS[y]}: {_pts(d)}.")

@@ -131,5 +131,6 @@ def test_grid_quick_stops_between_cells_and_resumes(tmp_path, idx_source):
     assert after["fedelmy"]["run_id"] == done["fedelmy"]["run_id"]  # skipped, not rerun
     assert not second["failures"] and second["missing"] == []
     rows = {r[0]: r for r in second["tables"][0]["rows"]}
-    assert set(rows) == {"FedELMY (paper)", "FedAvg", "local only"} and rows["FedAvg"][4] == "yes"
+    assert set(rows) == {"FedELMY (paper)", "FedAvg (sample-weighted)", "local only"}
+    assert rows["FedAvg (sample-weighted)"][4] == "yes" and rows["local only"][3] == "0 (no transfer)"
     assert any(n.startswith(f"Recipe {RECIPE}: every method's `start-chain` got --model cnn") for n in second["notes"])
