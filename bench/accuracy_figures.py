@@ -10,6 +10,7 @@ from pathlib import Path
 from bench.cells import DOMAIN_METHODS, METHODS, LABELS, Cache, Config, dir_key
 from bench.sites import ANGLES
 
+
 def _stats(values: list[float]) -> tuple[float, float]:
     mean = statistics.fmean(values)
     std = statistics.stdev(values) if len(values) > 1 else 0.0

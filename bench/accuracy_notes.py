@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from bench.cells import CHAIN_METHODS, LABELS, Config
 
+
 # Reading of the measured figures, written after looking at them (kept here so that RESULTS.md
 # stays generated): why a target is missed, where one is. Keyed by the configuration it was
 # written for (train tag, split tag, domain tag); another configuration gets none.

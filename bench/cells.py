@@ -24,7 +24,6 @@ def dir_key(a: float) -> str:
     return "dir" + f"{a:g}".replace(".", "_")
 
 
-
 class Config:
     """The training configuration shared by every cell of one study run."""
 
@@ -57,7 +56,6 @@ class Config:
                        "pool_d1": (self.alpha, 0.0), "pool_d2": (0.0, self.beta)}[method]
         return ["--strategy", "fedelmy", "--alpha", f"{alpha:g}", "--beta", f"{beta:g}", "--selection", "best-val",
                 *common]
-
 
 
 class Cache:

@@ -14,6 +14,7 @@ from bench.cells import Config
 from bench.common import meta
 from fedrelay.tasks import resolve as resolve_task
 
+
 def start_chain(trial, method: str, cfg: Config, seed: int, extra: list[str] = ()) -> tuple[dict, float]:
     """One chain through the daemons (``start-chain --seed SEED --wait --json``): the finished
     run's summary (``show --json``'s keys) and the seconds it took. Raises ``RuntimeError`` when

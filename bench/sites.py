@@ -43,7 +43,6 @@ def grid_todo(args, cfg: Config, cache, work: Path, group_of):
                     work / "splits" / cfg.split_tag / f"dir{a:g}-seed{seed}", cfg, a, seed, args.source))
 
 
-
 def make_split(out: Path, cfg: Config, dirichlet: float, seed: int, source: Path | None) -> Path:
     """Site folders for one (Dirichlet, seed), with the real CLI (kept between runs)."""
     if (out / "split.json").exists():
@@ -109,8 +108,6 @@ def make_domain_sites(out: Path, cfg: Config, source: Path | None) -> list[Path]
                 meta={"name": "fashion-mnist-rotated", "angles": list(ANGLES), "seed": cfg.domain_seed,
                       "max_train_per_site": cfg.domain_max_train})
     return site_dirs(out)
-
-
 
 
 def orders_from(spec: str) -> list[tuple[int, ...]]:
