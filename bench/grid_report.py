@@ -163,14 +163,16 @@ def table(tag: str, about: str, block: dict, cfg: GridConfig) -> dict:
 
 
 def missing(cells: dict, tags: list[str], args) -> list[str]:
-    """'recipe Dir(a) seed s: m1, m2' for each planned (seed, Dirichlet) with cells missing."""
-    out = []
+    """'recipe Dir(a) seed s: m1, m2' (or 'all N methods') for each planned (seed, Dirichlet) with
+    cells missing."""
+    out, methods = [], list(args.methods)
     for tag in tags:
         by = {}
         for s, a, m in plan(args.seeds_of, args.methods):
             if m not in cells.get(tag, {}).get(a, {}).get(s, {}):
                 by.setdefault((a, s), []).append(m)
-        out += [f"{tag} Dir({a:g}) seed {s}: {', '.join(ms)}" for (a, s), ms in by.items()]
+        out += [f"{tag} Dir({a:g}) seed {s}: " + (f"all {len(ms)} methods" if len(ms) == len(methods) > 1
+                                                   else ", ".join(ms)) for (a, s), ms in by.items()]
     return out
 
 
