@@ -189,13 +189,14 @@ def plot(tag: str, figures: dict, path: Path) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(8.6, 4.6))
     colors = dict(zip(dirs, ("tab:blue", "tab:red", "tab:green", "tab:purple")))
+    present = [m for m in MARKERS if any(m in figures[k] and "to_model_bytes" in figures[k][m] for k in dirs)]
     for key in dirs:
         b = figures[key]
-        for i, m in enumerate(MARKERS):
+        for i, m in enumerate(present):
             if m not in b or "to_model_bytes" not in b[m]:
                 continue
-            # methods moving the same bytes are spread sideways by 4 % per method (log axis) to stay legible
-            x = max(b[m]["to_model_bytes"]) / 1e6 * 1.04 ** (i - len(MARKERS) / 2)
+            # methods moving the same bytes are spread sideways by 2 % per method (log axis) to stay legible
+            x = max(b[m]["to_model_bytes"]) / 1e6 * 1.02 ** (i - (len(present) - 1) / 2)
             ax.errorbar([x], [100 * b[m]["mean"]], yerr=[100 * b[m]["std"]], marker=MARKERS[m], color=colors[key],
                         ms=8, capsize=3, linestyle="none", mfc=colors[key] if key == dirs[0] else "none")
             for v in b[m]["per_seed"].values():
@@ -204,9 +205,14 @@ def plot(tag: str, figures: dict, path: Path) -> list[str]:
             if m in b:
                 ax.axhline(100 * b[m]["mean"], color=colors[key], ls=ls, lw=1, alpha=0.7)
     ax.set_xscale("log")
-    ax.set_xlabel("MB moved to produce the final model (log; chain: N − 1 hops, star: N − 1 uploads)", fontsize=8)
+    from matplotlib.ticker import FormatStrFormatter
+
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    ax.tick_params(axis="x", which="minor", labelsize=7)
+    ax.set_xlabel("MB moved to produce the final model (log; chain: N − 1 hops, star: N − 1 uploads;\n"
+                  "markers at equal bytes spread sideways by 2 % each for legibility)", fontsize=8)
     ax.set_ylabel("test accuracy (%)")
-    present = [m for m in MARKERS if any(m in figures[k] for k in dirs)]
     handles = [plt.Line2D([], [], marker=MARKERS[m], color="k", ls="none", label=LABELS[m]) for m in present]
     handles += [plt.Line2D([], [], color=colors[k], marker="o", mfc=colors[k] if k == dirs[0] else "none", ls="none",
                            label=f"Dirichlet({figures[k]['dirichlet']:g})") for k in dirs]
