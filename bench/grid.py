@@ -86,7 +86,8 @@ def parse(argv):
     ap.add_argument("--commit-cells", action="store_true", help="git add + git commit each cell file as it lands")
     ap.add_argument("--max-cells", type=int, default=None, help="stop after computing N cells")
     ap.add_argument("--deadline", default=None, metavar="HH:MM",
-                    help="UTC; start no cell that would end after it (estimate: the method's earlier cells)")
+                    help="UTC; start no cell that would end after it (estimate: the median of the method's "
+                    "earlier cells, else of all cells)")
     ap.add_argument("--device", default="cpu", help="the peers' and the references' torch device (cpu, cuda)")
     ap.add_argument("--maecho-tau", type=int, default=100)
     ap.add_argument("--maecho-eta", type=float, default=0.05)
@@ -128,10 +129,12 @@ def machine(device: str) -> dict:
 
 
 def _estimate(store: CellStore, recipe: str, method: str) -> float:
-    """Seconds a cell of ``method`` took before (median over the study's cells of this recipe), 0 if none."""
-    secs = [ms[method]["seconds"] for by_seed in store.all().get(recipe, {}).values() for ms in by_seed.values()
-            if method in ms and "seconds" in ms[method]]
-    return statistics.median(secs) if secs else 0.0
+    """Seconds a cell of ``method`` will take: the median over the study's earlier cells of it in
+    this recipe, else over all its cells of this recipe, else 0."""
+    cells = [c for by_seed in store.all().get(recipe, {}).values() for ms in by_seed.values() for c in ms.values()
+             if "seconds" in c]
+    own = [c["seconds"] for c in cells if c.get("method") == method]
+    return statistics.median(own or [c["seconds"] for c in cells] or [0.0])
 
 
 class Stop(Exception):

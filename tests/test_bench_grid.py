@@ -37,6 +37,15 @@ def test_deadline_and_seed_flags():
     assert args.seeds_of == {0.5: [0, 1, 2, 3, 4], 0.1: list(range(10))} and args.model == "cnn-gn"
 
 
+def test_deadline_estimate_is_the_methods_median_else_all_cells(tmp_path):
+    store = CellStore(tmp_path, "s")
+    assert grid._estimate(store, RECIPE, "fedelmy") == 0.0
+    for seed, (m, secs) in enumerate([("fedelmy", 100.0), ("fedelmy", 300.0), ("fedavg", 50.0)]):
+        store.put({"method": m, "seconds": secs, "accuracy": 0.5}, RECIPE, 0.5, seed, m)
+    assert grid._estimate(store, RECIPE, "fedelmy") == 200.0 and grid._estimate(store, RECIPE, "fedavg") == 50.0
+    assert grid._estimate(store, RECIPE, "ofasd") == 100.0  # no ofasd cell yet: all cells' median
+
+
 def _cell(acc: float, sha: str, method: str, to_model: int | None = 1000) -> dict:
     b = None if to_model is None else {"to_model_bytes": to_model, "final_total_bytes": 900, "ledger_equals_plan": True}
     return {"method": method, "accuracy": acc, "sha256": sha, "bytes": b, "seconds": 5.0, "commit": "abc",
