@@ -13,7 +13,7 @@ CHAIN_ARGS ?= --models-per-site 5 --local-epochs 2 --warmup-epochs 2
 BC_SITES ?= 3
 BC_CHAIN_ARGS ?= --models-per-site 3 --local-epochs 5 --warmup-epochs 5 --lr 0.01 --batch-size 32
 
-.PHONY: setup demo demo-breast-cancer test test-fast docs bench bench-reduced bench-few-shot bench-parallel bench-privacy proto clean
+.PHONY: setup demo demo-breast-cancer test test-fast docs bench bench-reduced bench-few-shot bench-parallel bench-grid bench-privacy proto clean
 
 setup: $(STAMP)
 
@@ -70,6 +70,13 @@ bench-few-shot: setup
 # --max-train-per-site for full data (hours).
 bench-parallel: setup
 	nice -n 15 $(PY) -m bench.parallel --max-train-per-site 600
+
+# The full-data grid (issue #25): every one-shot method, one recipe (RECIPE=paper|ours), 10 sites,
+# Dirichlet 0.5/0.1, seeds 0-4, E = Ew = 5, full data; each cell committed as it lands
+# (bench/cells/); rerun to resume, `python -m bench.grid --publish-only` to rebuild the tables.
+RECIPE ?= paper
+bench-grid: setup
+	nice -n 15 $(PY) -m bench.grid --recipe $(RECIPE) --commit-cells
 
 # Privacy-utility of DP-SGD at every site (docs/differential-privacy.md): FedELMY and FedSeq at
 # target epsilon 1, 4, 16 and without DP, 3 sites at 300 training images each (resumable).

@@ -38,7 +38,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench.accuracy import LABELS, Cache, Config, _load_sites, _pct, _stats, dir_key, grid_todo
+from bench.accuracy_figures import _pct, _stats
+from bench.cells import LABELS, Cache, Config, dir_key
+from bench.runs import _load_sites
+from bench.sites import grid_todo
 from bench.common import (REPO, RESULTS_JSON, commits_note, failed, finish, grid_args, grid_flags, log, record,
                           study_start, tally)
 from bench.few_shot_cell import run_cell

@@ -9,7 +9,8 @@ import json
 import time
 from pathlib import Path
 
-from bench.accuracy import Config, start_chain
+from bench.cells import Config
+from bench.runs import start_chain
 from bench.common import meta
 from bench.measures import cpu_capability
 from fedrelay.tasks import resolve as resolve_task

@@ -12,7 +12,7 @@ and one ``peer serve`` per site on loopback, mutual TLS) with ``coordinator star
 - stars (every site trains at once, N − 1 uploads to the aggregating site): ``fedavg`` (weighted by
   train images), ``fedelmy-pfl`` (FedELMY supplementary Alg. 2), ``maecho`` (MA-Echo, τ, η, uniform
   α), ``ofasd`` (block-wise coefficients; its epochs and lr at the aggregator);
-- references, in-process (``bench.accuracy.run_references``): ``local_only`` and ``centralized``.
+- references, in-process (``bench.runs.run_references``): ``local_only`` and ``centralized``.
 
 Every site spends the same local epochs, Ew + S·E (what the daemons do). The initial model is the
 shared seeded random init (``--init shared``): no pretrained Fashion-MNIST CNN is available
@@ -41,8 +41,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench.accuracy import (Cache, Config, _pct, _stats, dir_key, grid_todo, run_references,
-                            start_chain)
+from bench.accuracy_figures import _pct, _stats
+from bench.cells import Cache, Config, dir_key
+from bench.runs import run_references, start_chain
+from bench.sites import grid_todo
 from bench.common import REPO, commits_note, failed, finish, grid_args, grid_flags, log, meta, record, study_start
 from bench.measures import cpu_capability
 
@@ -60,7 +62,7 @@ SECTION, SUB, COMM = "accuracy", "parallel", "communication"
 
 class ParallelConfig(Config):
     """bench.accuracy's Config with the star methods' options; ``chain_args`` gives every method's
-    ``start-chain`` arguments (``bench.accuracy.start_chain`` calls it)."""
+    ``start-chain`` arguments (``bench.runs.start_chain`` calls it)."""
 
     def __init__(self, args):
         super().__init__(args)
@@ -357,7 +359,7 @@ def publish(cache: ParallelCache, cfg: ParallelConfig, args, started: float, fai
                f"Ew + S·E = {cfg.Ew + cfg.S * cfg.E} epochs in every method. FedELMY and FedSeq (last-epoch selection) "
                "are chains, FedAvg, FedELMY-PFL, MA-Echo and OFASD stars, all through the daemons (mutual TLS, "
                "loopback, `coordinator start-chain --seed SEED --init shared`); local only and centralized are "
-               "in-process references (bench.accuracy.run_references). Mean ± sample std over the seeds finished.")
+               "in-process references (bench.runs.run_references). Mean ± sample std over the seeds finished.")
     notes = [
         "Initial model: `--init shared`, one seeded random CNN at every site (the chains' first site draws the same "
         "one). No pretrained Fashion-MNIST CNN is available offline, and FedAvg, MA-Echo and OFASD need one common "

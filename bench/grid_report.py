@@ -1,0 +1,288 @@
+"""The full-data grid's figures and reading, generated from its cells only (``bench.grid_cells``),
+never typed: per recipe and Dirichlet a table (mean ± sample std, n, bytes, per-seed values);
+FedELMY against the strongest FedSeq paired by seed; the extension against both, with and without
+d1/d2; OFASD against FedAvg in every cell; the MA-Echo ablation; issue #25's targets, each met or
+not met with its figure; the cells still missing; and an accuracy-against-bytes plot per recipe.
+Published as ``accuracy.grid`` in results.json and its section of RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from bench.accuracy_figures import _pct, _stats
+from bench.cells import dir_key
+from bench.common import record
+from bench.grid_cells import CellStore, plan
+from bench.grid_methods import CHAINS, FEDSEQS, LABELS, METHODS, REFS, STARS, GridConfig
+
+SECTION, SUB = "accuracy", "grid"
+# issue #25's targets: the best method's mean accuracy per Dirichlet, and FedELMY over FedSeq (points).
+TARGETS = {0.5: 0.895, 0.1: 0.75}
+FEDELMY_OVER_FEDSEQ = 0.03
+MARKERS = {"fedelmy": "o", "fedelmy-kd": "*", "fedelmy-kd-nod": "X", "fedseq_last_epoch": "s", "fedseq_best_val": "d",
+           "fedavg": "^", "fedavg_uniform": "<", "fedavg-classaware": ">", "fedelmy-pfl": "D", "maecho": "v", "ofasd": "P"}
+
+
+def blocks(by_dirichlet: dict) -> dict:
+    """Dirichlet -> seed -> method -> cell (one recipe) -> results key ``dir0_5`` -> method ->
+    {mean, std, n, seeds, per_seed, sha256_per_seed, to_model_bytes, final_copies_bytes,
+    ledger_equals_plan, seconds_mean}; ``dirichlet`` too. Accuracies are fractions."""
+    out: dict = {}
+    for a, by_seed in sorted(by_dirichlet.items(), reverse=True):
+        block: dict = {"dirichlet": a}
+        for m in METHODS:
+            cells = {str(s): ms[m] for s, ms in sorted(by_seed.items()) if m in ms}
+            if not cells:
+                continue
+            per_seed = {s: c["accuracy"] for s, c in cells.items()}
+            mean, std = _stats(list(per_seed.values()))
+            b = [c.get("bytes") for c in cells.values()]
+            mb = {"mean": mean, "std": std, "n": len(per_seed), "seeds": sorted(int(s) for s in per_seed),
+                  "per_seed": per_seed, "sha256_per_seed": {s: c.get("sha256") for s, c in cells.items()},
+                  "seconds_mean": sum(c.get("seconds", 0.0) for c in cells.values()) / len(cells)}
+            if m not in REFS and all(b):
+                mb["to_model_bytes"] = sorted({x["to_model_bytes"] for x in b})
+                mb["final_copies_bytes"] = sorted({x["final_total_bytes"] for x in b})
+                mb["ledger_equals_plan"] = all(x.get("ledger_equals_plan") for x in b)
+            block[m] = mb
+        out[dir_key(a)] = block
+    return out
+
+
+def paired(block: dict, a: str, b: str) -> dict | None:
+    """``a − b`` on the seeds both have: {mean, std, n, wins (seeds where a > b), per_seed}; None
+    without a common seed."""
+    if a not in block or b not in block:
+        return None
+    common = [s for s in block[a]["per_seed"] if s in block[b]["per_seed"]]
+    if not common:
+        return None
+    diffs = {s: block[a]["per_seed"][s] - block[b]["per_seed"][s] for s in common}
+    mean, std = _stats(list(diffs.values()))
+    return {"a": a, "b": b, "mean": mean, "std": std, "n": len(diffs), "wins": sum(v > 0 for v in diffs.values()),
+            "per_seed": diffs}
+
+
+def strongest_fedseq(block: dict) -> str | None:
+    found = [m for m in FEDSEQS if m in block]
+    return max(found, key=lambda m: block[m]["mean"]) if found else None
+
+
+def _pts(d: dict) -> str:
+    return (f"{100 * d['mean']:+.2f} ± {100 * d['std']:.2f} points, ahead in {d['wins']} of {d['n']} seed(s) "
+            f"(per seed: {', '.join(f'{s}: {100 * v:+.2f}' for s, v in d['per_seed'].items())})")
+
+
+def reading(block: dict) -> list[str]:
+    """The sentences of one (recipe, Dirichlet) block, each a figure from the cells."""
+    a = block["dirichlet"]
+    where = f"Dirichlet({a:g})"
+    out = []
+    fl = [m for m in CHAINS + STARS if m in block]
+    if fl:
+        best = max(fl, key=lambda m: block[m]["mean"])
+        line = f"{where}: best method {LABELS[best]} at {_pct(block[best]['mean'], block[best]['std'])} % " \
+               f"(n = {block[best]['n']})"
+        if a in TARGETS:
+            met = block[best]["mean"] >= TARGETS[a]
+            line += (f"; target ≥ {100 * TARGETS[a]:.1f} % {'MET' if met else 'NOT met'}"
+                     + ("" if met else f" (short by {100 * (TARGETS[a] - block[best]['mean']):.2f} points)"))
+        out.append(line + ".")
+    fs = strongest_fedseq(block)
+    d = paired(block, "fedelmy", fs) if fs else None
+    if d:
+        met = d["mean"] >= FEDELMY_OVER_FEDSEQ
+        out.append(f"{where}: FedELMY − the strongest FedSeq ({LABELS[fs]}), paired by seed: {_pts(d)}; target "
+                   f"≥ +{100 * FEDELMY_OVER_FEDSEQ:.0f} points {'MET' if met else 'NOT met'}.")
+    for ext in ("fedelmy-kd", "fedelmy-kd-nod"):
+        for other in ("fedelmy", fs, "fedelmy-kd-nod" if ext == "fedelmy-kd" else None):
+            d = paired(block, ext, other) if other else None
+            if d:
+                out.append(f"{where}: {LABELS[ext]} − {LABELS[other]}: {_pts(d)}.")
+    if "ofasd" in block and "fedavg" in block:
+        common = [s for s in block["ofasd"]["per_seed"] if s in block["fedavg"]["per_seed"]]
+        acc = [s for s in common if block["ofasd"]["per_seed"][s] != block["fedavg"]["per_seed"][s]]
+        sha = [s for s in common if block["ofasd"]["sha256_per_seed"][s] != block["fedavg"]["sha256_per_seed"][s]]
+        same = sorted(set(common) - set(acc), key=int)
+        every = bool(common) and len(acc) == len(common)
+        out.append(f"{where}: OFASD's accuracy differs from FedAvg's in {len(acc)} of {len(common)} cell(s)"
+                   + (f" (equal at seed(s) {', '.join(same)})" if same else "")
+                   + f"; its final model differs in {len(sha)} of {len(common)}; target 'differs in every cell' "
+                   + ("MET." if every else "NOT met."))
+    for x, y in (("maecho", "fedavg"), ("fedavg-classaware", "fedavg"), ("maecho", "fedavg-classaware"),
+                 ("fedavg-classaware", "fedavg_uniform"), ("maecho", "fedavg_uniform")):
+        d = paired(block, x, y)
+        if d:
+            out.append(f"{where}, MA-Echo ablation: {LABELS[x]} − {LABELS[y]}: {_pts(d)}.")
+    if "local_only" in block and "centralized" in block and fl:
+        below = [LABELS[m] for m in fl if block[m]["mean"] < block["local_only"]["mean"]]
+        out.append(f"{where}: references local only {_pct(block['local_only']['mean'], block['local_only']['std'])} %, "
+                   f"centralized {_pct(block['centralized']['mean'], block['centralized']['std'])} %; "
+                   + (f"below local only: {', '.join(below)}." if below else "every method is above local only."))
+    return out
+
+
+def recipe_notes(tag: str, by_dirichlet: dict) -> list[str]:
+    """What the recipe's cells ran with: the ``start-chain`` flags every method got (and the
+    recipe's flags this build lacked), from the cells; says so when the cells disagree."""
+    seen = {}
+    for by_seed in by_dirichlet.values():
+        for ms in by_seed.values():
+            for c in ms.values():
+                r = c.get("recipe") or {}
+                key = (tuple(sorted((r.get("flags") or {}).items())), tuple(r.get("notes") or ()))
+                seen[key] = seen.get(key, 0) + 1
+    out = []
+    for (flags, build), n in seen.items():
+        out.append(f"Recipe {tag}: every method's `start-chain` got {' '.join(f'{k} {v}' for k, v in flags) or 'no flags'}"
+                   + (f" ({'; '.join(build)})" if build else "") + (f" [{n} cell(s)]" if len(seen) > 1 else "") + ".")
+    if len(seen) > 1:
+        out.append(f"Recipe {tag}: its cells ran with {len(seen)} different sets of flags (builds differed).")
+    return out
+
+
+def _mb(values) -> str:
+    return " / ".join(f"{v / 1e6:.3f}" for v in values) if values else "—"
+
+
+def table(tag: str, about: str, block: dict, cfg: GridConfig) -> dict:
+    rows = []
+    for m in [m for m in METHODS if m in block]:
+        b = block[m]
+        bytes_ = (_mb(b["to_model_bytes"]) if "to_model_bytes" in b else "0 (no transfer)" if m == "local_only"
+                  else "n/a (pools raw data)" if m == "centralized" else "—")
+        rows.append([LABELS[m], _pct(b["mean"], b["std"]), b["n"], bytes_,
+                     {True: "yes", False: "NO"}.get(b.get("ledger_equals_plan"), "—"),
+                     ", ".join(f"{s}: {100 * v:.2f}" for s, v in b["per_seed"].items())])
+    return {"title": f"Recipe {tag} ({about}); Dirichlet({block['dirichlet']:g}), {cfg.sites} sites, "
+                     f"S = {cfg.S}, E = {cfg.E}, Ew = {cfg.Ew}: test accuracy % (mean ± sample std over seeds)",
+            "columns": ["method", "accuracy %", "n", "MB to the final model", "ledger = plan", "per seed (seed: %)"],
+            "rows": rows}
+
+
+def missing(cells: dict, tags: list[str], args) -> list[str]:
+    """'recipe Dir(a) seed s: m1, m2' (or 'all N methods') for each planned (seed, Dirichlet) with
+    cells missing."""
+    out, methods = [], list(args.methods)
+    for tag in tags:
+        by = {}
+        for s, a, m in plan(args.seeds_of, args.methods):
+            if m not in cells.get(tag, {}).get(a, {}).get(s, {}):
+                by.setdefault((a, s), []).append(m)
+        out += [f"{tag} Dir({a:g}) seed {s}: " + (f"all {len(ms)} methods" if len(ms) == len(methods) > 1
+                                                   else ", ".join(ms)) for (a, s), ms in by.items()]
+    return out
+
+
+def plot(tag: str, figures: dict, path: Path) -> list[str]:
+    """Accuracy against the MB moved to make the final model (log axis), one marker per method,
+    one colour per Dirichlet; the references as lines. Returns the file names written."""
+    dirs = [k for k in figures if any(m in figures[k] and "to_model_bytes" in figures[k][m] for m in MARKERS)]
+    if not dirs:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8.6, 4.6))
+    colors = dict(zip(dirs, ("tab:blue", "tab:red", "tab:green", "tab:purple")))
+    present = [m for m in MARKERS if any(m in figures[k] and "to_model_bytes" in figures[k][m] for k in dirs)]
+    for key in dirs:
+        b = figures[key]
+        for i, m in enumerate(present):
+            if m not in b or "to_model_bytes" not in b[m]:
+                continue
+            # methods moving the same bytes are spread sideways by 2 % per method (log axis) to stay legible
+            x = max(b[m]["to_model_bytes"]) / 1e6 * 1.02 ** (i - (len(present) - 1) / 2)
+            ax.errorbar([x], [100 * b[m]["mean"]], yerr=[100 * b[m]["std"]], marker=MARKERS[m], color=colors[key],
+                        ms=8, capsize=3, linestyle="none", mfc=colors[key] if key == dirs[0] else "none")
+            for v in b[m]["per_seed"].values():
+                ax.plot(x, 100 * v, ".", color=colors[key], alpha=0.35, ms=4)
+        for m, ls in (("local_only", ":"), ("centralized", "--")):
+            if m in b:
+                ax.axhline(100 * b[m]["mean"], color=colors[key], ls=ls, lw=1, alpha=0.7)
+    ax.set_xscale("log")
+    from matplotlib.ticker import FormatStrFormatter
+
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    ax.tick_params(axis="x", which="minor", labelsize=7)
+    ax.set_xlabel("MB moved to produce the final model (log; chain: N − 1 hops, star: N − 1 uploads;\n"
+                  "markers at equal bytes spread sideways by 2 % each for legibility)", fontsize=8)
+    ax.set_ylabel("test accuracy (%)")
+    handles = [plt.Line2D([], [], marker=MARKERS[m], color="k", ls="none", label=LABELS[m]) for m in present]
+    handles += [plt.Line2D([], [], color=colors[k], marker="o", mfc=colors[k] if k == dirs[0] else "none", ls="none",
+                           label=f"Dirichlet({figures[k]['dirichlet']:g})") for k in dirs]
+    handles += [plt.Line2D([], [], color="gray", ls=":", label="local only"),
+                plt.Line2D([], [], color="gray", ls="--", label="centralized")]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(alpha=0.3, which="both")
+    ax.set_title(f"Full-data grid, recipe {tag}: accuracy against bytes (mean ± std over seeds; dots: seeds)",
+                 fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path.name]
+
+
+def publish(store: CellStore, cfg: GridConfig, args, current: str, started: float, failures: list[str]) -> dict:
+    """Rebuild ``accuracy.grid`` (results.json, RESULTS.md) and the plots from every cell of the
+    study; ``current``: the recipe tag of this run (its missing cells are listed even before it
+    has one). Returns the section's data."""
+    cells = store.all()
+    tags = sorted(set(cells) | {current})
+    data: dict = {"study": store.study, "recipes": {}}
+    tables, notes, plots = [], [], []
+    for tag in tags:
+        figures = blocks(cells.get(tag, {}))
+        first = next((c for by_seed in cells.get(tag, {}).values() for ms in by_seed.values() for c in ms.values()),
+                     None)
+        recipe = (first or {}).get("recipe") or {"tag": tag, "about": "no cell yet"}
+        about = f"{recipe.get('about')}, model {recipe.get('model', '?')}"
+        data["recipes"][tag] = {**figures, "recipe": recipe}
+        notes += recipe_notes(tag, cells.get(tag, {}))
+        for key in [k for k in figures if k.startswith("dir")]:
+            tables.append(table(tag, about, figures[key], cfg))
+            notes += [f"Recipe {tag}: {line}" for line in reading(figures[key])]
+        plots += plot(tag, figures, Path(args.plots) / f"grid-{tag}.png")
+    gaps = missing(cells, tags, args)
+    seeds = "; ".join(f"Dir({a:g}) seeds {','.join(map(str, s))}" for a, s in args.seeds_of.items())
+    notes.append(f"Cells missing from the planned grid ({seeds}; {len(args.methods)} methods): "
+                 + ("; ".join(gaps) if gaps else "none") + ".")
+    if gaps and not args.quick:
+        notes.append(f"To compute them (finished cells are skipped): `{args.resume_command}`.")
+    commits = sorted({c.get("commit", "?") for t in cells.values() for by_seed in t.values() for ms in by_seed.values()
+                      for c in ms.values()})
+    machines = sorted({f"{c.get('machine', {}).get('cpu', '?')} / {c.get('machine', {}).get('device', '?')}"
+                       for t in cells.values() for by_seed in t.values() for ms in by_seed.values() for c in ms.values()})
+    if commits:
+        notes.append(f"Cells computed at commit(s) {', '.join(commits)} on {'; '.join(machines)}.")
+    if failures:
+        notes.append(f"Failures this run ({len(failures)}): " + " | ".join(failures))
+    notes += args.notes
+    data_name = "synthetic Fashion-MNIST-format data (--quick)" if args.quick else "Fashion-MNIST"
+    summary = (f"The full-data grid (issue #25): {data_name}, {cfg.sites} sites, "
+               f"{'all training data' if not cfg.max_train else f'at most {cfg.max_train} training images per site'}"
+               f", S = {cfg.S}, E = {cfg.E}, Ew = {cfg.Ew} (every site trains Ew + S·E epochs), FedELMY α = "
+               f"{cfg.alpha:g}, β = {cfg.beta:g}, `--init shared`. Every FL method runs through the daemons "
+               "(`coordinator start-chain --seed SEED`, mutual TLS on loopback), its ledger checked against its plan; "
+               "local only and centralized run in-process. Each table names its recipe, whose flags every method of "
+               f"the table shares. Generated from the cells in `{_shown(store.base)}` (one JSON file per cell).")
+    data.update(summary=summary, tables=tables, notes=notes, plots=plots, quick=args.quick, failures=failures,
+                config=cfg.config(), wall_seconds_this_run=time.monotonic() - started,
+                resume_command=args.resume_command, missing=gaps)
+    record(SECTION, data, results=args.results, sub=SUB)
+    return data
+
+
+def _shown(p: Path) -> str:
+    from bench.common import REPO
+
+    try:
+        return str(Path(p).resolve().relative_to(REPO))
+    except ValueError:
+        return str(p)

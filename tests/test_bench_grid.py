@@ -1,0 +1,146 @@
+"""The full-data grid study (bench/grid.py): its cell order, its stops, its tracked cells and the
+reading RESULTS.md gets from them; the --quick smoke through the daemons, interrupted and resumed."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import subprocess
+
+import pytest
+
+from bench import grid
+from bench.grid_cells import CellStore, commit_cell, plan
+
+RECIPE = "paper-cnn"
+
+
+def test_cells_come_round_robin_seed_by_seed():
+    cells = plan({0.5: [0, 1], 0.1: [0, 1, 2]}, ["fedelmy", "fedavg"])
+    assert cells[:4] == [(0, 0.5, "fedelmy"), (0, 0.5, "fedavg"), (0, 0.1, "fedelmy"), (0, 0.1, "fedavg")]
+    assert cells[4:8] == [(1, 0.5, "fedelmy"), (1, 0.5, "fedavg"), (1, 0.1, "fedelmy"), (1, 0.1, "fedavg")]
+    assert cells[8:] == [(2, 0.1, "fedelmy"), (2, 0.1, "fedavg")]  # the extra seeds at 0.1 come last
+
+
+def test_deadline_and_seed_flags():
+    now = dt.datetime(2026, 1, 1, 23, 0, tzinfo=dt.timezone.utc)
+    assert grid.deadline_at("23:30", now) == now.replace(minute=30)
+    assert grid.deadline_at("00:50", now) == dt.datetime(2026, 1, 2, 0, 50, tzinfo=dt.timezone.utc)
+    assert grid.seed_range("0-2,5", "--seeds-at") == [0, 1, 2, 5]
+    with pytest.raises(SystemExit, match="--deadline"):
+        grid.deadline_at("25:99", now)
+    with pytest.raises(SystemExit, match="--seeds-at"):
+        grid.seed_range("a-b", "--seeds-at")
+    with pytest.raises(SystemExit, match="Dirichlet 0.3 is not in --dirichlets"):
+        grid.parse(["--seeds-at", "0.3=0-9"])
+    args = grid.parse(["--seeds-at", "0.1=0-9", "--recipe", "ours"])
+    assert args.seeds_of == {0.5: [0, 1, 2, 3, 4], 0.1: list(range(10))} and args.model == "cnn-gn"
+
+
+def test_deadline_estimate_is_the_methods_median_else_all_cells(tmp_path):
+    store = CellStore(tmp_path, "s")
+    assert grid._estimate(store, RECIPE, "fedelmy") == 0.0
+    for seed, (m, secs) in enumerate([("fedelmy", 100.0), ("fedelmy", 300.0), ("fedavg", 50.0)]):
+        store.put({"method": m, "seconds": secs, "accuracy": 0.5}, RECIPE, 0.5, seed, m)
+    assert grid._estimate(store, RECIPE, "fedelmy") == 200.0 and grid._estimate(store, RECIPE, "fedavg") == 50.0
+    assert grid._estimate(store, RECIPE, "ofasd") == 100.0  # no ofasd cell yet: all cells' median
+
+
+def _cell(acc: float, sha: str, method: str, to_model: int | None = 1000) -> dict:
+    b = None if to_model is None else {"to_model_bytes": to_model, "final_total_bytes": 900, "ledger_equals_plan": True}
+    return {"method": method, "accuracy": acc, "sha256": sha, "bytes": b, "seconds": 5.0, "commit": "abc",
+            "machine": {"cpu": "test cpu", "device": "cpu"},
+            "recipe": {"name": "paper", "tag": RECIPE, "about": "constant lr", "model": "cnn"}}
+
+
+@pytest.mark.integration
+def test_publish_only_reads_the_cells_and_states_the_targets(tmp_path):
+    store = CellStore(tmp_path / "cells", "s")
+    acc = {  # (Dirichlet, seed) -> method -> accuracy
+        (0.5, 0): {"fedelmy": 0.90, "fedseq_last_epoch": 0.85, "fedseq_best_val": 0.80, "fedavg": 0.70, "ofasd": 0.70,
+                   "fedelmy-kd": 0.91, "local_only": 0.6, "centralized": 0.92},
+        (0.5, 1): {"fedelmy": 0.88, "fedseq_last_epoch": 0.86, "fedseq_best_val": 0.81, "fedavg": 0.71, "ofasd": 0.72,
+                   "fedelmy-kd": 0.90, "local_only": 0.6, "centralized": 0.92},
+        (0.1, 0): {"fedelmy": 0.50, "fedseq_last_epoch": 0.40, "fedavg": 0.30, "ofasd": 0.35},
+    }
+    for (a, s), ms in acc.items():
+        for m, v in ms.items():
+            store.put(_cell(v, f"{m}-{a}-{s}", m, None if m in ("local_only", "centralized") else 1000), RECIPE, a, s, m)
+    r = tmp_path / "r.json"
+    methods = "fedelmy,fedelmy-kd,fedseq_last_epoch,fedseq_best_val,fedavg,ofasd,maecho,local_only,centralized"
+    data = grid.main(["--publish-only", "--cells", str(tmp_path / "cells"), "--study", "s", "--seeds", "0,1",
+                      "--methods", methods, "--results", str(r), "--plots", str(tmp_path / "plots")])
+    assert json.loads(r.read_text())["accuracy"]["grid"]["recipes"][RECIPE]["dir0_5"]["fedelmy"]["n"] == 2
+    b = data["recipes"][RECIPE]["dir0_5"]
+    assert b["fedelmy"]["mean"] == pytest.approx(0.89) and b["fedelmy"]["to_model_bytes"] == [1000]
+    titles = [t["title"] for t in data["tables"]]
+    assert len(titles) == 2 and all(t.startswith(f"Recipe {RECIPE} (constant lr, model cnn)") for t in titles)
+    notes = "\n".join(data["notes"])
+    # FedELMY against the strongest FedSeq (last epoch here), paired by seed: +5.0 and +2.0 points
+    assert "Dirichlet(0.5): FedELMY − the strongest FedSeq (FedSeq, last epoch), paired by seed: +3.50" in notes
+    assert "ahead in 2 of 2 seed(s)" in notes and "target ≥ +3 points MET" in notes
+    assert "Dirichlet(0.1): FedELMY − the strongest FedSeq (FedSeq, last epoch), paired by seed: +10.00" in notes
+    assert "Dirichlet(0.5): best method FedELMY-KD (ours) at 90.50 ± 0.71 % (n = 2); target ≥ 89.5 % MET" in notes
+    assert "Dirichlet(0.1): best method FedELMY (paper) at 50.00 ± 0.00 % (n = 1); target ≥ 75.0 % NOT met " \
+           "(short by 25.00 points)" in notes
+    assert "FedELMY-KD (ours) − FedELMY (paper): +1.50" in notes
+    assert "Dirichlet(0.5): OFASD's accuracy differs from FedAvg's in 1 of 2 cell(s) (equal at seed(s) 0)" in notes
+    assert "'differs in every cell' NOT met" in notes
+    assert "Dirichlet(0.1): OFASD's accuracy differs from FedAvg's in 1 of 1 cell(s); its final model differs in 1 " \
+           "of 1; target 'differs in every cell' MET." in notes
+    # missing: maecho everywhere, every seed-1 cell at 0.1, the references and the extension at 0.1
+    assert f"{RECIPE} Dir(0.5) seed 0: maecho" in notes
+    assert f"{RECIPE} Dir(0.1) seed 1: all 9 methods" in notes
+    assert f"{RECIPE} Dir(0.1) seed 0: fedelmy-kd, fedseq_best_val, maecho, local_only, centralized" in notes
+    assert (tmp_path / "plots" / f"grid-{RECIPE}.png").stat().st_size > 1000
+    md = (tmp_path / "RESULTS.md").read_text()
+    assert "### accuracy.grid" in md and f"**Recipe {RECIPE} (constant lr, model cnn); Dirichlet(0.1)" in md
+
+
+@pytest.mark.integration
+def test_commit_cell_commits_that_file_only(tmp_path, tmp_path_factory):
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.org")
+    git("config", "user.name", "t")
+    (tmp_path / "other.txt").write_text("x")
+    git("add", "other.txt")  # staged, and must stay out of the cell's commit
+    path = CellStore(tmp_path / "cells", "s").put({"accuracy": 0.5}, RECIPE, 0.5, 0, "fedelmy")
+    assert commit_cell(path, "cell") is None
+    assert git("show", "--name-only", "--format=%s", "HEAD").split() == ["cell", f"cells/s/{RECIPE}/dir0.5/seed0/fedelmy.json"]
+    assert "A  other.txt" in git("status", "--porcelain")
+    outside = CellStore(tmp_path_factory.mktemp("nogit"), "s").put({"accuracy": 0.5}, RECIPE, 0.5, 0, "fedelmy")
+    assert "git add" in (commit_cell(outside, "cell") or "")  # git's reason, no exception
+
+
+@pytest.mark.system
+def test_grid_quick_stops_between_cells_and_resumes(tmp_path, idx_source):
+    """The study end to end on a chain, a star and a reference: stopped after 2 cells, then resumed
+    (the finished cells are skipped), the tables rebuilt from the cells."""
+    work, cells = tmp_path / "w", tmp_path / "cells"
+    args = ["--quick", "--source", str(idx_source), "--workdir", str(work), "--cells", str(cells),
+            "--results", str(tmp_path / "r.json"), "--plots", str(tmp_path / "plots")]
+    first = grid.main([*args, "--max-cells", "2"])
+    assert not first["failures"]
+    study = first["study"]
+    store = CellStore(cells, study)
+    done = store.all()[RECIPE][0.5][0]
+    assert sorted(done) == ["fedavg", "fedelmy"]  # the plan's order: fedelmy, fedavg, local_only
+    for m in ("fedelmy", "fedavg"):
+        c = done[m]
+        assert 0.0 <= c["accuracy"] <= 1.0 and len(c["sha256"]) == 64 and c["bytes"]["ledger_equals_plan"]
+        assert c["seed"] == 0 and c["dirichlet"] == 0.5 and c["recipe"]["tag"] == RECIPE and c["machine"]["cpu"]
+        assert c["commit"] and c["seconds"] > 0
+    assert done["fedelmy"]["bytes"]["to_model_bytes"] == 2 * done["fedelmy"]["bytes"]["model_bytes"]  # 3 sites: 2 hops
+    assert f"{RECIPE} Dir(0.5) seed 0: local_only" in "\n".join(first["notes"])
+    second = grid.main(args)
+    after = CellStore(cells, study).all()[RECIPE][0.5][0]
+    assert sorted(after) == ["fedavg", "fedelmy", "local_only"] and after["local_only"]["bytes"] is None
+    assert after["fedelmy"]["run_id"] == done["fedelmy"]["run_id"]  # skipped, not rerun
+    assert not second["failures"] and second["missing"] == []
+    rows = {r[0]: r for r in second["tables"][0]["rows"]}
+    assert set(rows) == {"FedELMY (paper)", "FedAvg (sample-weighted)", "local only"}
+    assert rows["FedAvg (sample-weighted)"][4] == "yes" and rows["local only"][3] == "0 (no transfer)"
+    assert any(n.startswith(f"Recipe {RECIPE}: every method's `start-chain` got --model cnn") for n in second["notes"])
