@@ -45,9 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.accuracy_figures import aggregate, plot
+from bench.accuracy_figures import _pct, aggregate, plot
 from bench.accuracy_notes import DISCUSSION, method_notes, progress_notes, target_notes
-from bench.accuracy_figures import _pct
 from bench.cells import CHAIN_METHODS, DOMAIN_METHODS, LABELS, METHODS, REF_METHODS, Cache, Config
 from bench.common import PLOTS, REPO, commits_note, failed, finish, log, record
 from bench.runs import run_chain, run_references
