@@ -143,4 +143,5 @@ def test_grid_quick_stops_between_cells_and_resumes(tmp_path, idx_source):
     rows = {r[0]: r for r in second["tables"][0]["rows"]}
     assert set(rows) == {"FedELMY (paper)", "FedAvg (sample-weighted)", "local only"}
     assert rows["FedAvg (sample-weighted)"][4] == "yes" and rows["local only"][3] == "0 (no transfer)"
-    assert any(n.startswith(f"Recipe {RECIPE}: every method's `start-chain` got --model cnn") for n in second["notes"])
+    assert any(n.startswith(f"Recipe {RECIPE}: every method's `start-chain` got ") and "--model cnn" in n
+               and "--lr-schedule constant" in n and "--augment none" in n for n in second["notes"]), second["notes"]
