@@ -210,6 +210,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              aggregator="fedelmy-pfl"),
     Strategy("maecho", "MA-Echo: local models plus per-layer projection matrices, combined by null-space "
              "echo iterations (Su et al., Alg. 1)", STAR, "fedrelay.peer.strategies.fedseq", aggregator="maecho"),
+    Strategy("fedavg-classaware", "ablation (ours): one-shot FedAvg (uniform) plus MA-Echo's class-aware last layer "
+             "alone, no projections or echoes", STAR, "fedrelay.peer.strategies.fedseq", aggregator="class-aware-mean"),
     Strategy("ofasd", "OFASD: task vectors combined with per-block coefficients distilled from the ensemble "
              "(Koshibuchi et al., Alg. 1)", STAR, "fedrelay.peer.strategies.fedseq", aggregator="ofasd"),
 )}
@@ -228,6 +230,9 @@ AGGREGATORS: dict[str, Aggregator] = {a.name: a for a in (
                    Option("maecho_alpha", str, "uniform", "maecho: model weights uniform (the authors' released "
                           "code) | qp (Eq. 6, solved with cvxopt).", choices=("uniform", "qp"))),
                outside_dp="its uploads carry projection matrices computed from each site's raw features"),
+    Aggregator("class-aware-mean", "MA-Echo's initial step alone: the uniform mean, the head's row c averaged over "
+               "the sites holding class c", "fedrelay.peer.aggregators.class_aware",
+               outside_dp="its uploads carry each site's exact train label counts"),
     Aggregator("ofasd", "OFASD Alg. 1: per-(site, block) coefficients of unit task vectors, learned by KL "
                "to the ensemble on the aggregating site's own data", "fedrelay.peer.aggregators.ofasd", options=(
                    Option("ofasd_mode", str, "block", "ofasd: block (a coefficient per site and parameter tensor) | "
