@@ -237,10 +237,17 @@ AGGREGATORS: dict[str, Aggregator] = {a.name: a for a in (
                "to the ensemble on the aggregating site's own data", "fedrelay.peer.aggregators.ofasd", options=(
                    Option("ofasd_mode", str, "block", "ofasd: block (a coefficient per site and parameter tensor) | "
                           "client (one per site).", choices=("block", "client")),
-                   Option("ofasd_epochs", int, 2, "ofasd: epochs of coefficient learning at the aggregator.",
-                          minimum=1, maximum=MAX_ITERATIONS),
+                   Option("ofasd_epochs", int, 20, "ofasd: epochs of coefficient learning over the transfer set at "
+                          "the aggregator (aTLAS's 20).", minimum=1, maximum=MAX_ITERATIONS),
                    Option("ofasd_lr", float, 0.01, "ofasd: Adam learning rate of the coefficients.", minimum=0.0,
-                          positive=True)),
+                          positive=True),
+                   Option("ofasd_transfer", str, "mixup", "ofasd: transfer data: mixup (of the aggregating site's "
+                          "train images, drawn afresh each epoch) | plain (those images).", choices=("mixup", "plain")),
+                   Option("ofasd_mixup_alpha", float, 1.0, "ofasd: mixup's lambda ~ Beta(a, a): a.", minimum=0.0,
+                          positive=True),
+                   Option("ofasd_select", str, "kl", "ofasd: coefficients kept: kl (lowest KL to the ensemble on "
+                          "held-out transfer data from the validation split) | accuracy (best validation "
+                          "accuracy).", choices=("kl", "accuracy"))),
                one_initial_model="composes task vectors against one initial model", epochs_option="ofasd_epochs",
                outside_dp="its aggregator learns coefficients on the aggregating site's data"),
 )}

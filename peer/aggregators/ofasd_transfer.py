@@ -1,0 +1,77 @@
+"""OFASD's transfer data: what the coefficients are distilled on (internal to :mod:`.ofasd`).
+
+OFASD (Koshibuchi, Kera, Kawamoto, Algorithm 1) distils the ensemble into the coefficients on
+"training dataset D"; in the paper's experiments D is DENSE's generator data (Zhang et al.,
+NeurIPS 2022), an endless stream of synthetic images made to cover what the local models
+know.  We have no generator: the aggregating site's own train split stands in for D.  Under
+label skew that split holds few classes and few images, so, as a documented choice of ours,
+the default transfer set is **mixup** of the site's images (Zhang et al., "mixup: Beyond
+Empirical Risk Minimization", ICLR 2018, Eq. 1), drawn afresh every epoch::
+
+    x'_i = λ_i x_a(i) + (1 − λ_i) x_b(i),     λ_i ~ Beta(α, α),   i = 1..N
+
+with ``a`` and ``b`` two independent random permutations of the site's N train images (an
+image may meet itself), the pairs taken in the order ``i`` (which is the epoch's batch
+order), ``x`` the model inputs ``task.batch(images, train=False)`` (mixing after the task's
+affine normalisation equals normalising the mixed image).  Only the images are mixed: the
+teacher's targets are the ensemble's outputs on ``x'`` (no label mixing).  Mixed images lie
+between the site's images, where the sites' models disagree more than on the images
+themselves, so the ensemble has more to teach there.  ``"plain"`` uses the site's images
+themselves, in a fresh random order every epoch (the earlier behaviour).
+
+Every random draw comes from one ``numpy.random.Generator`` (PCG64) seeded by the caller:
+``a = rng.permutation(N)``, ``b = rng.permutation(N)``, ``λ = rng.beta(α, α, N)`` per epoch,
+in that order, so the transfer set is a function of the seed (and the same on every device).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["TRANSFERS", "generator", "MixupDraw", "draw", "mix"]
+
+TRANSFERS = ("plain", "mixup")
+
+
+def generator(seed: int) -> np.random.Generator:
+    """The transfer set's random source: ``numpy.random.Generator(PCG64(seed))``, ``seed`` an int
+    in ``[0, 2**63)`` (``derive_seed``)."""
+    return np.random.Generator(np.random.PCG64(int(seed)))
+
+
+class MixupDraw:
+    """One epoch's mixup pairs: ``a``, ``b`` (int64 ``(N,)`` CPU tensors, permutations of
+    ``range(N)``) and ``lam`` (float32 ``(N,)``, each in [0, 1])."""
+
+    def __init__(self, a: Tensor, b: Tensor, lam: Tensor):
+        self.a, self.b, self.lam = a, b, lam
+
+    def __len__(self) -> int:
+        return int(self.a.shape[0])
+
+
+def draw(rng: np.random.Generator, n: int, alpha: float) -> MixupDraw:
+    """The next epoch's pairs for ``n`` images from ``rng``: two permutations then ``n`` draws of
+    Beta(``alpha``, ``alpha``) (``alpha`` > 0), in that order.  Raises ``ValueError`` for
+    ``n`` < 1 or ``alpha`` <= 0."""
+    if n < 1:
+        raise ValueError(f"mixup needs at least one image, got {n}")
+    if not alpha > 0:
+        raise ValueError(f"ofasd_mixup_alpha must be > 0, got {alpha!r}")
+    a = torch.from_numpy(rng.permutation(n).astype(np.int64))
+    b = torch.from_numpy(rng.permutation(n).astype(np.int64))
+    lam = torch.from_numpy(rng.beta(alpha, alpha, n).astype(np.float32))
+    return MixupDraw(a, b, lam)
+
+
+def mix(xa: Tensor, xb: Tensor, lam: Tensor) -> Tensor:
+    """``lam * xa + (1 − lam) * xb`` per row: ``xa``, ``xb`` floating ``(B, ...)`` model inputs,
+    ``lam`` ``(B,)`` (moved to their device and dtype).  Raises ``ValueError`` for inputs that are
+    not floating point (mixup needs a vector space: use ``ofasd_transfer="plain"``)."""
+    if not xa.is_floating_point():
+        raise ValueError(f"ofasd_transfer=mixup needs floating-point model inputs, the task gives {xa.dtype}; "
+                         "use --ofasd-transfer plain")
+    w = lam.to(device=xa.device, dtype=xa.dtype).reshape((-1,) + (1,) * (xa.dim() - 1))
+    return w * xa + (1 - w) * xb
