@@ -245,6 +245,8 @@ AGGREGATORS: dict[str, Aggregator] = {a.name: a for a in (
                           "train images, drawn afresh each epoch) | plain (those images).", choices=("mixup", "plain")),
                    Option("ofasd_mixup_alpha", float, 1.0, "ofasd: mixup's lambda ~ Beta(a, a): a.", minimum=0.0,
                           positive=True),
+                   Option("ofasd_transfer_size", int, 0, "ofasd: mixup images per epoch, at least the aggregating "
+                          "site's train images (0: as many as those).", minimum=0, maximum=MAX_ITERATIONS),
                    Option("ofasd_select", str, "kl", "ofasd: coefficients kept: kl (lowest KL to the ensemble on "
                           "held-out transfer data from the validation split) | accuracy (best validation "
                           "accuracy).", choices=("kl", "accuracy"))),

@@ -55,6 +55,10 @@ def test_mixup_draws_are_a_function_of_the_seed():
         ofasd_transfer.mix(torch.ones(2, 3, dtype=torch.int64), torch.ones(2, 3, dtype=torch.int64), torch.ones(2))
     with pytest.raises(ValueError, match="ofasd_mixup_alpha"):
         ofasd_transfer.draw(rng, 5, 0.0)
+    # More pairs than images: runs of permutations, every image once per n pairs.
+    big = ofasd_transfer.draw(ofasd_transfer.generator(3), 4, 0.5, 10)
+    assert len(big) == 10 and sorted(big.a[:8].tolist()) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert sorted(big.a[:4].tolist()) == sorted(big.b[4:8].tolist()) == [0, 1, 2, 3]
 
 
 def test_ofasd_differs_from_fedavg_where_the_sites_disagree(theta0, disagreeing):
@@ -96,8 +100,16 @@ def test_ofasd_without_validation_keeps_the_last_epoch_and_mixup_is_not_plain(th
     assert (mixed.criterion, mixed.kept_epoch, mixed.at_start, mixed.scores) == ("last", 2, False, [])
     plain = ofasd.distil(uploads, context({"ofasd_epochs": 2, "ofasd_transfer": "plain"}, initial=theta0))
     assert not torch.equal(plain.state["classifier.1.weight"], mixed.state["classifier.1.weight"])
+    # ofasd_transfer_size: an epoch of 100 mixup images from the 48 train images (3 batches more of 16).
+    events = []
+    ofasd.distil(uploads, context({"ofasd_epochs": 1, "ofasd_transfer_size": 100}, initial=theta0,
+                                  on_epoch=events.append))
+    small = []
+    ofasd.distil(uploads, context({"ofasd_epochs": 1}, initial=theta0, on_epoch=small.append))
+    assert events[0]["train_loss"] != small[0]["train_loss"]
     for bad, words in (({"ofasd_transfer": "gan"}, "ofasd_transfer"), ({"ofasd_select": "best"}, "ofasd_select"),
-                       ({"ofasd_mixup_alpha": 0}, "ofasd_mixup_alpha")):
+                       ({"ofasd_mixup_alpha": 0}, "ofasd_mixup_alpha"), ({"ofasd_transfer_size": -1},
+                                                                            "ofasd_transfer_size")):
         with pytest.raises(ValueError, match=words):
             ofasd.aggregate(uploads, context(bad, initial=theta0))
 
@@ -155,10 +167,10 @@ def test_registry_and_start_chain_help_show_the_new_strategy_and_options():
     assert registry.aggregator("class-aware-mean").module == "fedrelay.peer.aggregators.class_aware"
     assert registry.defaults(registry.options_of("ofasd")) == {
         "upload_timeout": 3600.0, "ofasd_mode": "block", "ofasd_epochs": 20, "ofasd_lr": 0.01,
-        "ofasd_transfer": "mixup", "ofasd_mixup_alpha": 1.0, "ofasd_select": "kl"}
+        "ofasd_transfer": "mixup", "ofasd_mixup_alpha": 1.0, "ofasd_transfer_size": 0, "ofasd_select": "kl"}
     res = CliRunner().invoke(coord_cli.app, ["start-chain", "--help"], env={"COLUMNS": "200"})
     text = " ".join(res.output.replace("│", " ").split())
     assert "fedavg-classaware" in text and "ablation (ours)" in text
     for flag, default in (("--ofasd-transfer", "mixup"), ("--ofasd-mixup-alpha", "1.0"), ("--ofasd-select", "kl"),
-                          ("--ofasd-epochs", "20")):
+                          ("--ofasd-epochs", "20"), ("--ofasd-transfer-size", "0")):
         assert re.search(re.escape(flag) + r" <[\w|]+> ofasd:[^<]*?\[default: " + re.escape(default) + r"\]", text), flag

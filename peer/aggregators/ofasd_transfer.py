@@ -8,11 +8,13 @@ label skew that split holds few classes and few images, so, as a documented choi
 the default transfer set is **mixup** of the site's images (Zhang et al., "mixup: Beyond
 Empirical Risk Minimization", ICLR 2018, Eq. 1), drawn afresh every epoch::
 
-    x'_i = λ_i x_a(i) + (1 − λ_i) x_b(i),     λ_i ~ Beta(α, α),   i = 1..N
+    x'_i = λ_i x_a(i) + (1 − λ_i) x_b(i),     λ_i ~ Beta(α, α),   i = 1..M
 
-with ``a`` and ``b`` two independent random permutations of the site's N train images (an
-image may meet itself), the pairs taken in the order ``i`` (which is the epoch's batch
-order), ``x`` the model inputs ``task.batch(images, train=False)`` (mixing after the task's
+with ``a`` and ``b`` two independent random sequences of indices into the site's N train
+images (each a run of random permutations of the N, cut to M; an image may meet itself) and
+M = max(N, ``ofasd_transfer_size``) images per epoch (default M = N) (a small site still gives a transfer
+set of a useful size: DENSE's generator has no size limit), the pairs taken in the order
+``i`` (the epoch's batch order), ``x`` the model inputs ``task.batch(images, train=False)`` (mixing after the task's
 affine normalisation equals normalising the mixed image).  Only the images are mixed: the
 teacher's targets are the ensemble's outputs on ``x'`` (no label mixing).  Mixed images lie
 between the site's images, where the sites' models disagree more than on the images
@@ -20,8 +22,9 @@ themselves, so the ensemble has more to teach there.  ``"plain"`` uses the site'
 themselves, in a fresh random order every epoch (the earlier behaviour).
 
 Every random draw comes from one ``numpy.random.Generator`` (PCG64) seeded by the caller:
-``a = rng.permutation(N)``, ``b = rng.permutation(N)``, ``λ = rng.beta(α, α, N)`` per epoch,
-in that order, so the transfer set is a function of the seed (and the same on every device).
+``a`` (``ceil(M / N)`` calls of ``rng.permutation(N)``), then ``b`` (as many), then
+``λ = rng.beta(α, α, M)`` per epoch, in that order, so the transfer set is a function of
+the seed (and the same on every device).
 """
 
 from __future__ import annotations
@@ -52,17 +55,25 @@ class MixupDraw:
         return int(self.a.shape[0])
 
 
-def draw(rng: np.random.Generator, n: int, alpha: float) -> MixupDraw:
-    """The next epoch's pairs for ``n`` images from ``rng``: two permutations then ``n`` draws of
-    Beta(``alpha``, ``alpha``) (``alpha`` > 0), in that order.  Raises ``ValueError`` for
-    ``n`` < 1 or ``alpha`` <= 0."""
-    if n < 1:
-        raise ValueError(f"mixup needs at least one image, got {n}")
+def draw(rng: np.random.Generator, n: int, alpha: float, size: int | None = None) -> MixupDraw:
+    """The next epoch's ``size`` pairs (default ``n``) over ``n`` images from ``rng``: ``a`` then
+    ``b``, each the concatenation of ``ceil(size / n)`` permutations of ``range(n)`` cut to
+    ``size`` (every image is used once per ``n`` pairs), then ``size`` draws of
+    Beta(``alpha``, ``alpha``), in that order.  Raises ``ValueError`` for ``n`` < 1, ``size``
+    < 1 or ``alpha`` <= 0."""
+    size = n if size is None else int(size)
+    if n < 1 or size < 1:
+        raise ValueError(f"mixup needs at least one image and one pair, got {n} images for {size} pairs")
     if not alpha > 0:
         raise ValueError(f"ofasd_mixup_alpha must be > 0, got {alpha!r}")
-    a = torch.from_numpy(rng.permutation(n).astype(np.int64))
-    b = torch.from_numpy(rng.permutation(n).astype(np.int64))
-    lam = torch.from_numpy(rng.beta(alpha, alpha, n).astype(np.float32))
+    rounds = -(-size // n)
+
+    def indices() -> Tensor:
+        return torch.from_numpy(np.concatenate([rng.permutation(n) for _ in range(rounds)])[:size].astype(np.int64))
+
+    a = indices()
+    b = indices()
+    lam = torch.from_numpy(rng.beta(alpha, alpha, size).astype(np.float32))
     return MixupDraw(a, b, lam)
 
 
