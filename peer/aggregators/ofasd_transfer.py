@@ -23,9 +23,9 @@ themselves, in a fresh random order every epoch (the earlier behaviour).
 
 Measured so far only in a probe (own harness outside the daemons, not a result: 10 sites of 600
 Fashion-MNIST images, the small CNN, E = 5, 20 epochs, one seed each at Dirichlet 0.5 and three
-at 0.1): mixup was 0.1 to 3 points *below* plain (74.6 vs 74.9 %; 46.1 vs 49.2, 42.8 vs 44.5,
-38.5 vs 38.4 %), both well above the earlier 2-epoch default where the ensemble is far above
-the weight average.  Mixup stays the default as the issue asks (#25: a transfer set that stands
+at 0.1): mixup was up to 3 points below plain and never clearly above (74.6 vs 74.9 %; 46.1
+vs 49.2, 42.8 vs 44.5, 38.5 vs 38.4 %); both were well above the earlier 2-epoch default where
+the ensemble is far above the weight average.  Mixup stays the default as the issue asks (#25: a transfer set that stands
 in for the paper's generator data); the full-data grid is to measure both.
 
 Every random draw comes from one ``numpy.random.Generator`` (PCG64) seeded by the caller:
