@@ -243,6 +243,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              aggregator="fedelmy-pfl"),
     Strategy("maecho", "MA-Echo: local models plus per-layer projection matrices, combined by null-space "
              "echo iterations (Su et al., Alg. 1)", STAR, "fedrelay.peer.strategies.fedseq", aggregator="maecho"),
+    Strategy("fedavg-classaware", "ablation (ours): one-shot FedAvg (uniform) plus MA-Echo's class-aware last layer "
+             "alone, no projections or echoes", STAR, "fedrelay.peer.strategies.fedseq", aggregator="class-aware-mean"),
     Strategy("ofasd", "OFASD: task vectors combined with per-block coefficients distilled from the ensemble "
              "(Koshibuchi et al., Alg. 1)", STAR, "fedrelay.peer.strategies.fedseq", aggregator="ofasd"),
 )}
@@ -261,14 +263,26 @@ AGGREGATORS: dict[str, Aggregator] = {a.name: a for a in (
                    Option("maecho_alpha", str, "uniform", "maecho: model weights uniform (the authors' released "
                           "code) | qp (Eq. 6, solved with cvxopt).", choices=("uniform", "qp"))),
                outside_dp="its uploads carry projection matrices computed from each site's raw features"),
+    Aggregator("class-aware-mean", "MA-Echo's initial step alone: the uniform mean, the head's row c averaged over "
+               "the sites holding class c", "fedrelay.peer.aggregators.class_aware",
+               outside_dp="its uploads carry each site's exact train label counts"),
     Aggregator("ofasd", "OFASD Alg. 1: per-(site, block) coefficients of unit task vectors, learned by KL "
                "to the ensemble on the aggregating site's own data", "fedrelay.peer.aggregators.ofasd", options=(
                    Option("ofasd_mode", str, "block", "ofasd: block (a coefficient per site and parameter tensor) | "
                           "client (one per site).", choices=("block", "client")),
-                   Option("ofasd_epochs", int, 2, "ofasd: epochs of coefficient learning at the aggregator.",
-                          minimum=1, maximum=MAX_ITERATIONS),
+                   Option("ofasd_epochs", int, 20, "ofasd: epochs of coefficient learning over the transfer set at "
+                          "the aggregator (aTLAS's 20).", minimum=1, maximum=MAX_ITERATIONS),
                    Option("ofasd_lr", float, 0.01, "ofasd: Adam learning rate of the coefficients.", minimum=0.0,
-                          positive=True)),
+                          positive=True),
+                   Option("ofasd_transfer", str, "mixup", "ofasd: transfer data: mixup (of the aggregating site's "
+                          "train images, drawn afresh each epoch) | plain (those images).", choices=("mixup", "plain")),
+                   Option("ofasd_mixup_alpha", float, 1.0, "ofasd: mixup's lambda ~ Beta(a, a): a.", minimum=0.0,
+                          positive=True),
+                   Option("ofasd_transfer_size", int, 0, "ofasd: mixup images per epoch, at least the aggregating "
+                          "site's train images (0: as many as those).", minimum=0, maximum=MAX_ITERATIONS),
+                   Option("ofasd_select", str, "kl", "ofasd: coefficients kept: kl (lowest KL to the ensemble on "
+                          "held-out transfer data from the validation split) | accuracy (best validation "
+                          "accuracy).", choices=("kl", "accuracy"))),
                one_initial_model="composes task vectors against one initial model", epochs_option="ofasd_epochs",
                outside_dp="its aggregator learns coefficients on the aggregating site's data"),
 )}

@@ -494,7 +494,9 @@ def test_ofasd_best_validation_epoch(theta0):
     states = [perturbed(theta0, i, scale=1.5) for i in range(3)]
     uploads = plain_uploads(states, "ofasd")
     events = []
-    ctx = context({"ofasd_epochs": 2, "ofasd_lr": 0.05}, initial=theta0, val=make_data(30, 6), on_epoch=events.append)
+    # Selection by validation accuracy (the earlier default; test_faithful_aggregators.py tests "kl").
+    options = {"ofasd_epochs": 2, "ofasd_lr": 0.05, "ofasd_select": "accuracy", "ofasd_transfer": "plain"}
+    ctx = context(options, initial=theta0, val=make_data(30, 6), on_epoch=events.append)
     out = ofasd.aggregate(uploads, ctx)
     accuracies = [e["val_accuracy"] for e in events]
     assert all(0.0 <= a <= 1.0 for a in accuracies)

@@ -91,6 +91,7 @@ def test_same_seed_same_digest_and_the_named_aggregator(trial):
     ("fedelmy-pfl", ("--models-per-site", "2", "--local-epochs", "1")),
     ("maecho", ("--maecho-tau", "5")),
     ("ofasd", ("--ofasd-epochs", "1")),
+    ("fedavg-classaware", ()),
 ])
 def test_each_parallel_method_runs_through_the_daemons(trial, strategy, extra):
     run = start(trial, 9, "--strategy", strategy, *extra)
@@ -99,6 +100,8 @@ def test_each_parallel_method_runs_through_the_daemons(trial, strategy, extra):
     assert run["final"]["accuracy"] > 0.1
     if strategy == "maecho":  # projection matrices and class counts ride with the model
         assert run["upload_bytes"] > 2 * run["model_bytes"]
+    elif strategy == "fedavg-classaware":  # class counts alone: 10 int64 and their header entry
+        assert run["model_bytes"] < run["upload_bytes"] < run["model_bytes"] + 300
     else:
         assert run["upload_bytes"] == run["model_bytes"]
     # Same seed, same digest: through the daemons for FedAvg (test_same_seed_same_digest_...), and

@@ -7,9 +7,13 @@ uploads into the final model.  Each method is one module ``fedrelay.peer.aggrega
 * ``mean`` (:mod:`.mean`): one-shot FedAvg, uniform or weighted by sample counts.
 * ``fedelmy_pfl`` (:mod:`.fedelmy_pfl`): FedELMY's decentralised PFL variant (supplementary
   Alg. 2, line 19): the uniform mean of the sites' pool averages.
-* ``maecho`` (:mod:`.maecho`): MA-Echo (Alg. 1), null-space projection echoes.
+* ``maecho`` (:mod:`.maecho`): MA-Echo (Alg. 1), null-space projection echoes (the sites'
+  projection matrices in :mod:`.maecho_projectors`).
+* ``class_aware`` (:mod:`.class_aware`): MA-Echo's class-aware mean alone (its initial step,
+  shared with ``maecho``): FedAvg with a class-aware classifier head, the ablation
+  ``fedavg-classaware``.
 * ``ofasd`` (:mod:`.ofasd`): OFASD (Alg. 1), block-wise task-vector coefficients distilled
-  from the ensemble.
+  from the ensemble (its transfer data in :mod:`.ofasd_transfer`).
 
 Every module provides::
 

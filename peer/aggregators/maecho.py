@@ -5,23 +5,13 @@ Neural Networks, Algorithm 1 and Eq. 5-11.  Behaviour follows the authors'
 released code (``FudanVI/MAEcho``, ``utils.py::createp`` and ``noniid_aggr``) as
 reference-code §2 describes it; every difference is listed under "Differences".
 
-Site side (:func:`site_extras`)
-    After its local training, each site makes one pass over its own train split with its model
-    in eval mode, in data order, in batches of :data:`BATCH_SIZE` = 64 (the authors' loader
-    batch), and hooks the input of every *echoed* layer (every ``Conv2d`` and ``Linear`` but the
-    classifier head).  Per batch and layer it takes the batch-MEAN input r and applies the
-    recursive OWM/RLS update (:func:`rls_update`)::
-
-        k = P r;   P -= so * (k kᵀ) / (a + rᵀ k)       so = 0.5, P starts as I
-
-    with ``a = 0.01**0.8`` for Linear layers and ``a = 1e-5**0.8`` for conv layers.  P
-    converges to the projector onto the orthogonal complement of the span of the inputs the
-    layer saw (``P^c`` below).  Linear layers get one rank-1 update per batch.  For a conv layer
-    r is each flattened ``(C_in, kh, kw)`` patch of the batch-mean input map, taken at stride 2
-    with no padding, row by row (as the authors' code, whatever the conv's own stride and
-    padding: 13 x 13 patches of a 28 x 28 map, 6 x 6 of a 14 x 14 one; a map smaller than the
-    kernel, e.g. the second conv of a 4 x 4 image, gives none and P stays I).  Each site also sends
-    its train label counts ``class_counts`` for the class-aware head.
+Site side (:func:`site_extras`; the pass is :func:`.maecho_projectors.projectors`)
+    After its local training, each site makes one eval-mode pass over its own train split and
+    builds, per *echoed* layer (every ``Conv2d`` and ``Linear`` but the classifier head), the
+    projector ``P^c`` onto the orthogonal complement of the span of the batch-mean inputs the
+    layer saw, by the recursive OWM/RLS update ``k = P r; P -= so k kᵀ / (a + rᵀ k)``
+    (:mod:`.maecho_projectors` gives the batches, patches and constants).  Each site also sends
+    its train label counts ``class_counts`` for the class-aware head (:mod:`.class_aware`).
 
 Aggregator side (:func:`aggregate`, :func:`echo_layer`)
     W⁽⁰⁾ = the class-aware mean (:func:`class_aware_mean`; for echoed layers simply the
@@ -45,12 +35,13 @@ Aggregator side (:func:`aggregate`, :func:`echo_layer`)
     reference-code §2.3: a bug not copied).  The ``2`` of Eq. (6)/(7) is dropped like the
     code does (it only rescales η).
 
-Class-aware mean (head)
+Class-aware mean (head; :func:`.class_aware.class_aware_init`, the code's ``noniid_avgmodel``)
     For the classifier head's weight rows AND bias entries (the last 2-D weight in state
     order and its bias), row c is the uniform mean over the sites with ``class_counts[c] > 1``
     (the authors' rule: a site with at most one sample of c does not vote on c).  A class no
     site holds is the uniform mean over all sites (the authors' code would divide by zero).
-    Every other tensor not echoed is the uniform mean (float64 sums in upload order).
+    Every other tensor not echoed is the uniform mean (float64 sums in upload order).  The
+    strategy ``fedavg-classaware`` is this step alone (ablation, :mod:`.class_aware`).
 
 Which layers (any model): MA-Echo echoes every ``Linear`` and ``Conv2d`` (groups = 1) module
 but the head (the last 2-D weight in state order, which gets the class-aware mean), and averages
@@ -90,22 +81,23 @@ site pass makes one rank-1 update of such a P per patch: possible, but slow and 
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
-from torch.nn import functional as F
+from torch import Tensor
 
-from fedrelay import registry, tasks
+from fedrelay import registry
 
-from fedrelay.models import ModelSpec, build_model, check_state
-from ..states import State, build_loaded
+from fedrelay.models import ModelSpec, check_state
+from ..states import State
 from ..training import check_site_data
 from . import Context, Upload
-from ._common import Schema, check_uploads, expected_keys, head_names, uniform_state, weighted_mean
+from ._common import Schema, check_uploads, expected_keys, weighted_mean
+from .class_aware import COUNTS, check_counts, class_aware_init, class_aware_mean, class_counts
+from .maecho_projectors import (A_CONV, A_LINEAR, BATCH_SIZE, P_PREFIX, PATCH_STRIDE, SO, EchoedLayer, echoed_layers,
+                                projectors, rls_update)
 
 __all__ = [
     "extras_schema",
@@ -115,88 +107,23 @@ __all__ = [
     "rls_update",
     "echo_layer",
     "class_aware_mean",
+    "class_aware_init",
+    "projectors",
+    "EchoedLayer",
     "qp_alpha",
     "BATCH_SIZE",
     "SO",
     "A_LINEAR",
     "A_CONV",
     "PATCH_STRIDE",
+    "P_PREFIX",
+    "COUNTS",
 ]
-
-BATCH_SIZE = 64          # images per batch of the site's pass (the authors' loader batch)
-SO = 0.5                 # the RLS step (the code's args.C)
-A_LINEAR = 0.01 ** 0.8   # RLS regulariser for Linear layers (alpha_array[2])
-A_CONV = 1e-5 ** 0.8     # ... and for conv layers (alpha_array[0])
-PATCH_STRIDE = 2         # conv patches are taken at stride 2, no padding (hard-coded by the authors)
-P_PREFIX = "maecho.P."   # extras name of a layer's P: P_PREFIX + the layer's weight name
-COUNTS = "class_counts"
 
 ALPHAS = ("uniform", "qp")
 
 
-# --------------------------------------------------------------------------- layers and options
-
-
-@dataclass(frozen=True)
-class EchoedLayer:
-    """One echoed layer: a ``Conv2d`` or ``Linear`` module other than the head.
-
-    ``dim`` is the size of its P: ``C_in*kh*kw`` (conv) or ``in_features`` (linear), plus 1
-    when the layer has a bias.
-    """
-
-    module: str
-    weight: str
-    bias: str | None
-    conv: bool
-    kernel: tuple[int, int]
-    dim: int
-
-    @property
-    def extra(self) -> str:
-        return P_PREFIX + self.weight
-
-
-# Layers whose own parameters MA-Echo leaves to the uniform mean (normalisation layers: their
-# weights scale features, there is no input to project).
-_AVERAGED = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.modules.normalization.RMSNorm)
-
-
-@functools.lru_cache(maxsize=32)
-def _layers(spec: ModelSpec) -> tuple[EchoedLayer, ...]:
-    tasks.resolve(spec)  # imported outside the meta device
-    with torch.device("meta"):
-        model = build_model(spec)
-    head, _ = head_names(spec)
-    layers = []
-    for name, module in model.named_modules():
-        own = [n for n, _ in module.named_parameters(recurse=False)]
-        if isinstance(module, nn.Conv2d) and module.groups == 1 or isinstance(module, nn.Linear):
-            if f"{name}.weight" == head:
-                continue
-        elif own and not isinstance(module, _AVERAGED):
-            kind = type(module).__name__ + (f" with groups={module.groups}" if isinstance(module, nn.Conv2d) else "")
-            raise ValueError(f"maecho cannot aggregate layer {name!r} ({kind}): MA-Echo projects the inputs of "
-                             "Linear and Conv2d (groups=1) layers only, and averages normalisation layers; use "
-                             "fedavg, fedelmy-pfl or ofasd for this model")
-        else:
-            continue
-        has_bias = module.bias is not None
-        if isinstance(module, nn.Conv2d):
-            kh, kw = module.kernel_size
-            dim = module.in_channels * kh * kw
-            conv, kernel = True, (kh, kw)
-        else:
-            dim, conv, kernel = module.in_features, False, (1, 1)
-        layers.append(EchoedLayer(name, f"{name}.weight", f"{name}.bias" if has_bias else None,
-                                  conv, kernel, dim + int(has_bias)))
-    return tuple(layers)
-
-
-def echoed_layers(spec: ModelSpec) -> list[EchoedLayer]:
-    """The layers MA-Echo echoes, in model order: every ``Conv2d`` and ``Linear`` module but the
-    classifier head."""
-    return list(_layers(spec))
+# --------------------------------------------------------------------------- options and site side
 
 
 @dataclass(frozen=True)
@@ -230,39 +157,9 @@ def extras_schema(spec: ModelSpec, options: dict) -> Schema:
     """``{"maecho.P.<weight name>": ((d, d), float32)}`` per echoed layer (d includes the bias's
     1) and ``{"class_counts": ((num_classes,), int64)}``."""
     _options(options)
-    schema: Schema = {layer.extra: ((layer.dim, layer.dim), torch.float32) for layer in _layers(spec)}
+    schema: Schema = {layer.extra: ((layer.dim, layer.dim), torch.float32) for layer in echoed_layers(spec)}
     schema[COUNTS] = ((spec.num_classes,), torch.int64)
     return schema
-
-
-# --------------------------------------------------------------------------- site side
-
-
-def rls_update(P: Tensor, r: Tensor, so: float = SO, a: float = A_LINEAR) -> Tensor:
-    """One OWM/RLS step in place: ``k = P r; P -= so * k kᵀ / (a + rᵀ k)``.  Returns ``P``.
-
-    Computed as the rank-1 update ``P -= s sᵀ`` with ``s = k sqrt(so / (a + rᵀ k))`` (one pass
-    over P, no temporary matrix, no host sync; ``rᵀ k = rᵀ P r ≥ 0`` as P stays positive
-    semi-definite).  ``s sᵀ`` is exactly symmetric, so a symmetric P stays exactly symmetric.
-    """
-    k = P @ r
-    s = k * torch.sqrt(so / (a + torch.dot(r, k)))
-    P.addr_(s, s, alpha=-1.0)
-    return P
-
-
-def _patches(mean_input: Tensor, layer: EchoedLayer) -> Tensor:
-    """The rows r a batch contributes: ``(n, dim)``, augmented with 1 when the layer has a bias."""
-    if layer.conv:
-        if mean_input.shape[-2] < layer.kernel[0] or mean_input.shape[-1] < layer.kernel[1]:
-            return mean_input.new_zeros((0, layer.dim))  # a map smaller than the kernel: no patch
-        # (C, H, W) -> (C*kh*kw, L): columns are the patches, row-major over output positions.
-        rows = F.unfold(mean_input.unsqueeze(0), layer.kernel, stride=PATCH_STRIDE)[0].T
-    else:
-        rows = mean_input.reshape(1, -1)
-    if layer.bias is not None:
-        rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
-    return rows
 
 
 def site_extras(state, spec: ModelSpec, train, options: dict, device="cpu") -> dict[str, Tensor]:
@@ -283,60 +180,15 @@ def site_extras(state, spec: ModelSpec, train, options: dict, device="cpu") -> d
     """
     _options(options)
     check_state(state, spec)
-    task = tasks.resolve(spec)
     inputs = train[0] if isinstance(train, (tuple, list)) and len(train) == 2 else None
     empty = (inputs[:0] if inputs is not None else torch.empty(0), torch.empty((0,), dtype=torch.int64))
     (images, labels), _ = check_site_data(spec, train, empty)
-    layers = _layers(spec)
-    model = build_loaded(spec, state).to(device).eval()
-    modules = dict(model.named_modules())
-    projectors = {layer.weight: torch.eye(layer.dim, dtype=torch.float64, device=device) for layer in layers}
-    captured: dict[str, Tensor] = {}
-    handles = []
-
-    def hook_for(layer: EchoedLayer):
-        def hook(_module, args):
-            captured[layer.weight] = args[0].detach().to(torch.float64).mean(dim=0)
-        return hook
-
-    for layer in layers:
-        handles.append(modules[layer.module].register_forward_pre_hook(hook_for(layer)))
-    try:
-        with torch.no_grad():
-            for start in range(0, int(labels.shape[0]), BATCH_SIZE):
-                x = task.batch(images[start:start + BATCH_SIZE].to(device), train=False)
-                captured.clear()
-                model(x)
-                for layer in layers:
-                    P = projectors[layer.weight]
-                    a = A_CONV if layer.conv else A_LINEAR
-                    for r in _patches(captured[layer.weight], layer):
-                        rls_update(P, r, SO, a)
-    finally:
-        for handle in handles:
-            handle.remove()
-    extras = {layer.extra: projectors[layer.weight].to(device="cpu", dtype=torch.float32).contiguous()
-              for layer in layers}
-    extras[COUNTS] = torch.bincount(labels.to("cpu"), minlength=spec.num_classes).to(torch.int64).contiguous()
+    extras = projectors(state, spec, images, device)
+    extras[COUNTS] = class_counts(labels, spec.num_classes)
     return extras
 
 
 # --------------------------------------------------------------------------- aggregator side
-
-
-def class_aware_mean(tensors: Sequence[Tensor], counts: Sequence[Tensor]) -> Tensor:
-    """Row c (first dimension) = the uniform mean of ``tensors[i][c]`` over the sites i with
-    ``counts[i][c] > 1``; over all sites when none has. Float64 sums in order, cast back."""
-    tensors = list(tensors)
-    mask = torch.stack([cnt.to(torch.float64) > 1 for cnt in counts]).to(torch.float64)  # (N, K)
-    nobody = mask.sum(dim=0) == 0
-    mask[:, nobody] = 1.0
-    total = torch.zeros(tensors[0].shape, dtype=torch.float64)
-    view = (-1,) + (1,) * (tensors[0].dim() - 1)
-    for i, t in enumerate(tensors):
-        total += mask[i].reshape(view) * t.detach().to(device="cpu", dtype=torch.float64)
-    total /= mask.sum(dim=0).reshape(view)
-    return total.to(tensors[0].dtype).contiguous()
 
 
 def _cvxopt():
@@ -466,26 +318,20 @@ def aggregate(uploads: Sequence[Upload], ctx: Context) -> State:
     uploads = check_uploads(uploads, spec, extras_schema(spec, ctx.options), "maecho")
     if opts.alpha == "qp":
         _cvxopt()  # fail before any work
-    for u in uploads:
-        if bool((u.extras[COUNTS] < 0).any()):
-            raise ValueError(f"maecho: site {u.site!r} reports negative class counts")
+    counts = check_counts(uploads, "maecho")
     device = ctx.device
     states = [u.state for u in uploads]
-    counts = [u.extras[COUNTS] for u in uploads]
-    layers = _layers(spec)
-    head_weight, head_bias = head_names(spec)
-    special = {head_weight, head_bias} | {layer.weight for layer in layers} | {layer.bias for layer in layers}
+    layers = echoed_layers(spec)
     keys = expected_keys(spec)
-    result = uniform_state(states, [k for k in keys if k not in special])
-    for key in (head_weight, head_bias):
-        if key is not None:
-            result[key] = class_aware_mean([s[key] for s in states], counts)
+    # W⁽⁰⁾ and every entry not echoed: the class-aware mean (the code's noniid_avgmodel); the
+    # echoed layers' entries are replaced below.
+    result = class_aware_init(states, counts, spec)
     for index, layer in enumerate(layers, start=1):
         started = time.perf_counter()
         V = torch.stack([_augmented(s, layer) for s in states]).to(device)
         P = torch.stack([u.extras[layer.extra].detach() for u in uploads]).to(device)
         # W⁽⁰⁾: the class-aware mean, which is the uniform mean for a layer other than the head.
-        W0 = weighted_mean([_augmented(s, layer) for s in states]).to(device)
+        W0 = _augmented(result, layer).to(device)
         W, V = echo_layer(W0, V, P, tau=opts.tau, eta=opts.eta, alpha=opts.alpha, c=opts.c, norm=opts.norm)
         # The final model averages the echoed local models V_m (the code's noniid_avgmodel(w)).
         final = weighted_mean(list(V))
