@@ -1,0 +1,69 @@
+"""bench.peer_system (NVIDIA FLARE's cyclic workflow beside fedrelay's FedSeq on the same split):
+its smoke run end to end (FLARE's simulator and fedrelay's daemons) when NVIDIA FLARE is installed,
+and the reading of FLARE's communication statistics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.peer_flare import MIB, server_stream_bytes
+from bench.peer_system import flare_available
+
+WHY_NOT = flare_available()
+
+
+@pytest.mark.system
+@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+def test_peer_system_study_smoke(tmp_path, idx_source):
+    """Both systems train on the same sites in the same order; the bytes are what each plan says;
+    a rerun takes every cell from the cache."""
+    from bench import peer_system
+
+    args = ["--quick", "--source", str(idx_source), "--workdir", str(tmp_path / "w")]
+    data = peer_system.main([*args, "--results", str(tmp_path / "r.json")])
+    assert not data["failures"]
+    block = json.loads((tmp_path / "r.json").read_text())["peer_system"]["dir0_5"]
+    assert block["same_order"] is True
+    for method in ("fedseq", "flare_cyclic"):
+        assert set(block[method]["per_seed"]) == {"0"} and 0.0 <= block[method]["mean"] <= 1.0
+    cells = peer_system.Cache(tmp_path / "w" / "cells")
+    group = ("S1-E1-Ew0-a0.06-b1", "n3-maxall", "dir0.5-seed0")
+    ours, theirs = cells.get(*group, "fedseq"), cells.get(*group, "flare_cyclic")
+    n, m = len(ours["order"]), ours["bytes"]["model_bytes"]
+    assert theirs["order"] == ours["order"] and list(theirs["site_seconds"]) == ours["order"]
+    assert ours["in_process_accuracy"] == ours["accuracy"]
+    assert theirs["test_samples"] == ours["test_samples"]
+    # the same training images at every site: the daemon's train split less its validation tenth
+    split = json.loads((tmp_path / "w" / "splits" / "n3-maxall" / "dir0.5-seed0" / "split.json").read_text())
+    assert theirs["train_images"] == {s["site"]: s["n_train"] - int(0.1 * s["n_train"]) for s in split["per_site"]}
+    assert all(e == 1 for e in theirs["epochs"].values())
+    assert ours["bytes"]["to_model_bytes"] == (n - 1) * m
+    assert theirs["bytes"]["model_bytes"] == m and theirs["bytes"]["to_model_bytes"] == 2 * n * m
+    stats = theirs["bytes"]["flare_stream_stats"]
+    assert stats["model_sent_streams"] == stats["model_received_streams"] == n
+    assert abs(stats["model_sent"] + stats["model_received"] - 2 * n * m) < 0.05 * 2 * n * m
+    assert "## peer_system" in (tmp_path / "RESULTS.md").read_text()
+    again = peer_system.main([*args, "--results", str(tmp_path / "r2.json")])
+    assert again["dir0_5"] == data["dir0_5"] and again["wall_seconds_this_run"] < 60
+
+
+def test_server_stream_bytes_reads_flares_histograms(tmp_path):
+    """Model streams are the download-service ones; MiB floats become bytes; other streams count
+    only in the totals."""
+    model = "server.simulate_job:blob:return_only:download_service__:download_service__download"
+    stats = {
+        "sent_stream_sizes": {"pool": {"cat_data": {
+            model: ["", {"count": 2, "total": 1.5, "min": 0.5, "max": 1.0}, ""],
+            "server.simulate_job:blob:return_only:server_command:get_task": [{"count": 1, "total": 0.25}]}}},
+        "received_stream_sizes": {"pool": {"cat_data": {
+            model.replace("blob", "stream"): [{"count": 1, "total": 0.5}, ""]}}},
+    }
+    (tmp_path / "server" / "pool_stats").mkdir(parents=True)
+    (tmp_path / "server" / "pool_stats" / "simulator_cell_stats.json").write_text(json.dumps(stats))
+    got = server_stream_bytes(tmp_path)
+    assert got == {"model_sent": int(1.5 * MIB), "model_received": int(0.5 * MIB), "model_sent_streams": 2,
+                   "model_received_streams": 1, "all_sent": int(1.75 * MIB), "all_received": int(0.5 * MIB)}
+    with pytest.raises(FileNotFoundError):
+        server_stream_bytes(tmp_path / "nowhere")
