@@ -166,7 +166,7 @@ def flare_cell(work: Path, cfg: ParallelConfig, seed: int, order: list[str], roo
     stream = job["stream_bytes"]
     return {"method": "flare_cyclic", "accuracy": ev["accuracy"], "per_site": ev["per_site"],
             "test_samples": ev["test_samples"], "order": order, "seconds": job["seconds"],
-            "site_seconds": {v["site"]: v["seconds"] for v in job["visits"]},
+            "visited": visited, "site_seconds": {v["site"]: v["seconds"] for v in job["visits"]},
             "train_images": {v["site"]: v["train_images"] for v in job["visits"]},
             "epochs": {v["site"]: v["epochs"] for v in job["visits"]},
             "bytes": {"model_bytes": m, "transfers": 2 * n, "to_model_bytes": 2 * n * m,
@@ -366,7 +366,7 @@ def main(argv=None) -> dict:
     cache = Cache(work / "cells")
     failures: list[str] = []
     why = flare_available()
-    if why and "flare_cyclic" in args.methods:
+    if why and "flare_cyclic" in args.methods and not args.publish_only:
         raise SystemExit(why)
     log(f"workdir {work}; config {cfg.train_tag} {cfg.split_tag}")
     from deploy import local_trial as lt
