@@ -139,9 +139,10 @@ def flare_cell(work: Path, cfg: ParallelConfig, seed: int, order: list[str], roo
     """FLARE's cyclic job (a child process: ``python -m bench.peer_flare``) in fedseq's order."""
     import torch
 
+    work = work.resolve()  # FLARE's clients run in folders of their own: absolute paths only
     work.mkdir(parents=True, exist_ok=True)
     c, h, w = next(iter(sites.values())).image_shape
-    spec = {"sites_root": str(root), "order": order, "classes": class_index, "image_shape": [c, h, w],
+    spec = {"sites_root": str(root.resolve()), "order": order, "classes": class_index, "image_shape": [c, h, w],
             "seed": seed, "epochs": cfg.S * cfg.E, "warmup_epochs": cfg.Ew, "workspace": str(work / "flare"),
             "task_assignment_timeout": timeout}
     (work / "flare-spec.json").write_text(json.dumps(spec, indent=1))
@@ -157,8 +158,11 @@ def flare_cell(work: Path, cfg: ParallelConfig, seed: int, order: list[str], roo
     job = json.loads(out.read_text())
     visited = [v["site"] for v in job["visits"]]
     if visited != order:
-        raise RuntimeError(f"FLARE visited {visited}, planned {order} (a site that picks up its task later than "
-                           f"task_assignment_timeout = {timeout} s is skipped by FLARE's CyclicController)")
+        errors = [x for x in (work / "flare.log").read_text().splitlines() if "Error" in x and "Traceback" not in x]
+        raise RuntimeError(f"FLARE's sites trained in the order {visited}, planned {order}: "
+                           + (f"a site failed ({errors[-1].strip()[:500]})" if errors else
+                              f"a site that picks up its task later than task_assignment_timeout = {timeout} s is "
+                              "skipped by FLARE's CyclicController"))
     saved = torch.load(job["final_model"], map_location="cpu", weights_only=False)
     ev = evaluate_state(saved.get("model", saved), sites, class_index)
     m = model_bytes(sites, class_index)
