@@ -102,7 +102,8 @@ def evaluate_state(state, sites: dict, class_index: list[str]) -> dict:
 
 
 def model_bytes(sites: dict, class_index: list[str]) -> int:
-    """M: the bytes of the small CNN's state (every tensor, BatchNorm buffers included)."""
+    """M: the bytes of the small CNN's state (every tensor, BatchNorm buffers included; the
+    tensor data only: fedrelay's payload, a safetensors file, adds its header of a few KB)."""
     from fedrelay.models import state_bytes
     from fedrelay.tasks.image_folder import spec as image_spec
 
@@ -309,6 +310,8 @@ def publish(cache: Cache, cfg: ParallelConfig, args, started: float, failures: l
         "Accuracy: the final model on the union of the sites' test splits (sample-weighted over sites, as fedrelay's "
         "final.accuracy). fedrelay's figure is the daemons' and equals the in-process evaluation of its final "
         "model (checked per cell); FLARE's persisted model is evaluated in-process with the same function.",
+        "M, the model's bytes: fedrelay's ledger counts its payload (the state's tensors in a safetensors file, "
+        "header included); FLARE's computed figure counts the state's tensor bytes.",
         "FLARE settings: task_assignment_timeout raised from its default 10 s to "
         f"{args.task_assignment_timeout} s (with 10 s its controller skipped sites that were still starting on this "
         "machine); one simulator client per site (its default threads = clients); exchange format PyTorch. A cell "

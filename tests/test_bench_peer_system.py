@@ -40,10 +40,12 @@ def test_peer_system_study_smoke(tmp_path, idx_source):
     assert theirs["train_images"] == {s["site"]: s["n_train"] - int(0.1 * s["n_train"]) for s in split["per_site"]}
     assert all(e == 1 for e in theirs["epochs"].values())
     assert ours["bytes"]["to_model_bytes"] == (n - 1) * m
-    assert theirs["bytes"]["model_bytes"] == m and theirs["bytes"]["to_model_bytes"] == 2 * n * m
+    # FLARE's M is the state's tensor bytes; fedrelay's payload adds its safetensors header (a few KB)
+    mt = theirs["bytes"]["model_bytes"]
+    assert mt < m < mt + 4096 and theirs["bytes"]["to_model_bytes"] == 2 * n * mt
     stats = theirs["bytes"]["flare_stream_stats"]
     assert stats["model_sent_streams"] == stats["model_received_streams"] == n
-    assert abs(stats["model_sent"] + stats["model_received"] - 2 * n * m) < 0.05 * 2 * n * m
+    assert abs(stats["model_sent"] + stats["model_received"] - 2 * n * mt) < 0.05 * 2 * n * mt
     assert "## peer_system" in (tmp_path / "RESULTS.md").read_text()
     again = peer_system.main([*args, "--results", str(tmp_path / "r2.json")])
     assert again["dir0_5"] == data["dir0_5"] and again["wall_seconds_this_run"] < 60
