@@ -219,9 +219,9 @@ def aggregate(cells: dict) -> dict:
                 block[m]["trial_start_seconds"] = {s: c.get("trial_start_seconds") for s, c in per.items()}
             else:
                 block[m]["site_seconds_sum"] = {s: sum(c["site_seconds"].values()) for s, c in per.items()}
-                block[m]["stream_model_bytes"] = {s: c["bytes"]["flare_stream_stats"]["model_sent"]
-                                                  + c["bytes"]["flare_stream_stats"]["model_received"]
-                                                  for s, c in per.items()}
+                st = {s: c["bytes"]["flare_stream_stats"] for s, c in per.items()}
+                block[m]["stream_model_bytes"] = {s: v["model_sent"] + v["model_received"] for s, v in st.items()}
+                block[m]["stream_all_bytes"] = {s: v["all_sent"] + v["all_received"] for s, v in st.items()}
         both = [s for s in by_seed if all(m in by_seed[s] for m in METHODS)]
         if both:
             diffs = {str(s): by_seed[s]["flare_cyclic"]["accuracy"] - by_seed[s]["fedseq"]["accuracy"]
@@ -271,7 +271,9 @@ def reading(figures: dict, n_sites: int) -> list[str]:
         out.append(f"Bytes to the final model: fedrelay {_mb(ms)} (its ledger: N − 1 hops site to site), FLARE "
                    f"{_mb(mf)} (computed: 2 transfers per visit through its server), {mf / ms:.2f}x; FLARE's own "
                    f"stream statistics at its server counted {_mb(st)} of model streams "
-                   f"({100 * (st - mf) / mf:+.1f} % against the computed figure: its serialisation and framing). "
+                   f"({100 * (st - mf) / mf:+.1f} % against the computed figure: its serialisation and framing), and "
+                   f"{_mb(statistics.fmean(fl['stream_all_bytes'].values()))} of streams of every kind (task "
+                   "requests, results' metadata, control). "
                    "fedrelay also sends N − 1 final copies so that every site evaluates the final model "
                    f"({_mb(statistics.fmean(fs['final_copies_bytes'].values()))}); FLARE's job keeps the model at its "
                    "server.")

@@ -44,7 +44,8 @@ def test_peer_system_study_smoke(tmp_path, idx_source):
     mt = theirs["bytes"]["model_bytes"]
     assert mt < m < mt + 4096 and theirs["bytes"]["to_model_bytes"] == 2 * n * mt
     stats = theirs["bytes"]["flare_stream_stats"]
-    assert stats["model_sent_streams"] == stats["model_received_streams"] == n
+    # (streams are FLARE's download pieces, not transfers: their counts are not N; only their bytes are checked)
+    assert stats["model_sent_streams"] >= n and stats["model_received_streams"] >= n
     assert abs(stats["model_sent"] + stats["model_received"] - 2 * n * mt) < 0.05 * 2 * n * mt
     assert "## peer_system" in (tmp_path / "RESULTS.md").read_text()
     again = peer_system.main([*args, "--results", str(tmp_path / "r2.json")])
