@@ -5,9 +5,9 @@ The job is FLARE's PyTorch ``CyclicRecipe`` (``nvflare.app_opt.pt.recipes.cyclic
 server's ``CyclicController`` relays the model through the clients in a fixed order (one round:
 each site once), two transfers per visit (server -> site, site -> server), and persists the last
 site's model. Every client runs ``bench/peer_flare_site.py`` (FLARE's Client API; the training
-recipe is there). The initial model is the state a fedrelay run with ``--init shared --seed SEED``
-starts from, ``fedrelay.models.build_seeded(spec, derive_seed(SEED, "init"))``, handed to the
-recipe as its initial checkpoint, so both systems start from the same weights.
+recipe is there). The initial model is the one the first site of a fedrelay chain run with
+``--seed SEED`` draws (:func:`initial_state`), handed to the recipe as its initial checkpoint, so
+both systems start from the same weights.
 
 Run as a child process of the study (``python -m bench.peer_flare SPEC.json OUT.json``), so that
 FLARE's logging and processes stay out of the study's: SPEC is the JSON of :func:`run`'s
@@ -58,6 +58,17 @@ def server_stream_bytes(workspace: Path) -> dict:
             "all_received": total("received_stream_sizes", False)[0]}
 
 
+def initial_state(spec, seed: int) -> dict:
+    """The initial model of a fedrelay chain run with ``--seed seed``: its first site (round 1,
+    position 0, site seed ``derive_seed(seed, "site", 0)``) builds it in ``run_site`` as
+    ``build_seeded(spec, derive_seed(site_seed, "init"))`` (a chain ignores ``--init shared``:
+    ``peer/assignment.py``)."""
+    from fedrelay.models import build_seeded
+    from fedrelay.peer.training import derive_seed
+
+    return build_seeded(spec, derive_seed(derive_seed(seed, "site", 0), "init")).state_dict()
+
+
 def run(sites_root: str, order: list[str], classes: list[str], image_shape: list[int], seed: int, epochs: int,
         warmup_epochs: int, workspace: str, lr: float = 1e-3, weight_decay: float = 1e-4, batch_size: int = 128,
         task_assignment_timeout: int = 3600, threads: int | None = None) -> dict:
@@ -73,8 +84,6 @@ def run(sites_root: str, order: list[str], classes: list[str], image_shape: list
     from nvflare.client.config import ExchangeFormat
     from nvflare.recipe.sim_env import SimEnv
 
-    from fedrelay.models import build_seeded
-    from fedrelay.peer.training import derive_seed
     from fedrelay.tasks.image_folder import spec as image_spec
 
     work = Path(workspace)
@@ -82,7 +91,7 @@ def run(sites_root: str, order: list[str], classes: list[str], image_shape: list
     c, h, w = image_shape
     spec = image_spec("cnn", c, (h, w), len(classes))
     init = work / "initial_model.pt"
-    torch.save(build_seeded(spec, derive_seed(seed, "init")).state_dict(), init)
+    torch.save(initial_state(spec, seed), init)
     visits = work / "visits.jsonl"
     visits.unlink(missing_ok=True)
     train_args = (f"--sites-root {sites_root} --classes {','.join(classes)} --seed {seed} --epochs {epochs} "
@@ -106,7 +115,8 @@ def run(sites_root: str, order: list[str], classes: list[str], image_shape: list
     if not final.exists():
         raise RuntimeError(f"the FLARE job persisted no model ({final} missing); logs under {job}")
     lines = [json.loads(x) for x in visits.read_text().splitlines()] if visits.exists() else []
-    return {"seconds": seconds, "visits": lines, "final_model": str(final), "stream_bytes": server_stream_bytes(job),
+    return {"seconds": seconds, "visits": lines, "init": "fedrelay chain's first site: build_seeded(spec, "
+            "derive_seed(derive_seed(seed, 'site', 0), 'init'))", "final_model": str(final), "stream_bytes": server_stream_bytes(job),
             "workspace": str(job)}
 
 

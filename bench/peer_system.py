@@ -16,7 +16,8 @@ Per (Dirichlet, seed), on the split ``coordinator split-dataset fashion-mnist --
   the run's ``final.accuracy`` (sample-weighted over the sites' test splits), checked against
   the final model evaluated in-process here.
 - ``flare_cyclic``: FLARE's PyTorch ``CyclicRecipe``, one round, in the same site order, from the
-  same initial weights (``build_seeded(spec, derive_seed(SEED, "init"))``), every site training
+  same initial weights (those the chain's first site draws from SEED: ``bench.peer_flare.initial_state``;
+  a chain ignores ``--init shared``), every site training
   S·E epochs (the first site EW more) with a plain PyTorch loop (``bench/peer_flare_site.py``) on
   the same training images (the site's train split less fedrelay's validation tenth), run by
   ``nvflare``'s simulator (``bench/peer_flare.py``). Its persisted final model is evaluated
@@ -178,7 +179,7 @@ def flare_cell(work: Path, cfg: ParallelConfig, seed: int, order: list[str], roo
                       "how": "computed: N visits x 2 transfers (server -> site, site -> server) x M",
                       "flare_stream_stats": stream},
             "commit": meta()["commit"], "cpu_capability": cpu_capability(),
-            "nvflare": __import__("nvflare").__version__,
+            "nvflare": __import__("nvflare").__version__, "init": job.get("init"),
             "how": "NVIDIA FLARE CyclicRecipe (CyclicController, 1 round, fixed order), SimEnv (its simulator), "
                    "plain PyTorch loop per site (bench/peer_flare_site.py)"}
 
@@ -301,8 +302,8 @@ def publish(cache: Cache, cfg: ParallelConfig, args, started: float, failures: l
                f"run by FLARE's simulator) beside fedrelay's FedSeq chain through the daemons, on {data_name}, "
                f"{cfg.sites} sites, "
                f"{'all training data' if not cfg.max_train else f'at most {cfg.max_train} training images per site'}; "
-               f"the same site folders (coordinator split-dataset), site order, initial weights (the shared seeded "
-               f"init), small CNN and recipe: Adam lr 1e-3, weight decay 1e-4, batch 128, {cfg.S * cfg.E} epoch(s) per "
+               f"the same site folders (coordinator split-dataset), site order, initial weights (the chain's "
+               f"first site's seeded draw), small CNN and recipe: Adam lr 1e-3, weight decay 1e-4, batch 128, {cfg.S * cfg.E} epoch(s) per "
                f"site{f' (+ {cfg.Ew} warm-up at the first)' if cfg.Ew else ''}, last epoch kept, on the same training "
                "images (each site's train split less fedrelay's validation tenth).")
     notes = [
@@ -332,7 +333,7 @@ def publish(cache: Cache, cfg: ParallelConfig, args, started: float, failures: l
     notes += args.notes
     config = {"sites": cfg.sites, "max_train_per_site": cfg.max_train, "epochs_per_site": cfg.S * cfg.E,
               "S": cfg.S, "E": cfg.E, "Ew": cfg.Ew, "lr": 1e-3, "batch_size": 128, "weight_decay": 1e-4,
-              "model": "cnn", "init": "shared", "selection": "last-epoch", "seeds": args.seeds,
+              "model": "cnn", "init": "the chain's first site's seeded draw (bench.peer_flare.initial_state)", "selection": "last-epoch", "seeds": args.seeds,
               "dirichlets": args.dirichlets, "methods": args.methods,
               "task_assignment_timeout": args.task_assignment_timeout}
     data = {**figures, "summary": summary, "tables": tables, "notes": notes, "config": config, "quick": args.quick,
