@@ -70,3 +70,31 @@ def test_server_stream_bytes_reads_flares_histograms(tmp_path):
                    "model_received_streams": 1, "all_sent": int(1.75 * MIB), "all_received": int(0.5 * MIB)}
     with pytest.raises(FileNotFoundError):
         server_stream_bytes(tmp_path / "nowhere")
+
+
+def test_flare_starts_from_the_weights_a_fedrelay_chain_starts_from():
+    """The chain's first site draws its model from the run's seed (a chain ignores --init shared);
+    FLARE's initial checkpoint is that draw: training from it gives the first site's model bit for
+    bit, and from the star plans' shared init (another draw) it does not."""
+    import torch
+
+    from bench.peer_flare import initial_state
+    from fedrelay.models import build_seeded
+    from fedrelay.peer.training import TrainConfig, derive_seed, run_site
+    from fedrelay.tasks.image_folder import spec as image_spec
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (40, 1, 8, 8), dtype=torch.uint8, generator=gen)
+    y = torch.randint(0, 3, (40,), generator=gen)
+    spec = image_spec("cnn", 1, (8, 8), 3)
+    cfg = TrainConfig(strategy="fedseq", models_per_site=1, local_epochs=1, warmup_epochs=0, selection="last-epoch")
+    site_seed = derive_seed(7, "site", 0)
+
+    def first_site(initial=None):
+        sent, _ = run_site(None, spec, (x[:32], y[:32]), (x[32:], y[32:]), cfg, site_seed, "cpu", initial=initial)
+        return sent
+
+    chain = first_site()
+    assert all(torch.equal(chain[k], v) for k, v in first_site(initial_state(spec, 7)).items())
+    shared = first_site(build_seeded(spec, derive_seed(7, "init")).state_dict())
+    assert not all(torch.equal(chain[k], v) for k, v in shared.items())
