@@ -79,7 +79,7 @@ def train(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int,
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            loss_sum += float(loss) * len(idx)
+            loss_sum += float(loss.detach()) * len(idx)
     return loss_sum / len(y)
 
 

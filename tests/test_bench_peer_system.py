@@ -98,3 +98,34 @@ def test_flare_starts_from_the_weights_a_fedrelay_chain_starts_from():
     assert all(torch.equal(chain[k], v) for k, v in first_site(initial_state(spec, 7)).items())
     shared = first_site(build_seeded(spec, derive_seed(7, "init")).state_dict())
     assert not all(torch.equal(chain[k], v) for k, v in shared.items())
+
+
+def test_flares_site_loop_is_fedrelays_fedseq_loop_given_the_same_batch_order():
+    """The plain PyTorch loop FLARE's sites run (bench/peer_flare_site.py) and fedrelay's FedSeq visit
+    give the same weights bit for bit when they draw the same batch order: the study's two systems
+    differ in their shuffles (and transfers), not in the recipe."""
+    import torch
+
+    from bench.peer_flare import initial_state
+    from bench.peer_flare_site import train as flare_train
+    from fedrelay.models import build_model
+    from fedrelay.peer.strategies.fedseq import train_fedseq
+    from fedrelay.peer.training import TrainConfig, derive_seed, seeded_generator
+    from fedrelay.tasks.image_folder import spec as image_spec
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (300, 1, 8, 8), dtype=torch.uint8, generator=gen)
+    y = torch.randint(0, 3, (300,), generator=gen)
+    spec = image_spec("cnn", 1, (8, 8), 3)
+    cfg = TrainConfig(strategy="fedseq", models_per_site=1, local_epochs=2, warmup_epochs=0, selection="last-epoch")
+    m0, seed = initial_state(spec, 3), derive_seed(3, "site", 0)
+    ours = train_fedseq(m0, spec, (x[:270], y[:270]), (x[270:], y[270:]), cfg, seed, "cpu")
+    model = build_model(spec)
+    model.load_state_dict(m0)
+    flare_train(model, x[:270], y[:270], 2, 1e-3, 1e-4, 128, seeded_generator(derive_seed(seed, "fedseq")))
+    theirs = model.state_dict()
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    other = build_model(spec)
+    other.load_state_dict(m0)
+    flare_train(other, x[:270], y[:270], 2, 1e-3, 1e-4, 128, torch.Generator().manual_seed(1))
+    assert not torch.equal(other.state_dict()["classifier.3.weight"], ours["classifier.3.weight"])
