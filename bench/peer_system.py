@@ -258,6 +258,8 @@ def reading(figures: dict, n_sites: int) -> list[str]:
                 f"site order{'' if b['same_order'] else ' [orders differ!]'}): FLARE − fedrelay = "
                 f"{100 * d['mean']:+.2f} points")
         if d["n"] > 1:
+            below = sum(1 for v in d["per_seed"].values() if v < 0)
+            line += f"; FLARE is below fedrelay in {below} of {d['n']} seeds"
             spread = max(fs["std"], fl["std"])
             line += (f" (± {100 * d['std']:.2f} over seeds); the seeds' spread (sample std over seeds, the larger of "
                      f"the two systems') is {100 * spread:.2f} points, so the gap lies "
