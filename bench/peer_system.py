@@ -259,9 +259,9 @@ def reading(figures: dict, n_sites: int) -> list[str]:
                 f"{100 * d['mean']:+.2f} points")
         if d["n"] > 1:
             below = sum(1 for v in d["per_seed"].values() if v < 0)
-            line += f"; FLARE is below fedrelay in {below} of {d['n']} seeds"
             spread = max(fs["std"], fl["std"])
-            line += (f" (± {100 * d['std']:.2f} over seeds); the seeds' spread (sample std over seeds, the larger of "
+            line += (f" (± {100 * d['std']:.2f} over seeds; FLARE below fedrelay in {below} of {d['n']} seeds); the "
+                     f"seeds' spread (sample std over seeds, the larger of "
                      f"the two systems') is {100 * spread:.2f} points, so the gap lies "
                      f"{'within' if abs(d['mean']) <= spread else 'outside'} it.")
         else:
