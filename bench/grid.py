@@ -116,7 +116,7 @@ def parse(argv):
 
 def machine(device: str) -> dict:
     """Where a cell ran: CPU, its torch kernels, host, device (and GPU name), torch and Python."""
-    from bench.few_shot import cpu_capability
+    from bench.measures import cpu_capability
 
     m = meta()
     out = {"cpu": m["cpu"], "cpu_capability": cpu_capability(), "host": platform.node(), "device": device,
