@@ -318,3 +318,20 @@ def chain_to_the_end(client, names: list[str], params, seed: int = 1) -> tuple[s
     for _ in client.watch(reply.run_id):  # the stream ends with the run
         pass
     return reply.run_id, client.run(reply.run_id)
+
+
+def flat(text: str) -> str:
+    """A command's output on one line: rich's wrapping and its panels' borders undone."""
+    return " ".join(text.replace("│", " ").split())
+
+
+def invoke_coordinator(*args: str):
+    """``coordinator ARGS`` through typer's test runner at 200 columns; asserts that it printed
+    no traceback. Returns the ``Result``."""
+    from typer.testing import CliRunner
+
+    from fedrelay.cli import coordinator as coord_cli
+
+    res = CliRunner().invoke(coord_cli.app, list(args), env={"COLUMNS": "200"})
+    assert "Traceback" not in res.output, res.output
+    return res

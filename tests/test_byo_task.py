@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import flat
 from deploy import local_trial
 
 pytestmark = pytest.mark.system
@@ -208,11 +209,6 @@ def world(tmp_path_factory):
 
 def cli(trial, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return trial.cli(*args, capture_output=True, text=True, timeout=timeout)
-
-
-def flat(text: str) -> str:
-    """``text`` on one line (the CLI wraps its messages to the terminal's width)."""
-    return " ".join(text.split())
 
 
 def start(trial, *args: str) -> dict:

@@ -10,23 +10,13 @@ import re
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from fedrelay import params, privacy
-from fedrelay.cli import coordinator as coord_cli, exits
+from fedrelay.cli import exits
+from conftest import flat, invoke_coordinator as invoke
 
 BASE = dict(strategy="fedelmy-kd", models_per_site=2, local_epochs=1, warmup_epochs=1, alpha=1.0, beta=1.0,
             lr=1e-3, batch_size=8, weight_decay=0.0, selection="best-val")
-
-
-def invoke(*args: str):
-    res = CliRunner().invoke(coord_cli.app, list(args), env={"COLUMNS": "200"})
-    assert "Traceback" not in res.output, res.output
-    return res
-
-
-def flat(text: str) -> str:
-    return " ".join(text.replace("│", " ").split())
 
 
 def test_start_chain_help_lists_the_strategy_and_its_options_with_their_defaults():

@@ -16,10 +16,10 @@ from pathlib import Path
 import grpc
 import pytest
 import toy_method
-from typer.testing import CliRunner
 
 from fedrelay import params, registry
-from fedrelay.cli import coordinator as coord_cli, exits
+from fedrelay.cli import exits
+from conftest import flat, invoke_coordinator as invoke
 
 HERE = Path(__file__).resolve().parent
 BASE = dict(strategy="toy", models_per_site=1, local_epochs=1, warmup_epochs=0, alpha=1.0, beta=1.0, lr=1e-3,
@@ -32,16 +32,6 @@ def toy():
     registry.register(*toy_method.METHODS)
     yield
     registry.unregister(*toy_method.METHODS)
-
-
-def invoke(*args: str):
-    res = CliRunner().invoke(coord_cli.app, list(args), env={"COLUMNS": "200"})
-    assert "Traceback" not in res.output, res.output
-    return res
-
-
-def flat(text: str) -> str:
-    return " ".join(text.replace("│", " ").split())
 
 
 def test_start_chain_help_lists_the_options_with_their_help_and_defaults():

@@ -27,7 +27,7 @@ from fedrelay.cli.peer import app as peer_app
 from fedrelay.coordinator import pki
 from fedrelay.peer import policy
 from fedrelay.v1 import peer_pb2
-from conftest import serve_in_threads, stop_threads
+from conftest import flat, serve_in_threads, stop_threads
 
 pytestmark = pytest.mark.integration
 
@@ -175,10 +175,6 @@ def start(world, operator: str = "operator", **params):
 def cli(world, *args: str, operator: str = "operator"):
     tls = world["root"] / ("pki/operator" if operator == "operator" else "alice")
     return CliRunner().invoke(coordinator_app, [*args, "--coordinator", world["address"], "--tls", str(tls)])
-
-
-def flat(text: str) -> str:
-    return " ".join(text.split())
 
 
 REFUSALS = {  # policy text, run params, the reason's words

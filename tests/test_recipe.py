@@ -10,10 +10,9 @@ import re
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from fedrelay import params, registry
-from fedrelay.cli import coordinator as coord_cli, exits
+from fedrelay.cli import exits
 from fedrelay.peer import recipe
 from fedrelay.peer.training import TrainConfig
 from fedrelay.peer.training_loop import fit
@@ -22,19 +21,10 @@ from fedrelay.tasks.image_folder import ImageFolderTask, spec as image_spec
 from fedrelay.tasks.image_folder.augment import flip_crop
 from fedrelay.tasks.image_folder.models import build
 from fedrelay.tasks.tabular_csv import TabularCsvTask
+from conftest import flat, invoke_coordinator as invoke
 
 BASE = dict(strategy="fedseq", models_per_site=1, local_epochs=1, warmup_epochs=0, alpha=1.0, beta=1.0, lr=1e-3,
             batch_size=32, weight_decay=0.0, selection="last-epoch")
-
-
-def invoke(*args: str):
-    res = CliRunner().invoke(coord_cli.app, list(args), env={"COLUMNS": "200"})
-    assert "Traceback" not in res.output, res.output
-    return res
-
-
-def flat(text: str) -> str:
-    return " ".join(text.replace("│", " ").split())
 
 
 class Recording(ImageFolderTask):

@@ -12,6 +12,7 @@ import typer.main
 from typer.testing import CliRunner
 
 from fedrelay.cli import connection, coordinator as coord_cli, peer as peer_cli
+from conftest import flat
 
 pytestmark = pytest.mark.integration
 
@@ -38,11 +39,6 @@ def test_every_option_and_argument_has_help():
     missing = [f"{where}: {p.name}" for where, cmd in _commands() for p in cmd.params
                if not (getattr(p, "help", None) or "").strip()]
     assert not missing, "options without a help text: " + ", ".join(missing)
-
-
-def flat(text: str) -> str:
-    """Output with rich's line wrapping undone."""
-    return " ".join(text.split())
 
 
 def invoke(app, *args, env: dict | None = None):
