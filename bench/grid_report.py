@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from bench.accuracy_figures import _pct, _stats
+from bench.bytes_plot import accuracy_against_bytes
 from bench.cells import dir_key
 from bench.common import record
 from bench.grid_cells import CellStore, plan
@@ -178,55 +179,23 @@ def missing(cells: dict, tags: list[str], args) -> list[str]:
 
 def plot(tag: str, figures: dict, path: Path) -> list[str]:
     """Accuracy against the MB moved to make the final model (log axis), one marker per method,
-    one colour per Dirichlet; the references as lines. Returns the file names written."""
+    one colour per Dirichlet; the references as lines (:mod:`bench.bytes_plot`). Returns the file
+    names written."""
     dirs = [k for k in figures if any(m in figures[k] and "to_model_bytes" in figures[k][m] for m in MARKERS)]
-    if not dirs:
-        return []
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8.6, 4.6))
-    colors = dict(zip(dirs, ("tab:blue", "tab:red", "tab:green", "tab:purple")))
     present = [m for m in MARKERS if any(m in figures[k] and "to_model_bytes" in figures[k][m] for k in dirs)]
+    points = []
     for key in dirs:
         b = figures[key]
         for i, m in enumerate(present):
-            if m not in b or "to_model_bytes" not in b[m]:
-                continue
-            # methods moving the same bytes are spread sideways by 2 % per method (log axis) to stay legible
-            x = max(b[m]["to_model_bytes"]) / 1e6 * 1.02 ** (i - (len(present) - 1) / 2)
-            ax.errorbar([x], [100 * b[m]["mean"]], yerr=[100 * b[m]["std"]], marker=MARKERS[m], color=colors[key],
-                        ms=8, capsize=3, linestyle="none", mfc=colors[key] if key == dirs[0] else "none")
-            for v in b[m]["per_seed"].values():
-                ax.plot(x, 100 * v, ".", color=colors[key], alpha=0.35, ms=4)
-        for m, ls in (("local_only", ":"), ("centralized", "--")):
-            if m in b:
-                ax.axhline(100 * b[m]["mean"], color=colors[key], ls=ls, lw=1, alpha=0.7)
-    ax.set_xscale("log")
-    from matplotlib.ticker import FormatStrFormatter
-
-    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
-    ax.xaxis.set_minor_formatter(FormatStrFormatter("%g"))
-    ax.tick_params(axis="x", which="minor", labelsize=7)
-    ax.set_xlabel("MB moved to produce the final model (log; chain: N − 1 hops, star: N − 1 uploads;\n"
-                  "markers at equal bytes spread sideways by 2 % each for legibility)", fontsize=8)
-    ax.set_ylabel("test accuracy (%)")
-    handles = [plt.Line2D([], [], marker=MARKERS[m], color="k", ls="none", label=LABELS[m]) for m in present]
-    handles += [plt.Line2D([], [], color=colors[k], marker="o", mfc=colors[k] if k == dirs[0] else "none", ls="none",
-                           label=f"Dirichlet({figures[k]['dirichlet']:g})") for k in dirs]
-    handles += [plt.Line2D([], [], color="gray", ls=":", label="local only"),
-                plt.Line2D([], [], color="gray", ls="--", label="centralized")]
-    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.grid(alpha=0.3, which="both")
-    ax.set_title(f"Full-data grid, recipe {tag}: accuracy against bytes (mean ± std over seeds; dots: seeds)",
-                 fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path.name]
+            if m in b and "to_model_bytes" in b[m]:
+                # methods moving the same bytes are spread sideways by 2 % per method (log axis)
+                x = max(b[m]["to_model_bytes"]) / 1e6 * 1.02 ** (i - (len(present) - 1) / 2)
+                points.append((key, m, x, b[m]["mean"], b[m]["std"], list(b[m]["per_seed"].values())))
+    refs = {k: {m: figures[k][m]["mean"] for m in ("local_only", "centralized") if m in figures[k]} for k in dirs}
+    return accuracy_against_bytes(
+        path, points, {k: figures[k]["dirichlet"] for k in dirs}, refs, LABELS, MARKERS, present,
+        spread="2 % each", figsize=(8.6, 4.6),
+        title=f"Full-data grid, recipe {tag}: accuracy against bytes (mean ± std over seeds; dots: seeds)")
 
 
 def publish(store: CellStore, cfg: GridConfig, args, current: str, started: float, failures: list[str]) -> dict:

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from bench.accuracy_figures import _pct, _stats
+from bench.bytes_plot import accuracy_against_bytes
 from bench.cells import Cache, Config, dir_key
 from bench.runs import run_references, start_chain
 from bench.sites import grid_todo
@@ -236,51 +237,22 @@ def aggregate(cache: ParallelCache, cfg: ParallelConfig) -> tuple[dict, dict]:
 
 
 def plot(figures: dict, comm: dict, path: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """The study's accuracy-against-communication figure (:mod:`bench.bytes_plot`); returns the
+    file names written."""
     dirs = [k for k in figures if k.startswith("dir")]
-    if not dirs:
-        return []
-    fig, ax = plt.subplots(figsize=(8.2, 4.4))
-    colors = {k: c for k, c in zip(dirs, ("tab:blue", "tab:red", "tab:green", "tab:purple"))}
+    points = []
     for key in dirs:
         b = figures[key]
         for m in [m for m in METHODS if m in b and m in comm and isinstance(comm[m]["to_model_bytes"], int)]:
-            # methods that move the same bytes are spread sideways by 6 % per method (log axis) to stay legible
+            # methods that move the same bytes are spread sideways by 6 % per method (log axis)
             x = comm[m]["to_model_bytes"] / 1e6 * 1.06 ** (list(MARKERS).index(m) - 2.5)
-            ax.errorbar([x], [100 * b[m]["mean"]], yerr=[100 * b[m]["std"]], marker=MARKERS[m], color=colors[key],
-                        ms=8, capsize=3, linestyle="none", mfc=colors[key] if key == dirs[0] else "none")
-            for v in b[m]["per_seed"].values():
-                ax.plot(x, 100 * v, ".", color=colors[key], alpha=0.35, ms=4)
-        for m, ls in (("local_only", ":"), ("centralized", "--")):
-            if m in b:
-                ax.axhline(100 * b[m]["mean"], color=colors[key], ls=ls, lw=1, alpha=0.7)
-    ax.set_xscale("log")
-    from matplotlib.ticker import FormatStrFormatter
-    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
-    ax.xaxis.set_minor_formatter(FormatStrFormatter("%g"))
-    ax.tick_params(axis="x", which="minor", labelsize=7)
-    ax.set_xlabel("MB moved to produce the final model (log; chain: N − 1 hops, star: N − 1 uploads;\n"
-                  "markers at equal bytes spread sideways by a few % for legibility)", fontsize=8)
-    ax.set_ylabel("test accuracy (%)")
-    handles = [plt.Line2D([], [], marker=MARKERS[m], color="k", ls="none", label=LABELS[m]) for m in MARKERS if m in comm]
-    handles += [plt.Line2D([], [], color=colors[k], marker="o", mfc=colors[k] if k == dirs[0] else "none", ls="none",
-                           label=f"Dirichlet({figures[k]['dirichlet']:g})") for k in dirs]
-    handles += [plt.Line2D([], [], color="gray", ls=":", label="local only"),
-                plt.Line2D([], [], color="gray", ls="--", label="centralized")]
-    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.grid(alpha=0.3, which="both")
-    n = max(figures[k][m]["n"] for k in dirs for m in METHODS if m in figures[k])
-    ax.set_title(f"One-shot methods: accuracy against communication (mean ± std, up to {n} seed(s); dots: seeds)",
-                 fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path.name]
+            points.append((key, m, x, b[m]["mean"], b[m]["std"], list(b[m]["per_seed"].values())))
+    refs = {k: {m: figures[k][m]["mean"] for m in ("local_only", "centralized") if m in figures[k]} for k in dirs}
+    n = max((figures[k][m]["n"] for k in dirs for m in METHODS if m in figures[k]), default=0)
+    return accuracy_against_bytes(
+        path, points, {k: figures[k]["dirichlet"] for k in dirs}, refs, LABELS, MARKERS,
+        [m for m in MARKERS if m in comm], spread="a few %", figsize=(8.2, 4.4),
+        title=f"One-shot methods: accuracy against communication (mean ± std, up to {n} seed(s); dots: seeds)")
 
 
 def _mb(v) -> str:
