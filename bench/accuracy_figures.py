@@ -17,6 +17,15 @@ def _stats(values: list[float]) -> tuple[float, float]:
     return mean, std
 
 
+def seed_summary(cells: dict[str, dict]) -> dict:
+    """Seed (text) -> a cell with ``accuracy`` -> {mean, std (sample), n, seeds (ints, sorted),
+    per_seed (seed -> accuracy)}: a method's figures over the seeds finished."""
+    per_seed = {s: c["accuracy"] for s, c in cells.items()}
+    mean, std = _stats(list(per_seed.values()))
+    return {"mean": mean, "std": std, "n": len(per_seed), "seeds": sorted(int(s) for s in per_seed),
+            "per_seed": per_seed}
+
+
 def _pct(mean: float, std: float) -> str:
     return f"{100 * mean:.2f} ± {100 * std:.2f}"
 

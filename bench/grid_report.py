@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from bench.accuracy_figures import _pct, _stats
+from bench.accuracy_figures import _pct, _stats, seed_summary
 from bench.bytes_plot import accuracy_against_bytes
 from bench.cells import dir_key
 from bench.common import record
@@ -37,11 +37,8 @@ def blocks(by_dirichlet: dict) -> dict:
             cells = {str(s): ms[m] for s, ms in sorted(by_seed.items()) if m in ms}
             if not cells:
                 continue
-            per_seed = {s: c["accuracy"] for s, c in cells.items()}
-            mean, std = _stats(list(per_seed.values()))
             b = [c.get("bytes") for c in cells.values()]
-            mb = {"mean": mean, "std": std, "n": len(per_seed), "seeds": sorted(int(s) for s in per_seed),
-                  "per_seed": per_seed, "sha256_per_seed": {s: c.get("sha256") for s, c in cells.items()},
+            mb = {**seed_summary(cells), "sha256_per_seed": {s: c.get("sha256") for s, c in cells.items()},
                   "seconds_mean": sum(c.get("seconds", 0.0) for c in cells.values()) / len(cells)}
             if m not in REFS and all(b):
                 mb["to_model_bytes"] = sorted({x["to_model_bytes"] for x in b})

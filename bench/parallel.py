@@ -41,7 +41,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench.accuracy_figures import _pct, _stats
+from bench.accuracy_figures import _pct, seed_summary
 from bench.bytes_plot import accuracy_against_bytes
 from bench.cells import Cache, Config, dir_key
 from bench.runs import run_references, start_chain
@@ -206,10 +206,7 @@ def aggregate(cache: ParallelCache, cfg: ParallelConfig) -> tuple[dict, dict]:
             cells = {str(s): ms[m] for s, ms in sorted(by_seed.items()) if m in ms}
             if not cells:
                 continue
-            per_seed = {s: c["accuracy"] for s, c in cells.items()}
-            mean, std = _stats(list(per_seed.values()))
-            mb = {"mean": mean, "std": std, "n": len(per_seed), "seeds": sorted(int(s) for s in per_seed),
-                  "per_seed": per_seed, "seconds_per_seed": {s: c["seconds"] for s, c in cells.items()}}
+            mb = {**seed_summary(cells), "seconds_per_seed": {s: c["seconds"] for s, c in cells.items()}}
             if m not in REFS:
                 mb["sha256_per_seed"] = {s: c["sha256"] for s, c in cells.items()}
                 bs = [c["bytes"] for c in cells.values()]
