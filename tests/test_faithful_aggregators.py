@@ -165,8 +165,8 @@ def test_registry_and_start_chain_help_show_the_new_strategy_and_options():
     s = registry.strategy("fedavg-classaware")
     assert (s.plan, s.aggregator) == (registry.STAR, "class-aware-mean")
     assert registry.aggregator("class-aware-mean").module == "fedrelay.peer.aggregators.class_aware"
-    assert registry.defaults(registry.options_of("ofasd")) == {
-        "upload_timeout": 3600.0, "ofasd_mode": "block", "ofasd_epochs": 20, "ofasd_lr": 0.01,
+    assert registry.defaults(registry.options_of("ofasd")) == {  # the run's recipe, the star plan's, OFASD's
+        "lr_schedule": "constant", "augment": "none", "upload_timeout": 3600.0, "ofasd_mode": "block", "ofasd_epochs": 20, "ofasd_lr": 0.01,
         "ofasd_transfer": "mixup", "ofasd_mixup_alpha": 1.0, "ofasd_transfer_size": 0, "ofasd_select": "kl"}
     res = CliRunner().invoke(coord_cli.app, ["start-chain", "--help"], env={"COLUMNS": "200"})
     text = " ".join(res.output.replace("│", " ").split())
