@@ -80,6 +80,7 @@ def run_references(dirs: list[Path], cfg: Config, seed: int, methods: list[str],
     def accuracy(state) -> float:
         net = build_model(spec)
         net.load_state_dict(state)
+        net.to(device)  # evaluate() takes a model already on its device
         correct, total = evaluate(net, test_x, test_y, device=device, task=resolve_task(spec))
         return correct / total
 

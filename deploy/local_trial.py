@@ -43,7 +43,7 @@ DATASETS = ("fashion-mnist", "breast-cancer")
 
 if __package__ in (None, ""):  # run as a script (make demo): the repository root, for ``deploy.*``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from deploy.processes import die_with_parent, free_ports, raise_open_files_limit, tool  # noqa: E402
+from deploy.processes import die_with_parent, free_port, free_ports, raise_open_files_limit, tool  # noqa: E402
 
 
 def ensure_fashion_mnist(source: Path | None) -> None:
@@ -67,6 +67,12 @@ def ensure_fashion_mnist(source: Path | None) -> None:
         "    https://github.com/zalandoresearch/fashion-mnist (data/fashion) into a folder\n"
         "    and pass --source FOLDER (make demo SOURCE=FOLDER)."
     )
+
+
+def port_taken(log_tail: str) -> bool:
+    """Whether a daemon's log ends saying its --listen port was taken (``fedrelay/server.py``'s
+    ``cannot listen on HOST:PORT: Address already in use`` / ``address in use ...``)."""
+    return "cannot listen on" in log_tail and "in use" in log_tail.lower()
 
 
 class LocalTrial:
@@ -103,6 +109,7 @@ class LocalTrial:
         self.site_env = {name: dict(v) for name, v in (site_env or {}).items()}
         self.procs: dict[str, subprocess.Popen] = {}
         self.argv: dict[str, list[str]] = {}
+        self.port_retries: dict[str, int] = {}  # site -> restarts on a new port (its port taken at its start)
         # Fixed addresses, so that a daemon restarted with the same command is found where it was.
         self.addresses = self.plan_addresses()
         self.coordinator = self.addresses["coordinator"]
@@ -112,6 +119,13 @@ class LocalTrial:
         """HOST:PORT of every daemon (``coordinator`` and each site): free ports on 127.0.0.1."""
         names = ["coordinator", *self.names]
         return {name: f"127.0.0.1:{port}" for name, port in zip(names, free_ports(len(names)))}
+
+    def new_address(self, name: str) -> str | None:
+        """Another HOST:PORT for site ``name`` whose planned port was taken before its daemon
+        bound it (a free port is picked here but bound only after the daemon has read its data,
+        seconds later: other trials or outbound connections on the machine can take it
+        meanwhile); None where the address cannot change (subclasses with fixed hosts)."""
+        return f"127.0.0.1:{free_port()}"
 
     def host_prefix(self, name: str) -> list[str]:
         """What a daemon's command runs under (a network namespace in subclasses; nothing here)."""
@@ -277,6 +291,8 @@ class LocalTrial:
         with OperatorClient(self.coordinator, self.transport()) as client:
             while True:
                 dead = self.dead()
+                if dead and self.retry_taken_ports():
+                    continue
                 if dead:
                     raise RuntimeError("\n".join(dead))
                 try:
@@ -289,6 +305,27 @@ class LocalTrial:
                     raise RuntimeError(f"peers not registered after {timeout:.0f} s: "
                                        f"{sorted(set(names) - registered)} (see {self.logs})")
                 time.sleep(0.5)
+
+    def retry_taken_ports(self, attempts: int = 3) -> bool:
+        """Restart on a new address (:meth:`new_address`) each site daemon that exited at its start
+        because its port was taken (its log ends as :func:`port_taken` says), at most ``attempts``
+        times per site. True when every exited daemon was restarted so."""
+        exited = [n for n, p in self.procs.items() if p.poll() is not None]
+        retry = []
+        for name in exited:
+            tail = (self.logs / f"{name}.log").read_text(errors="replace")[-300:]
+            if name == "coordinator" or not port_taken(tail) or self.port_retries.get(name, 0) >= attempts:
+                return False
+            retry.append(name)
+        for name in retry:
+            address = self.new_address(name)
+            if address is None:
+                return False
+            self.port_retries[name] = self.port_retries.get(name, 0) + 1
+            with open(self.logs / f"{name}.log", "a") as log:
+                log.write(f"(local_trial: restarting {name} on {address}: its port was taken)\n")
+            self.restart(name, listen=address)
+        return bool(retry)
 
     def dead(self) -> list[str]:
         """Daemons that have exited, each with the end of its log."""

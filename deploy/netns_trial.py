@@ -107,6 +107,9 @@ class NetnsTrial(LocalTrial):
         out.update({name: f"10.{self.subnet}.0.{11 + i}:{PORT}" for i, name in enumerate(self.names)})
         return out
 
+    def new_address(self, name: str) -> str | None:
+        return None  # each daemon has its own host: its fixed port cannot be taken by another trial
+
     def host_prefix(self, name: str) -> list[str]:
         return ["ip", "netns", "exec", self.hosts[name]]
 

@@ -148,8 +148,18 @@ def test_unreachable_peer_is_named_and_no_run_starts(trial):
 
 
 def test_insecure_trial_still_runs_and_is_recorded_insecure(three_sites, tmp_path):
-    """Scripts that pass --insecure keep working; the ledger marks their runs insecure."""
-    with local_trial.LocalTrial(tmp_path, three_sites[:2], insecure=True) as t:  # two sites: one hop
+    """Scripts that pass --insecure keep working; the ledger marks their runs insecure. Also: a
+    site whose planned port another process took before its daemon bound it (many trials on one
+    machine) is restarted on a new port instead of failing the trial."""
+    import socket
+
+    t = local_trial.LocalTrial(tmp_path, three_sites[:2], insecure=True)  # two sites: one hop
+    taken = t.addresses[t.names[1]]
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", int(taken.rsplit(":", 1)[1])))
+    holder.listen()
+    with holder, t:
+        assert t.port_retries == {t.names[1]: 1} and t.addresses[t.names[1]] != taken
         res = t.cli("start-chain", "--seed", "3", "--wait", "--json", "--strategy", "fedseq", "-S", "1", "-E", "1",
                     "--warmup-epochs", "1", "--batch-size", "32", capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
