@@ -223,10 +223,14 @@ def publish(store: CellStore, cfg: GridConfig, args, current: str, started: floa
         notes.append(f"To compute them (finished cells are skipped): `{args.resume_command}`.")
     commits = sorted({c.get("commit", "?") for t in cells.values() for by_seed in t.values() for ms in by_seed.values()
                       for c in ms.values()})
-    machines = sorted({f"{c.get('machine', {}).get('cpu', '?')} / {c.get('machine', {}).get('device', '?')}"
-                       for t in cells.values() for by_seed in t.values() for ms in by_seed.values() for c in ms.values()})
+    machines: dict[str, int] = {}
+    for c in (c for t in cells.values() for by_seed in t.values() for ms in by_seed.values() for c in ms.values()):
+        m = c.get("machine", {})
+        where = f"{m.get('cpu', '?')}, device {m.get('device', '?')}" + (f" ({m['gpu']})" if m.get("gpu") else "")
+        machines[where] = machines.get(where, 0) + 1
     if commits:
-        notes.append(f"Cells computed at commit(s) {', '.join(commits)} on {'; '.join(machines)}.")
+        notes.append(f"Cells computed at commit(s) {', '.join(commits)} on "
+                     + "; ".join(f"{k}: {v} cell(s)" for k, v in sorted(machines.items())) + ".")
     if failures:
         notes.append(f"Failures this run ({len(failures)}): " + " | ".join(failures))
     notes += args.notes
