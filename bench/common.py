@@ -258,6 +258,8 @@ def _body_markdown(body: dict, lines: list[str]) -> None:
                   f"torch {m.get('torch', '?')}, Python {m.get('python', '?')}.", ""]
     if body.get("summary"):
         lines += [body["summary"], ""]
+    if recipe_line(body):
+        lines += [recipe_line(body), ""]
     for table in body.get("tables", []):
         lines += [f"**{table['title']}**", "", "| " + " | ".join(table["columns"]) + " |",
                   "|" + "---|" * len(table["columns"])]
@@ -269,6 +271,31 @@ def _body_markdown(body: dict, lines: list[str]) -> None:
         lines.append("")
     for plot in body.get("plots", []):
         lines += [f"![{plot}](plots/{plot})", ""]
+
+
+def recipe_line(body: dict) -> str | None:
+    """The training recipe a section's figures were trained with (issue #25: every table says
+    which), from its recorded ``config`` (or ``settings``): learning-rate schedule, augmentation,
+    model, lr, batch size. A config without ``lr_schedule`` / ``augment`` (the studies that run
+    the defaults, and those recorded before the flags existed) ran the defaults, constant and
+    none, and the line says so. None for a section
+    that trains no model (no ``model`` in its config) and for one whose tables name a recipe each
+    (``recipes``: the grid)."""
+    config = body.get("config") or body.get("settings") or {}
+    if not isinstance(config, dict) or "model" not in config or "recipes" in body:
+        return None
+    parts, defaulted = [], []
+    for key, default, what in (("lr_schedule", "constant", "learning-rate schedule"),
+                               ("augment", "none", "augmentation")):
+        parts.append(f"{what} {config.get(key, default)}")
+        if key not in config:
+            defaulted.append("--" + key.replace("_", "-"))
+    if defaulted:
+        parts[-1] += f" ({' and '.join(defaulted)} not in the config: the defaults, which every build has)"
+    parts.append(f"model {config['model']}")
+    parts += [f"{label} {config[key]:g}" if isinstance(config[key], float) else f"{label} {config[key]}"
+              for key, label in (("lr", "lr"), ("batch_size", "batch size")) if key in config]
+    return "Recipe (from this section's recorded config): " + ", ".join(parts) + "."
 
 
 def merge(source: Path, section: str, *, results: Path = RESULTS_JSON, name: str | None = None,
