@@ -16,7 +16,8 @@ Resumable across sessions: every finished cell is a small JSON file in a tracked
 (``bench.grid_cells``: ``bench/cells/<study>/<recipe>/dir<a>/seed<s>/<method>.json``);
 ``--commit-cells`` commits each as it lands. A rerun skips finished cells; cells come round-robin
 (all methods of seed 0 at both Dirichlets, then seed 1, ...), so a partial grid is a useful one;
-``--max-cells N`` and ``--deadline HH:MM`` (UTC) stop between cells. ``--publish-only`` rebuilds
+``--max-cells N`` and ``--deadline HH:MM`` (UTC) stop between cells; ``--jobs N`` runs up to N
+(Dirichlet, seed) groups at once as processes of their own (``bench.grid_jobs``). ``--publish-only`` rebuilds
 results.json (``accuracy.grid``), RESULTS.md and the plots from the cells (``bench.grid_report``).
 
     python -m bench.grid --quick                                   # smoke run, a couple of minutes
@@ -32,6 +33,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 from bench.common import BENCH, REPO, failed, finish, grid_args, grid_flags, log, meta, study_start
@@ -88,6 +90,9 @@ def parse(argv):
     ap.add_argument("--deadline", default=None, metavar="HH:MM",
                     help="UTC; start no cell that would end after it (estimate: the median of the method's "
                     "earlier cells, else of all cells)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="run up to N (Dirichlet, seed) groups at once, each its own bench.grid process "
+                    "(bench.grid_jobs; for machines with more cores, e.g. a lent GPU machine)")
     ap.add_argument("--device", default="cpu", help="the peers' and the references' torch device (cpu, cuda)")
     ap.add_argument("--maecho-tau", type=int, default=100)
     ap.add_argument("--maecho-eta", type=float, default=0.05)
@@ -97,6 +102,10 @@ def parse(argv):
     args = grid_args(ap, argv, "bench.grid", METHODS, maecho_tau=3)
     if args.quick and not any(a == "--methods" or a.startswith("--methods=") for a in argv):
         args.methods = list(QUICK_METHODS)
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs {args.jobs}: expected 1 or more")
+    if args.jobs > 1 and args.max_cells is not None:
+        raise SystemExit("--max-cells counts one process's cells: use it without --jobs")
     if args.max_cells is not None and args.max_cells < 0:
         raise SystemExit(f"--max-cells {args.max_cells}: expected 0 or more")
     args.seeds_of = {a: args.seeds for a in args.dirichlets}
@@ -196,6 +205,24 @@ def main(argv=None) -> dict:
     groups: dict[tuple[int, float], list[str]] = {}
     for s, a, m in todo:
         groups.setdefault((s, a), []).append(m)
+    if args.jobs > 1:
+        from bench.grid_jobs import run_groups
+
+        committed = set(store.base.glob("*/dir*/seed*/*.json"))
+
+        def commit_new(running: int) -> None:  # the parent alone commits: the group processes never race for git's index
+            for path in sorted(set(store.base.glob("*/dir*/seed*/*.json")) - committed):
+                committed.add(path)
+                if args.commit_cells:
+                    why = commit_cell(path, f"bench.grid cell {path.relative_to(store.root)}")
+                    if why:
+                        log(f"  could not commit {path} ({why}); it stays there")
+
+        log(f"{len(groups)} group(s), up to {args.jobs} at once (logs in {work / 'jobs'})")
+        for why in run_groups(list(groups), list(sys.argv[1:] if argv is None else argv), work, cells_root,
+                              args.jobs, on_poll=commit_new):
+            failed(failures, "group", RuntimeError(why))
+        return finish(publish(store, cfg, args, tag, started, failures), started, failures, args.quick)
     try:
         for (seed, a), methods in groups.items():
             gate(methods[0])
