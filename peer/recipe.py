@@ -55,6 +55,7 @@ class _Augmenting:
 
     def __init__(self, task: Task, method: str):
         self._task, self._method = task, method
+        self.__wrapped__ = task  # so that messages name the task, not this stand-in (tasks.name_of)
 
     def batch(self, inputs: Tensor, *, train: bool, generator: torch.Generator | None = None) -> Tensor:
         x = self._task.batch(inputs, train=train, generator=generator)

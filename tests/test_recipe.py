@@ -159,6 +159,14 @@ def test_none_is_the_task_itself_and_the_default_hook_is_the_identity():
     assert Task().augment(x, method="flip-crop", generator=torch.Generator()) is x
 
 
+def test_messages_name_the_task_not_the_augmenting_stand_in():
+    from fedrelay import tasks
+
+    task = ImageFolderTask()
+    wrapped = recipe.augmenting(task, "flip-crop")
+    assert wrapped is not task and tasks.name_of(wrapped) == tasks.name_of(task) != "_Augmenting"
+
+
 def test_augment_sees_training_batches_only_and_does_not_shift_the_batch_order(one_torch_thread):
     plain, augmented = Recording(), Recording()
     val = _data(9, seed=1)

@@ -275,7 +275,11 @@ def load(name: str, sha256: str = "", extra: Sequence[str] = ()) -> "Task":
 
 def name_of(task: "Task") -> str:
     """The name the task object ``task`` has in this process (the one :func:`load` or
-    :func:`use` made it under), for messages; its class's name for any other object."""
+    :func:`use` made it under), for messages; its class's name for any other object. A stand-in
+    that wraps a task (``__wrapped__``, e.g. the training recipe's augmenting one) is named as
+    the task it wraps."""
+    while getattr(task, "__wrapped__", None) is not None:
+        task = task.__wrapped__
     with _lock:
         for name, t in _used.items():
             if t is task:
