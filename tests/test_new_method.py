@@ -141,6 +141,7 @@ def test_a_chain_strategy_gets_its_declared_options_typed_at_its_train(one_torch
         assert seen["toy_visits"] == expected and type(seen["toy_visits"]) is int
 
 
+@pytest.mark.integration
 def test_a_plug_in_that_cannot_be_loaded_ends_the_command_with_one_line_not_a_traceback(tmp_path):
     import subprocess
     import sys
