@@ -116,7 +116,7 @@ class Runs:
             run_params.check_rounds(rounds)
             chosen = choose_sites(peers, names=list(request.peers) or None, order=request.order or "random",
                                   seed=request.seed, task=request.task, model=request.model,
-                                  task_sha256=request.task_sha256)
+                                  task_sha256=request.task_sha256, augment=params.get("augment") or "none")
             plan = new_plan(params["strategy"], chosen.names, rounds, request.aggregator, request.seed)
         except ValueError as exc:  # PlanError too
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "; ".join([str(exc), *stale_warnings])) from None

@@ -270,7 +270,8 @@ class SiteChoice:
 
 
 def choose_sites(peers: list[PeerInfo], *, names: list[str] | None = None, order: str = "random",
-               seed: int = 0, task: str = "", model: str = "", task_sha256: str = "") -> SiteChoice:
+               seed: int = 0, task: str = "", model: str = "", task_sha256: str = "",
+               augment: str = "none") -> SiteChoice:
     """Plan a run's sites over ``names`` (default: every peer given) and its model.
 
     - order ``random``: the sorted names shuffled by ``random.Random(seed)`` (so the seed alone
@@ -283,10 +284,14 @@ def choose_sites(peers: list[PeerInfo], *, names: list[str] | None = None, order
       ``class_index[i]`` at every site. A site may lack classes (label skew); a class held by
       one site only is reported in ``warnings`` (often a misspelt folder name).
     - model: ``model`` ("" = the task's first model), which every site's copy must know.
+    - augment: the run's ``--augment`` ("" or ``"none"``: none), a train-time augmentation every
+      site's copy of the task must offer (``Offer.augmentations``), so that a run the sites would
+      refuse at their first training is refused here, before anything is written.
 
     Raises ``PlanError``: fewer than 2 sites, unknown or repeated names, unknown order, a task a
     site does not offer or cannot read its data with, differing digests, input descriptions or
-    statistics, an unknown model, a site without training samples.
+    statistics, an unknown model, an augmentation a site's task does not offer, a site without
+    training samples.
     """
     task = task or task_registry.DEFAULT
     if order not in ORDERS:
@@ -326,6 +331,7 @@ def choose_sites(peers: list[PeerInfo], *, names: list[str] | None = None, order
     if lacking:
         raise PlanError(f"unknown model {model!r} for task {task!r} at {', '.join(lacking)}: choose one of "
                         f"{', '.join(models[0]) or 'none'}")
+    _check_augment(offers, task, augment or "none")
     holders: dict[str, list[str]] = {}
     for n, o in offers.items():
         for cls, (train, test) in o.summary.classes.items():
@@ -359,6 +365,26 @@ def _task_offers(chosen: list[PeerInfo], task: str) -> dict[str, Offer]:
     if broken:
         raise PlanError(f"task {task!r} cannot read the data of " + "; ".join(f"{n}: {e}" for n, e in broken))
     return {p.name: p.offers[task] for p in chosen}
+
+
+def _check_augment(offers: dict[str, Offer], task: str, augment: str) -> None:
+    """Refuse ``--augment augment`` when a site's copy of ``task`` does not offer it; the message
+    names the sites lacking it, what they offer, and what every site offers (the choices left)."""
+    if augment == "none":
+        return
+    lacking = {n: o.augmentations for n, o in offers.items() if augment not in o.augmentations}
+    if not lacking:
+        return
+    if len(set(lacking.values())) == 1:
+        offered = ", ".join(next(iter(lacking.values()))) or "none"
+        what = f"{'it offers' if len(lacking) == 1 else 'they offer'}: {offered}"
+    else:
+        what = "; ".join(f"{n} offers: {', '.join(a) or 'none'}" for n, a in lacking.items())
+    everywhere = [a for a in next(iter(offers.values())).augmentations
+                  if all(a in o.augmentations for o in offers.values())]
+    raise PlanError(f"--augment {augment}: task {task!r} has no train-time augmentation {augment!r} at "
+                    f"{', '.join(lacking)} ({what}); use --augment "
+                    + " or --augment ".join(["none", *everywhere]))
 
 
 def _pinned_digest(offers: dict[str, Offer], task: str, pinned: str) -> str:

@@ -310,8 +310,9 @@ class Task:
             class index; with the classes ``benign`` and ``malignant``, ``malignant``).
         augmentations: the train-time augmentations :meth:`augment` implements, by the names
             of ``coordinator start-chain --augment`` (``fedrelay.registry.AUGMENTATIONS``, e.g.
-            ``"flip-crop"``). Default: none; a run asking for one the task does not list fails
-            at the site with a message naming ``--augment``.
+            ``"flip-crop"``). Default: none. Each site registers them with the task's offer, so
+            ``start-chain`` refuses a run asking for one a chosen site's task does not list,
+            naming ``--augment`` (the site refuses it too, should it get one).
     """
 
     models: ClassVar[tuple[str, ...]] = ("default",)

@@ -102,7 +102,8 @@ def check_site(pool: WorkerPool, offered: dict) -> tuple[list[Offer], str, float
 
         offers.append(Offer(name=name, version=inst.version, sha256=inst.sha256, models=tuple(found["models"]),
                             summary=DataSummary.from_dict(found["summary"]),
-                            positive_class=found.get("positive_class") or ""))
+                            positive_class=found.get("positive_class") or "",
+                            augmentations=tuple(found.get("augmentations") or ())))
     return offers, answer["device"], answer["seconds"]
 
 

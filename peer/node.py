@@ -247,5 +247,5 @@ def _offers(data) -> list[Offer]:
         from fedrelay.tasks.image_folder import ImageFolderTask
 
         return [Offer(name=inst.name, version=inst.version, sha256=inst.sha256, models=ImageFolderTask.models,
-                      summary=data.summary())]
+                      summary=data.summary(), augmentations=ImageFolderTask.augmentations)]
     return list(data)

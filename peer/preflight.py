@@ -114,7 +114,7 @@ def check_serve_options(*, data_dir: Path, name: str, listen: str, coordinator: 
         except names.InvalidName as exc:
             raise ValueError(str(exc)) from None
         offers.append(Offer(name=name, version=inst.version, sha256=inst.sha256, models=tuple(got["models"]),
-                            summary=summary))
+                            summary=summary, augmentations=tuple(got.get("augmentations") or ())))
     if not any(o.usable for o in offers):
         raise DataError(f"no task installed at this site can read {data_dir}: " + "; ".join(
             f"{o.name}: {o.error.removeprefix('DataError: ')}" for o in offers))

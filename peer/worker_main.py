@@ -127,7 +127,8 @@ class Worker:
                     raise ValueError(f"describe() and load() disagree on the classes and counts of {root}: "
                                      "fix the task's describe()")
                 found[name] = {"summary": summary.to_dict(), "models": list(task.models),
-                               "positive_class": task.positive_class}
+                               "positive_class": task.positive_class,
+                               "augmentations": list(getattr(task, "augmentations", ()))}
                 del data
             except Exception as exc:  # noqa: BLE001 - a task that cannot read the folder is reported, not fatal
                 found[name] = {"error": f"{type(exc).__name__}: {exc}"}

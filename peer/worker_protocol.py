@@ -277,8 +277,9 @@ class Ready(Answer):
 @dataclass(frozen=True)
 class Described(Answer):
     """``Describe`` done. ``tasks``: name -> ``{"summary": DataSummary.to_dict(), "models":
-    [name, ...], "positive_class": str or None}``, or ``{"error": "Type: message"}`` for a task
-    that cannot read the folder."""
+    [name, ...], "positive_class": str or None, "augmentations": [name, ...]}`` (the train-time
+    augmentations the task offers, ``--augment``; an answer without the key: none), or
+    ``{"error": "Type: message"}`` for a task that cannot read the folder."""
 
     NAME: ClassVar[str] = "described"
     device: str  # the device, auto resolved
@@ -290,10 +291,12 @@ class Described(Answer):
         for name, found in self.tasks.items():
             ok = (_fits(found.get("error"), str) if "error" in found else
                   _fits(found.get("summary"), dict) and _fits(found.get("models"), list[str])
-                  and _fits(found.get("positive_class"), str | None))
+                  and _fits(found.get("positive_class"), str | None)
+                  and _fits(found.get("augmentations", []), list[str]))
             if not ok:
                 raise ProtocolError(f"{self._what()}: task {name!r} must hold an error string, or a summary object, "
-                                    f"a list of model names and a positive class, not {_short(found)}")
+                                    f"a list of model names, a positive class and a list of augmentation names, "
+                                    f"not {_short(found)}")
 
 
 @dataclass(frozen=True)

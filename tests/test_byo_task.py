@@ -275,6 +275,20 @@ def test_a_task_a_site_lacks_or_cannot_read_is_refused_at_start(world):
     still_serving(world)
 
 
+def test_an_augmentation_the_task_lacks_is_refused_at_start(world):
+    """``--augment flip-crop`` for a task that offers none (the template's): refused by the
+    coordinator from what the daemons registered, not at the sites after the run started."""
+    before = run_ids(world)
+    res = cli(world, "start-chain", "--seed", "5", "--wait", *RUN, "--augment", "flip-crop", "--peers",
+              "site-00,site-01", "--order", "given")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert (f"--augment flip-crop: task {NAME!r} has no train-time augmentation 'flip-crop' at site-00, site-01 "
+            "(they offer: none); use --augment none") in flat(res.stderr), res.stderr
+    assert "Traceback" not in res.stderr and res.stdout == ""
+    assert run_ids(world) == before
+    still_serving(world)
+
+
 @pytest.mark.parametrize("task, cause", [
     ("loader-raises-later", "the lab export is truncated"),
     ("wrong-outputs", "returns (2, 4) for a batch of 2 rows; the run needs float logits of shape (2, 3)"),

@@ -15,11 +15,12 @@ from fedrelay.tasks.offers import Offer
 from fedrelay.v1 import common_pb2
 
 
-def peer(name, classes=None, shape=(1, 28, 28), sha="a" * 64):
+def peer(name, classes=None, shape=(1, 28, 28), sha="a" * 64, augmentations=()):
     classes = classes if classes is not None else {"a": (10, 5), "b": (3, 5)}
     c, h, w = shape
     offer = Offer(name="image-folder", version="1", sha256=sha, models=("cnn", "resnet18"),
-                  summary=DataSummary(classes=classes, input={"channels": c, "height": h, "width": w}))
+                  summary=DataSummary(classes=classes, input={"channels": c, "height": h, "width": w}),
+                  augmentations=augmentations)
     return PeerInfo(name=name, address=f"127.0.0.1:{hash(name) % 1000 + 2000}", offers={"image-folder": offer})
 
 
@@ -62,6 +63,41 @@ def test_class_index_is_the_sorted_union_and_single_holders_warn():
 def test_impossible_chains_are_refused_clearly(peers, kw, words):
     with pytest.raises(PlanError, match=words):
         choose_sites(peers, **kw)
+
+
+def test_an_augmentation_a_chosen_sites_task_lacks_is_refused_naming_the_sites_and_what_they_offer():
+    flip = ("flip-crop",)
+    peers = [peer("a", augmentations=flip), peer("b"), peer("c"), peer("d", augmentations=flip)]
+    with pytest.raises(PlanError) as err:
+        choose_sites(peers, names=["a", "b", "c", "d"], order="given", augment="flip-crop")
+    assert str(err.value) == ("--augment flip-crop: task 'image-folder' has no train-time augmentation 'flip-crop' "
+                              "at b, c (they offer: none); use --augment none")
+    with pytest.raises(PlanError, match=r"at b \(it offers: none\); use --augment none$"):
+        choose_sites(peers, names=["a", "b"], augment="flip-crop")
+    mixed = [peer("a", augmentations=("mixup",)), peer("b", augmentations=("mixup", "jitter")), peer("c")]
+    with pytest.raises(PlanError, match=r"at a, b, c \(a offers: mixup; b offers: mixup, jitter; c offers: none\); "
+                                        r"use --augment none$"):
+        choose_sites(mixed, names=["a", "b", "c"], order="given", augment="flip-crop")
+    both = [peer("a", augmentations=("mixup", "flip-crop")), peer("b", augmentations=("mixup",))]
+    with pytest.raises(PlanError, match=r"at b \(it offers: mixup\); use --augment none or --augment mixup$"):
+        choose_sites(both, augment="flip-crop")
+    # offered everywhere, or no augmentation asked for: planned as before
+    assert choose_sites([peer("a", augmentations=flip), peer("b", augmentations=flip)], seed=1,
+                        augment="flip-crop").names == choose_sites(peers[:2], seed=1).names
+    assert len(choose_sites(peers, augment="none").names) == len(choose_sites(peers, augment="").names) == 4
+
+
+def test_an_offer_carries_its_augmentations_through_the_wire_and_the_ledger():
+    offer = peer("a", augmentations=("flip-crop", "mixup")).offers["image-folder"]
+    assert Offer.from_pb(offer.to_pb()) == offer == Offer.from_dict(json.loads(json.dumps(offer.to_dict())))
+    assert list(offer.to_pb().augmentations) == ["flip-crop", "mixup"]
+    assert offer.to_dict()["augmentations"] == ["flip-crop", "mixup"]
+    old = offer.to_dict()
+    del old["augmentations"]  # registered by a daemon from before the field: offers none
+    assert Offer.from_dict(old).augmentations == ()
+    wire = offer.to_pb()
+    wire.ClearField("augmentations")
+    assert Offer.from_pb(wire).augmentations == () and Offer.from_pb(wire).models == offer.models
 
 
 def test_ledger_records_each_hop_once_and_streams_events():

@@ -119,6 +119,15 @@ def test_malformed_answers_and_fields_are_refused():
                     seconds=0).train_loss == 1  # an integer is a number
 
 
+def test_a_described_task_may_list_its_augmentations_as_names():
+    found = {"summary": {"classes": {"a": [1, 2]}}, "models": ["cnn"], "positive_class": None}
+    answer = wp.Described(device="cpu", seconds=0.0, tasks={"t": {**found, "augmentations": ["flip-crop"]}})
+    assert wp.parse_answer(answer.to_json()) == answer
+    wp.Described(device="cpu", seconds=0.0, tasks={"t": found})  # an older worker's answer: no key, none offered
+    with pytest.raises(ProtocolError, match="task 't' must hold .* a list of augmentation names"):
+        wp.Described(device="cpu", seconds=0.0, tasks={"t": {**found, "augmentations": "flip-crop"}})
+
+
 def test_messages_are_frozen():
     import dataclasses
 

@@ -1,7 +1,8 @@
 """What a site registers for each task it has installed: a :class:`Offer` (the code's name,
-version and digest, the task's models, and the task's :class:`fedrelay.DataSummary` of the site's
-folder, or why the task cannot read it). The daemon makes them at start, the coordinator keeps
-them in its ledger and plans runs from them. No torch, no task code.
+version and digest, the task's models and train-time augmentations, and the task's
+:class:`fedrelay.DataSummary` of the site's folder, or why the task cannot read it). The daemon
+makes them at start, the coordinator keeps them in its ledger and plans runs from them. No torch,
+no task code.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ class Offer:
         summary: what the task reads in the site's folder (None when it cannot: see ``error``).
         error: why the task cannot be used at this site ("" when it can).
         positive_class: for two-class tasks, the class the task calls positive ("" = default).
+        augmentations: the train-time augmentations the task offers (``fedrelay.Task.augmentations``,
+            the names of ``coordinator start-chain --augment``); empty: none, or a site too old to
+            say (an offer registered before the field existed).
     """
 
     name: str
@@ -34,6 +38,7 @@ class Offer:
     summary: DataSummary | None = None
     error: str = ""
     positive_class: str = ""
+    augmentations: tuple[str, ...] = ()
 
     @property
     def usable(self) -> bool:
@@ -43,7 +48,8 @@ class Offer:
         from fedrelay.v1 import coordinator_pb2 as cpb
 
         m = cpb.TaskOffer(name=self.name, version=self.version, sha256=self.sha256, models=list(self.models),
-                          error=self.error, positive_class=self.positive_class)
+                          error=self.error, positive_class=self.positive_class,
+                          augmentations=list(self.augmentations))
         if self.summary is not None:
             m.classes.extend(cpb.ClassCount(name=k, train=a, test=b) for k, (a, b) in sorted(self.summary.classes.items()))
             m.input_json = canonical_json(self.summary.input)
@@ -62,12 +68,12 @@ class Offer:
             except ValueError as exc:
                 raise ValueError(f"task {m.name!r}: malformed input or stats description: {exc}") from None
         return cls(name=m.name, version=m.version, sha256=m.sha256, models=tuple(m.models), summary=summary,
-                   error=m.error, positive_class=m.positive_class)
+                   error=m.error, positive_class=m.positive_class, augmentations=tuple(m.augmentations))
 
     def to_dict(self) -> dict:
         return {"name": self.name, "version": self.version, "sha256": self.sha256, "models": list(self.models),
                 "summary": self.summary.to_dict() if self.summary is not None else None, "error": self.error,
-                "positive_class": self.positive_class}
+                "positive_class": self.positive_class, "augmentations": list(self.augmentations)}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Offer":
@@ -75,4 +81,5 @@ class Offer:
         return cls(name=d["name"], version=d.get("version", ""), sha256=d.get("sha256", ""),
                    models=tuple(d.get("models") or ()),
                    summary=DataSummary.from_dict(summary) if summary is not None else None,
-                   error=d.get("error", ""), positive_class=d.get("positive_class") or "")
+                   error=d.get("error", ""), positive_class=d.get("positive_class") or "",
+                   augmentations=tuple(d.get("augmentations") or ()))

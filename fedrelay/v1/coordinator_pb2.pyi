@@ -19,7 +19,7 @@ class ClassCount(_message.Message):
     def __init__(self, name: _Optional[str] = ..., train: _Optional[int] = ..., test: _Optional[int] = ...) -> None: ...
 
 class TaskOffer(_message.Message):
-    __slots__ = ("name", "version", "sha256", "models", "classes", "input_json", "stats_json", "error", "positive_class")
+    __slots__ = ("name", "version", "sha256", "models", "classes", "input_json", "stats_json", "error", "positive_class", "augmentations")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class TaskOffer(_message.Message):
     STATS_JSON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     POSITIVE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    AUGMENTATIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     sha256: str
@@ -38,7 +39,8 @@ class TaskOffer(_message.Message):
     stats_json: str
     error: str
     positive_class: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., sha256: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., classes: _Optional[_Iterable[_Union[ClassCount, _Mapping]]] = ..., input_json: _Optional[str] = ..., stats_json: _Optional[str] = ..., error: _Optional[str] = ..., positive_class: _Optional[str] = ...) -> None: ...
+    augmentations: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., sha256: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., classes: _Optional[_Iterable[_Union[ClassCount, _Mapping]]] = ..., input_json: _Optional[str] = ..., stats_json: _Optional[str] = ..., error: _Optional[str] = ..., positive_class: _Optional[str] = ..., augmentations: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("name", "address", "tasks", "device", "version", "instance", "outbound_only")
