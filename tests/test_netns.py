@@ -26,7 +26,7 @@ def test_faults_across_namespaces_leave_the_final_model_unchanged(tmp_path, idx_
     faults = "link-down,kill-coordinator" + (",firewall" if firewall else "")
     rc = netns_trial.main(["--sites", "3", "--workdir", str(tmp_path / "w"), "--source", str(idx_source),
                            "--faults", faults, "--link-down-seconds", "3", "--baseline-runs", "1",
-                           "--subnet", "78", "--report", str(report),
+                           "--warm-up-runs", "0", "--subnet", "78", "--report", str(report),
                            "--", "--models-per-site", "2", "--local-epochs", "1", "--warmup-epochs", "1"])
     assert rc == 0
     text = report.read_text()
