@@ -138,26 +138,28 @@ class TreePeaks:
         self._thread.join()
 
 
-def baseline_rss(training_step: bool = False, batch_size: int = 128) -> int:
-    """Peak RSS (bytes) of a fresh process that imports what a peer imports; with
-    ``training_step``, that has also run one training step (forward, backward, Adam) of the small
-    CNN on a batch and one evaluation batch: the working memory of training itself (activations,
-    gradients, optimiser state, allocator and oneDNN scratch), which the issue's bound omits."""
-    code = "import fedrelay.peer.daemon, fedrelay.peer.training, torch, torchvision, grpc\n"
-    if training_step:
-        code += (
-            "from fedrelay.models import build_model\n"
-            "from fedrelay.tasks.image_folder import spec as image_spec\n"
-            "import torch.nn.functional as F\n"
-            "m = build_model(image_spec('cnn', 1, (28, 28), 10)); opt = torch.optim.Adam(m.parameters())\n"
-            f"x = torch.rand({batch_size}, 1, 28, 28); y = torch.randint(0, 10, ({batch_size},))\n"
-            "F.cross_entropy(m(x), y).backward(); opt.step()\n"
-            "m.eval()\n"
-            "with torch.no_grad(): m(torch.rand(512, 1, 28, 28))\n")
-    code += "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
+def baseline_rss(batch_size: int = 128) -> tuple[int, int]:
+    """Peak RSS (bytes) of a fresh process that imports what a peer imports, and of the same
+    process once it has also run one training step (forward, backward, Adam) of the small CNN on
+    a batch and one evaluation batch: the working memory of training itself (activations,
+    gradients, optimiser state, allocator and oneDNN scratch), which the issue's bound omits.
+    One process, its peak (VmHWM) read after the imports and again after the step."""
+    code = (
+        "import fedrelay.peer.daemon, fedrelay.peer.training, torch, torchvision, grpc\n"
+        "def hwm(): return [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]\n"
+        "print(hwm(), flush=True)\n"
+        "from fedrelay.models import build_model\n"
+        "from fedrelay.tasks.image_folder import spec as image_spec\n"
+        "import torch.nn.functional as F\n"
+        "m = build_model(image_spec('cnn', 1, (28, 28), 10)); opt = torch.optim.Adam(m.parameters())\n"
+        f"x = torch.rand({batch_size}, 1, 28, 28); y = torch.randint(0, 10, ({batch_size},))\n"
+        "F.cross_entropy(m(x), y).backward(); opt.step()\n"
+        "m.eval()\n"
+        "with torch.no_grad(): m(torch.rand(512, 1, 28, 28))\n"
+        "print(hwm())\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    return int(out.strip()) * 1024
-
+    imports, trained = out.split()
+    return int(imports) * 1024, int(trained) * 1024
 
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -271,8 +273,7 @@ def main(argv=None) -> dict:
     sites = sorted(p for p in (work / "sites").iterdir() if p.is_dir() and p.name.startswith("site-"))
     split_meta = json.loads((work / "sites" / "split.json").read_text())
     chain_args = ["--models-per-site", str(S), "--local-epochs", str(E), "--warmup-epochs", str(Ew)]
-    baseline = baseline_rss()
-    baseline_trained = baseline_rss(training_step=True)
+    baseline, baseline_trained = baseline_rss()
     runs, lo = {}, {}
     trial_cls = (lambda *a: netns.NetnsTrial(*a, subnet=args.subnet)) if use_netns else lt.LocalTrial
     with trial_cls(work / "trial", sites) as trial:

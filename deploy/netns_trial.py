@@ -364,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                     "every inbound connection (default 2)")
     ap.add_argument("--stall-timeout", type=float, default=3.0, help="the peers' --stall-timeout (seconds)")
     ap.add_argument("--baseline-runs", type=int, default=3, help="undisturbed runs to take the median of")
+    ap.add_argument("--warm-up-runs", type=int, default=1, help="undisturbed runs before those, not reported: "
+                    "they warm every daemon up (imports, caches); 0 for a test that reads no timings")
     ap.add_argument("--subnet", type=int, default=77, help="use 10.SUBNET.0.0/24")
     ap.add_argument("--report", type=Path, default=Path(__file__).resolve().parent / "FAULTS.md")
     args = ap.parse_args(argv)
@@ -394,13 +396,13 @@ def main(argv: list[str] | None = None) -> int:
         with NetnsTrial(args.workdir / "trial", site_dirs, subnet=args.subnet,
                         peer_args=["--stall-timeout", f"{args.stall_timeout:g}"]) as trial:
             print("hosts: " + ", ".join(f"{n} {a}" for n, a in trial.addresses.items()), flush=True)
-            # A first chain warms every daemon up (imports, caches) so that the undisturbed run
-            # that faults are compared with is not slowed by one-time costs.
-            warm = run_chain(trial, args.seed, chain_args, [], 0)
+            # A first chain (--warm-up-runs) warms every daemon up (imports, caches) so that the
+            # undisturbed run that faults are compared with is not slowed by one-time costs.
+            warm = [run_chain(trial, args.seed, chain_args, [], 0) for _ in range(max(0, args.warm_up_runs))]
             # Several undisturbed runs: their median is what faults are compared with, their
             # spread is the noise of a "time lost" figure.
             calm = [run_chain(trial, args.seed, chain_args, [], 0) for _ in range(max(1, args.baseline_runs))]
-            if len({(r["final"] or {}).get("sha256") for r in [warm, *calm]}) != 1:
+            if len({(r["final"] or {}).get("sha256") for r in [*warm, *calm]}) != 1:
                 raise RuntimeError("undisturbed runs with the same seed gave different final models")
             walls = sorted(r["wall_seconds"] for r in calm)
             baseline = {**calm[len(calm) // 2], "wall_seconds": statistics.median(walls), "walls": walls}
@@ -408,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{baseline['wall_seconds']:.1f} s over {len(walls)} runs ({walls[0]:.1f}-{walls[-1]:.1f} s)",
                   flush=True)
             disturbed = []
-            for scenario in [f for f in args.faults.split(",") if f]:
+            faults = [f for f in args.faults.split(",") if f]
+            for i, scenario in enumerate(faults):
                 base, cargs = baseline, chain_args
                 if scenario == "cut-transfer":  # a model of many chunks, against its own undisturbed run
                     # Two sites, one epoch each: a ResNet trains slowly on CPU.
@@ -424,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
                 if walled:
                     if run.get("leaked"):
                         raise RuntimeError(f"the relay held model bytes in {run['leaked']}")
-                    firewall_sites(trial, walled, on=False)
+                    if i < len(faults) - 1:  # after the last scenario the trial ends, its namespaces with it
+                        firewall_sites(trial, walled, on=False)
                 same = (run["final"] or {}).get("sha256") == base["final"]["sha256"]
                 print(f"{scenario}: {run['status']}, same final model: {same}, {run['wall_seconds']:.1f} s "
                       f"({'; '.join(run['faults'])})", flush=True)

@@ -150,7 +150,7 @@ def image_offer_pbs(classes: dict[str, tuple[int, int]] | None = None, shape=(1,
 
 # The files that take longest (seconds of a quiet 2-core machine, most first): started first.
 SLOWEST_FILES = ("test_reliability", "test_rounds", "test_star", "test_chain", "test_bench_accuracy", "test_privacy",
-                 "test_bench", "test_bench_few_shot", "test_watching", "test_export", "test_outbound", "test_netns",
+                 "test_bench", "test_watching", "test_export", "test_outbound", "test_netns",
                  "test_byo_task", "test_new_task", "test_light_daemon", "test_reroute", "test_audit",
                  "test_bench_peer_system")
 

@@ -1,6 +1,6 @@
 """Smoke runs of the benchmark studies (bench/): the transfer, training and chain studies end to end
 on tiny data. The figures they print are not checked against targets here: that is what bench/ is for.
-(The accuracy studies' smokes are in test_bench_accuracy.py, split so that the suite's processes share them.)"""
+(The accuracy studies' smokes are in test_bench_accuracy.py, where they share their trials.)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The full-data grid study (bench/grid.py): its cell order, its stops, its tracked cells and the
-reading RESULTS.md gets from them; the --quick smoke through the daemons, interrupted and resumed."""
+reading RESULTS.md gets from them. (Its --quick smoke through the daemons, interrupted and resumed,
+is in test_bench_accuracy.py, where the accuracy studies' smokes share their trials.)"""
 
 from __future__ import annotations
 
@@ -113,35 +114,3 @@ def test_commit_cell_commits_that_file_only(tmp_path, tmp_path_factory):
     assert "A  other.txt" in git("status", "--porcelain")
     outside = CellStore(tmp_path_factory.mktemp("nogit"), "s").put({"accuracy": 0.5}, RECIPE, 0.5, 0, "fedelmy")
     assert "git add" in (commit_cell(outside, "cell") or "")  # git's reason, no exception
-
-
-@pytest.mark.system
-def test_grid_quick_stops_between_cells_and_resumes(tmp_path, idx_source):
-    """The study end to end on a chain, a star and a reference: stopped after 2 cells, then resumed
-    (the finished cells are skipped), the tables rebuilt from the cells."""
-    work, cells = tmp_path / "w", tmp_path / "cells"
-    args = ["--quick", "--source", str(idx_source), "--workdir", str(work), "--cells", str(cells),
-            "--results", str(tmp_path / "r.json"), "--plots", str(tmp_path / "plots")]
-    first = grid.main([*args, "--max-cells", "2"])
-    assert not first["failures"]
-    study = first["study"]
-    store = CellStore(cells, study)
-    done = store.all()[RECIPE][0.5][0]
-    assert sorted(done) == ["fedavg", "fedelmy"]  # the plan's order: fedelmy, fedavg, local_only
-    for m in ("fedelmy", "fedavg"):
-        c = done[m]
-        assert 0.0 <= c["accuracy"] <= 1.0 and len(c["sha256"]) == 64 and c["bytes"]["ledger_equals_plan"]
-        assert c["seed"] == 0 and c["dirichlet"] == 0.5 and c["recipe"]["tag"] == RECIPE and c["machine"]["cpu"]
-        assert c["commit"] and c["seconds"] > 0
-    assert done["fedelmy"]["bytes"]["to_model_bytes"] == 2 * done["fedelmy"]["bytes"]["model_bytes"]  # 3 sites: 2 hops
-    assert f"{RECIPE} Dir(0.5) seed 0: local_only" in "\n".join(first["notes"])
-    second = grid.main(args)
-    after = CellStore(cells, study).all()[RECIPE][0.5][0]
-    assert sorted(after) == ["fedavg", "fedelmy", "local_only"] and after["local_only"]["bytes"] is None
-    assert after["fedelmy"]["run_id"] == done["fedelmy"]["run_id"]  # skipped, not rerun
-    assert not second["failures"] and second["missing"] == []
-    rows = {r[0]: r for r in second["tables"][0]["rows"]}
-    assert set(rows) == {"FedELMY (paper)", "FedAvg (sample-weighted)", "local only"}
-    assert rows["FedAvg (sample-weighted)"][4] == "yes" and rows["local only"][3] == "0 (no transfer)"
-    assert any(n.startswith(f"Recipe {RECIPE}: every method's `start-chain` got ") and "--model cnn" in n
-               and "--lr-schedule constant" in n and "--augment none" in n for n in second["notes"]), second["notes"]
