@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import math
 import os
@@ -120,15 +121,21 @@ def noise_multiplier(options: Mapping, sample_rate: float, steps: int) -> float:
     for a target Opacus cannot reach."""
     if options["noise_multiplier"] > 0:
         return float(options["noise_multiplier"])
-    from opacus.accountants.utils import get_noise_multiplier
-
     try:
-        return float(get_noise_multiplier(target_epsilon=options["epsilon"], target_delta=options["delta"],
-                                          sample_rate=sample_rate, steps=max(1, steps), accountant=ACCOUNTANT,
-                                          alphas=ALPHAS))
+        return _sigma_for(float(options["epsilon"]), float(options["delta"]), float(sample_rate), max(1, int(steps)))
     except ValueError as exc:
         raise ValueError(f"--dp-epsilon {options['epsilon']:g}: no noise multiplier reaches it at delta "
                          f"{options['delta']:g} over {steps} steps ({exc})") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _sigma_for(epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
+    """Opacus' ``get_noise_multiplier`` (seconds of RDP search), once per (epsilon, delta, q,
+    steps) in a process: every model of a site's pool asks for the same sigma."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    return float(get_noise_multiplier(target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
+                                      steps=steps, accountant=ACCOUNTANT, alphas=ALPHAS))
 
 
 class Book:
