@@ -247,6 +247,9 @@ def serve(*, data_dir: Path, name: str, listen: str, coordinator: str, state_dir
         raise ValueError(f"--device must be auto, cpu or cuda:N, not {device!r}")
     for t in tasks or ():
         task_registry.check_name(t)
+    if not Path(data_dir).exists():  # said at once, before a worker (seconds of imports) is started to read it
+        raise ValueError(f"--data {data_dir}: no such file or folder; pass the site's data folder (image-folder: "
+                         "the folder that holds train/<class>/ and optionally test/<class>/)")
     offered = task_registry.installed(extra=[t for t in tasks or () if ":" in t], only=tasks)
     log.info("reading site data from %s with %d task(s): %s", data_dir, len(offered), ", ".join(offered))
     stop = stop or threading.Event()
