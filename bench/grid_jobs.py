@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from deploy.processes import die_with_parent
+
 # Flags the parent sets per group (each followed by its value) or keeps to itself.
 _PER_GROUP = {"--seeds", "--dirichlets", "--seeds-at", "--workdir", "--results", "--plots", "--cells", "--jobs"}
 _PARENT_ONLY = {"--commit-cells"}
@@ -62,9 +64,9 @@ def run_groups(groups: list[tuple[int, float]], argv: list[str], work: Path, cel
             seed, a = waiting.pop(0)
             folder = work / "jobs" / f"dir{a:g}-seed{seed}"
             log = folder.parent / f"{folder.name}.log"
-            with open(log, "ab") as out:
-                proc = subprocess.Popen([*command, *group_argv(argv, seed, a, folder, cells)], stdout=out,
-                                        stderr=subprocess.STDOUT)
+            with open(log, "ab") as out:  # a group's process ends with this one, even a killed one (die_with_parent)
+                proc = subprocess.Popen([*die_with_parent(), *command, *group_argv(argv, seed, a, folder, cells)],
+                                        stdout=out, stderr=subprocess.STDOUT)
             running[(seed, a)] = (proc, log)
         for key, (proc, log) in list(running.items()):
             if proc.poll() is None:
