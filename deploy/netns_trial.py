@@ -49,8 +49,8 @@ from pathlib import Path
 
 if not __package__:  # run as a script (python deploy/netns_trial.py): the checkout is where deploy/ is
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from deploy.local_trial import (LocalTrial, chain_args_problem, ensure_fashion_mnist, guarded,  # noqa: E402
-                                split_chain_args, tool)
+from deploy.launcher import chain_args_problem, ensure_fashion_mnist, guarded, split_chain_args  # noqa: E402
+from deploy.local_trial import LocalTrial, tool  # noqa: E402
 
 #: The fault scenarios ``--faults`` takes, each run on its own after the undisturbed runs.
 SCENARIOS = ("kill-peer", "link-down", "kill-coordinator", "cut-transfer", "firewall")
