@@ -87,6 +87,9 @@ def reading(block: dict) -> list[str]:
             met = block[best]["mean"] >= TARGETS[a]
             line += (f"; target ≥ {100 * TARGETS[a]:.1f} % {'MET' if met else 'NOT met'}"
                      + ("" if met else f" (short by {100 * (TARGETS[a] - block[best]['mean']):.2f} points)"))
+        if len({tuple(sorted(block[m].get("per_seed", {}))) for m in fl}) > 1:
+            line += (" (the methods' means are over different seeds, so this ranking is provisional: the "
+                     "paired lines below compare methods on their common seeds)")
         out.append(line + ".")
     fs = strongest_fedseq(block)
     d = paired(block, "fedelmy", fs) if fs else None
@@ -231,6 +234,10 @@ def publish(store: CellStore, cfg: GridConfig, args, current: str, started: floa
     if commits:
         notes.append(f"Cells computed at commit(s) {', '.join(commits)} on "
                      + "; ".join(f"{k}: {v} cell(s)" for k, v in sorted(machines.items())) + ".")
+        if len(machines) > 1:
+            notes.append("The cells come from more than one machine, whose float kernels train other weights from "
+                         "the same seed: a paired difference between cells of two machines mixes the machine with "
+                         "the method (each cell file names its machine).")
     if failures:
         notes.append(f"Failures this run ({len(failures)}): " + " | ".join(failures))
     notes += args.notes
