@@ -19,6 +19,8 @@ Resumable across sessions: every finished cell is a small JSON file in a tracked
 ``--max-cells N`` and ``--deadline HH:MM`` (UTC) stop between cells; ``--jobs N`` runs up to N
 (Dirichlet, seed) groups at once as processes of their own (``bench.grid_jobs``). ``--publish-only`` rebuilds
 results.json (``accuracy.grid``), RESULTS.md and the plots from the cells (``bench.grid_report``).
+A study at other settings (``-S``, ``-E``, ``--warmup-epochs``, ``--sites``, ``--max-train-per-site``)
+keeps its cells in a folder of its own and publishes beside the grid, as ``accuracy.grid_<study>``.
 
     python -m bench.grid --quick                                   # smoke run, a couple of minutes
     nice -n 15 python -m bench.grid --recipe paper --commit-cells  # the grid; rerun to resume

@@ -98,6 +98,23 @@ def test_publish_only_reads_the_cells_and_states_the_targets(tmp_path):
     assert "### accuracy.grid" in md and f"**Recipe {RECIPE} (constant lr, model cnn); Dirichlet(0.1)" in md
 
 
+def test_a_study_at_other_settings_publishes_beside_the_grid(tmp_path):
+    r = tmp_path / "r.json"
+    r.write_text(json.dumps({"accuracy": {"grid": {"study": "the grid's"}, "subsections": ["grid"]}}))
+    store = CellStore(tmp_path / "cells", grid.GridConfig(grid.parse(["-S", "1"]), {}).study)
+    store.put(_cell(0.7, "a", "fedelmy"), RECIPE, 0.5, 0, "fedelmy")
+    data = grid.main(["--publish-only", "-S", "1", "--cells", str(tmp_path / "cells"), "--seeds", "0",
+                      "--dirichlets", "0.5", "--methods", "fedelmy", "--results", str(r),
+                      "--plots", str(tmp_path / "plots")])
+    acc = json.loads(r.read_text())["accuracy"]
+    assert store.study == "fmnist-n10-full-S1-E5-Ew5" and data["study"] == store.study
+    assert acc["grid"]["study"] == "the grid's"  # the grid (S = 5) is left as it was
+    assert acc[f"grid_{store.study}"]["recipes"][RECIPE]["dir0_5"]["fedelmy"]["n"] == 1
+    assert data["summary"].startswith("A study beside the full-data grid")
+    assert (tmp_path / "plots" / f"grid-{store.study}-{RECIPE}.png").exists()
+    assert not (tmp_path / "plots" / f"grid-{RECIPE}.png").exists()
+
+
 @pytest.mark.integration
 def test_commit_cell_commits_that_file_only(tmp_path, tmp_path_factory):
     def git(*a):
