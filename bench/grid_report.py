@@ -168,16 +168,25 @@ def table(tag: str, about: str, block: dict, cfg: GridConfig) -> dict:
 
 
 def missing(cells: dict, tags: list[str], args) -> list[str]:
-    """'recipe Dir(a) seed s: m1, m2' (or 'all N methods') for each planned (seed, Dirichlet) with
-    cells missing."""
-    out, methods = [], list(args.methods)
+    """Per recipe with cells missing: ``'recipe: D of N planned cells done; missing: m1 at
+    Dir(a) seeds s,t and Dir(b) seed u; m2 in every cell; ...'`` (methods in the plan's order)."""
+    out, planned = [], plan(args.seeds_of, args.methods)
     for tag in tags:
-        by = {}
-        for s, a, m in plan(args.seeds_of, args.methods):
+        gaps: dict[str, dict[float, list[int]]] = {}
+        for s, a, m in planned:
             if m not in cells.get(tag, {}).get(a, {}).get(s, {}):
-                by.setdefault((a, s), []).append(m)
-        out += [f"{tag} Dir({a:g}) seed {s}: " + (f"all {len(ms)} methods" if len(ms) == len(methods) > 1
-                                                   else ", ".join(ms)) for (a, s), ms in by.items()]
+                gaps.setdefault(m, {}).setdefault(a, []).append(s)
+        if not gaps:
+            continue
+        parts = []
+        for m, by_a in sorted(gaps.items(), key=lambda kv: args.methods.index(kv[0])):
+            if sum(map(len, by_a.values())) == sum(1 for _, _, x in planned if x == m):
+                parts.append(f"{m} in every cell")
+            else:
+                parts.append(f"{m} at " + " and ".join(f"Dir({a:g}) seed{'s' if len(ss) > 1 else ''} "
+                                                        f"{','.join(map(str, ss))}" for a, ss in by_a.items()))
+        done = len(planned) - sum(len(ss) for by_a in gaps.values() for ss in by_a.values())
+        out.append(f"{tag}: {done} of {len(planned)} planned cells done; missing: " + "; ".join(parts))
     return out
 
 
@@ -225,8 +234,8 @@ def publish(store: CellStore, cfg: GridConfig, args, current: str, started: floa
         plots += plot(tag, figures, Path(args.plots) / f"{prefix}{tag}.png")
     gaps = missing(cells, tags, args)
     seeds = "; ".join(f"Dir({a:g}) seeds {','.join(map(str, s))}" for a, s in args.seeds_of.items())
-    notes.append(f"Cells missing from the planned grid ({seeds}; {len(args.methods)} methods): "
-                 + ("; ".join(gaps) if gaps else "none") + ".")
+    notes += [f"Cells missing from the planned grid ({seeds}; {len(args.methods)} methods), recipe {gap}."
+              for gap in gaps] or [f"Cells missing from the planned grid ({seeds}; {len(args.methods)} methods): none."]
     if gaps and not args.quick:
         notes.append(f"To compute them (finished cells are skipped): `{args.resume_command}`.")
     commits = sorted({c.get("commit", "?") for t in cells.values() for by_seed in t.values() for ms in by_seed.values()
