@@ -36,6 +36,9 @@ def test_deadline_and_seed_flags():
         grid.parse(["--seeds-at", "0.3=0-9"])
     args = grid.parse(["--seeds-at", "0.1=0-9", "--recipe", "ours"])
     assert args.seeds_of == {0.5: [0, 1, 2, 3, 4], 0.1: list(range(10))} and args.model == "cnn-gn"
+    assert args.worker_slots == 1 and grid.parse(["--device", "cuda"]).worker_slots == 3
+    with pytest.raises(SystemExit, match="--worker-slots 0"):
+        grid.parse(["--worker-slots", "0"])
 
 
 def test_deadline_estimate_is_the_methods_median_else_all_cells(tmp_path):
