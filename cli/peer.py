@@ -50,7 +50,9 @@ def serve(
     metrics_listen: str = METRICS_LISTEN,
     worker_slots: int = typer.Option(3, "--worker-slots", min=1, max=64,
                                      help="At most this many worker processes (training, evaluation) at once on "
-                                          "this host, shared by every site daemon of this user here."),
+                                          "this host, shared by every site daemon of this user here. On a CPU "
+                                          "each worker uses every core: several sites of a star training at once "
+                                          "on a small CPU host run faster with 1 (docs/explanation/scale.md)."),
     outbound_only: bool = typer.Option(False, "--outbound-only", envvar="FEDRELAY_OUTBOUND_ONLY",
                                        help="This site accepts no inbound connection: it registers no address, "
                                             "keeps a control stream open to the coordinator, and receives models "
