@@ -19,6 +19,8 @@ Resumable across sessions: every finished cell is a small JSON file in a tracked
 ``--max-cells N`` and ``--deadline HH:MM`` (UTC) stop between cells; ``--jobs N`` runs up to N
 (Dirichlet, seed) groups at once as processes of their own (``bench.grid_jobs``). ``--publish-only`` rebuilds
 results.json (``accuracy.grid``), RESULTS.md and the plots from the cells (``bench.grid_report``).
+A study at other settings (``-S``, ``-E``, ``--warmup-epochs``, ``--sites``, ``--max-train-per-site``)
+keeps its cells in a folder of its own and publishes beside the grid, as ``accuracy.grid_<study>``.
 
     python -m bench.grid --quick                                   # smoke run, a couple of minutes
     nice -n 15 python -m bench.grid --recipe paper --commit-cells  # the grid; rerun to resume
@@ -94,6 +96,11 @@ def parse(argv):
                     help="run up to N (Dirichlet, seed) groups at once, each its own bench.grid process "
                     "(bench.grid_jobs; for machines with more cores, e.g. a lent GPU machine)")
     ap.add_argument("--device", default="cpu", help="the peers' and the references' torch device (cpu, cuda)")
+    ap.add_argument("--worker-slots", type=int, default=None,
+                    help="each peer's `peer serve --worker-slots` (the sites of a cell share them): default 1 on "
+                    "the CPU, where a star's sites training at once share the cores and each runs slower than "
+                    "alone; 3 (the daemon's default) with --device cuda. The cells' arithmetic does not depend "
+                    "on it")
     ap.add_argument("--maecho-tau", type=int, default=100)
     ap.add_argument("--maecho-eta", type=float, default=0.05)
     ap.add_argument("--method-args", action="append", default=[], metavar="METHOD=FLAGS",
@@ -102,6 +109,10 @@ def parse(argv):
     args = grid_args(ap, argv, "bench.grid", METHODS, maecho_tau=3)
     if args.quick and not any(a == "--methods" or a.startswith("--methods=") for a in argv):
         args.methods = list(QUICK_METHODS)
+    if args.worker_slots is None:
+        args.worker_slots = 1 if args.device == "cpu" else 3
+    if args.worker_slots < 1:
+        raise SystemExit(f"--worker-slots {args.worker_slots}: expected 1 or more")
     if args.jobs < 1:
         raise SystemExit(f"--jobs {args.jobs}: expected 1 or more")
     if args.jobs > 1 and args.max_cells is not None:
@@ -191,7 +202,8 @@ def main(argv=None) -> dict:
         nonlocal computed
         cell.update(study=store.study, recipe={"name": recipe.name, "tag": tag, "about": recipe.about,
                                                "model": args.model, "flags": recipe_flags, "notes": build_notes},
-                    dirichlet=a, seed=seed, machine=machine(args.device), config=cfg.config())
+                    dirichlet=a, seed=seed, machine={**machine(args.device), "worker_slots": args.worker_slots},
+                    config=cfg.config())
         path = store.put(cell, tag, a, seed, m)
         computed += 1
         log(f"  {m}: {100 * cell['accuracy']:.2f}% in {cell['seconds']:.0f} s -> {path}")
@@ -236,7 +248,8 @@ def main(argv=None) -> dict:
             if daemon:
                 log(f"Dirichlet {a:g} seed {seed}: starting {len(dirs)} peers for {daemon}")
                 try:
-                    with lt.LocalTrial(work / "trial", dirs, device=args.device) as trial:
+                    with lt.LocalTrial(work / "trial", dirs, device=args.device,
+                                       peer_args=["--worker-slots", str(args.worker_slots)]) as trial:
                         for m in daemon:
                             gate(m)
                             try:

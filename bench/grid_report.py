@@ -3,7 +3,8 @@ never typed: per recipe and Dirichlet a table (mean ± sample std, n, bytes, per
 FedELMY against the strongest FedSeq paired by seed; the extension against both, with and without
 d1/d2; OFASD against FedAvg in every cell; the MA-Echo ablation; issue #25's targets, each met or
 not met with its figure; the cells still missing; and an accuracy-against-bytes plot per recipe.
-Published as ``accuracy.grid`` in results.json and its section of RESULTS.md.
+Published as ``accuracy.grid`` in results.json and its section of RESULTS.md; a study at other
+settings than the issue's grid (:data:`MAIN_GRID`) as ``accuracy.grid_<study>`` beside it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from bench.grid_cells import CellStore, plan
 from bench.grid_methods import CHAINS, FEDSEQS, LABELS, METHODS, REFS, STARS, GridConfig
 
 SECTION, SUB = "accuracy", "grid"
+# The issue's grid (sites, training images per site, S, E, Ew): published as accuracy.grid; a study
+# at other settings (e.g. -S 1) publishes beside it, as accuracy.grid_<study>, with plots of its own.
+MAIN_GRID = (10, None, 5, 5, 5)
 # issue #25's targets: the best method's mean accuracy per Dirichlet, and FedELMY over FedSeq (points).
 TARGETS = {0.5: 0.895, 0.1: 0.75}
 FEDELMY_OVER_FEDSEQ = 0.03
@@ -164,16 +168,25 @@ def table(tag: str, about: str, block: dict, cfg: GridConfig) -> dict:
 
 
 def missing(cells: dict, tags: list[str], args) -> list[str]:
-    """'recipe Dir(a) seed s: m1, m2' (or 'all N methods') for each planned (seed, Dirichlet) with
-    cells missing."""
-    out, methods = [], list(args.methods)
+    """Per recipe with cells missing: ``'recipe: D of N planned cells done; missing: m1 at
+    Dir(a) seeds s,t and Dir(b) seed u; m2 in every cell; ...'`` (methods in the plan's order)."""
+    out, planned = [], plan(args.seeds_of, args.methods)
     for tag in tags:
-        by = {}
-        for s, a, m in plan(args.seeds_of, args.methods):
+        gaps: dict[str, dict[float, list[int]]] = {}
+        for s, a, m in planned:
             if m not in cells.get(tag, {}).get(a, {}).get(s, {}):
-                by.setdefault((a, s), []).append(m)
-        out += [f"{tag} Dir({a:g}) seed {s}: " + (f"all {len(ms)} methods" if len(ms) == len(methods) > 1
-                                                   else ", ".join(ms)) for (a, s), ms in by.items()]
+                gaps.setdefault(m, {}).setdefault(a, []).append(s)
+        if not gaps:
+            continue
+        parts = []
+        for m, by_a in sorted(gaps.items(), key=lambda kv: args.methods.index(kv[0])):
+            if sum(map(len, by_a.values())) == sum(1 for _, _, x in planned if x == m):
+                parts.append(f"{m} in every cell")
+            else:
+                parts.append(f"{m} at " + " and ".join(f"Dir({a:g}) seed{'s' if len(ss) > 1 else ''} "
+                                                        f"{','.join(map(str, ss))}" for a, ss in by_a.items()))
+        done = len(planned) - sum(len(ss) for by_a in gaps.values() for ss in by_a.values())
+        out.append(f"{tag}: {done} of {len(planned)} planned cells done; missing: " + "; ".join(parts))
     return out
 
 
@@ -203,6 +216,7 @@ def publish(store: CellStore, cfg: GridConfig, args, current: str, started: floa
     study; ``current``: the recipe tag of this run (its missing cells are listed even before it
     has one). Returns the section's data."""
     cells = store.all()
+    sub, prefix = destination(store, cfg, args.quick)
     tags = sorted(set(cells) | {current})
     data: dict = {"study": store.study, "recipes": {}}
     tables, notes, plots = [], [], []
@@ -217,11 +231,11 @@ def publish(store: CellStore, cfg: GridConfig, args, current: str, started: floa
         for key in [k for k in figures if k.startswith("dir")]:
             tables.append(table(tag, about, figures[key], cfg))
             notes += [f"Recipe {tag}: {line}" for line in reading(figures[key])]
-        plots += plot(tag, figures, Path(args.plots) / f"grid-{tag}.png")
+        plots += plot(tag, figures, Path(args.plots) / f"{prefix}{tag}.png")
     gaps = missing(cells, tags, args)
     seeds = "; ".join(f"Dir({a:g}) seeds {','.join(map(str, s))}" for a, s in args.seeds_of.items())
-    notes.append(f"Cells missing from the planned grid ({seeds}; {len(args.methods)} methods): "
-                 + ("; ".join(gaps) if gaps else "none") + ".")
+    notes += [f"Cells missing from the planned grid ({seeds}; {len(args.methods)} methods), recipe {gap}."
+              for gap in gaps] or [f"Cells missing from the planned grid ({seeds}; {len(args.methods)} methods): none."]
     if gaps and not args.quick:
         notes.append(f"To compute them (finished cells are skipped): `{args.resume_command}`.")
     commits = sorted({c.get("commit", "?") for t in cells.values() for by_seed in t.values() for ms in by_seed.values()
@@ -242,7 +256,7 @@ def publish(store: CellStore, cfg: GridConfig, args, current: str, started: floa
         notes.append(f"Failures this run ({len(failures)}): " + " | ".join(failures))
     notes += args.notes
     data_name = "synthetic Fashion-MNIST-format data (--quick)" if args.quick else "Fashion-MNIST"
-    summary = (f"The full-data grid (issue #25): {data_name}, {cfg.sites} sites, "
+    summary = (f"{'The full-data grid' if sub == SUB else 'A study beside the full-data grid'} (issue #25): {data_name}, {cfg.sites} sites, "
                f"{'all training data' if not cfg.max_train else f'at most {cfg.max_train} training images per site'}"
                f", S = {cfg.S}, E = {cfg.E}, Ew = {cfg.Ew} (every site trains Ew + S·E epochs), FedELMY α = "
                f"{cfg.alpha:g}, β = {cfg.beta:g}, `--init shared`. Every FL method runs through the daemons "
@@ -252,8 +266,18 @@ def publish(store: CellStore, cfg: GridConfig, args, current: str, started: floa
     data.update(summary=summary, tables=tables, notes=notes, plots=plots, quick=args.quick, failures=failures,
                 config=cfg.config(), wall_seconds_this_run=time.monotonic() - started,
                 resume_command=args.resume_command, missing=gaps)
-    record(SECTION, data, results=args.results, sub=SUB)
+    record(SECTION, data, results=args.results, sub=sub)
     return data
+
+
+def destination(store: CellStore, cfg: GridConfig, quick: bool) -> tuple[str, str]:
+    """(the subsection of ``accuracy`` a study publishes to, its plots' file-name prefix):
+    ``("grid", "grid-")`` for the issue's grid (:data:`MAIN_GRID`) and for ``--quick``, else
+    ``("grid_<study>", "grid-<study>-")``, so that a study at other settings never overwrites the
+    grid's section or plots."""
+    if quick or (cfg.sites, cfg.max_train, cfg.S, cfg.E, cfg.Ew) == MAIN_GRID:
+        return SUB, "grid-"
+    return f"{SUB}_{store.study}", f"grid-{store.study}-"
 
 
 def _shown(p: Path) -> str:

@@ -36,6 +36,9 @@ def test_deadline_and_seed_flags():
         grid.parse(["--seeds-at", "0.3=0-9"])
     args = grid.parse(["--seeds-at", "0.1=0-9", "--recipe", "ours"])
     assert args.seeds_of == {0.5: [0, 1, 2, 3, 4], 0.1: list(range(10))} and args.model == "cnn-gn"
+    assert args.worker_slots == 1 and grid.parse(["--device", "cuda"]).worker_slots == 3
+    with pytest.raises(SystemExit, match="--worker-slots 0"):
+        grid.parse(["--worker-slots", "0"])
 
 
 def test_deadline_estimate_is_the_methods_median_else_all_cells(tmp_path):
@@ -90,12 +93,30 @@ def test_publish_only_reads_the_cells_and_states_the_targets(tmp_path):
     assert "Dirichlet(0.1): OFASD's accuracy differs from FedAvg's in 1 of 1 cell(s); its final model differs in 1 " \
            "of 1; target 'differs in every cell' MET." in notes
     # missing: maecho everywhere, every seed-1 cell at 0.1, the references and the extension at 0.1
-    assert f"{RECIPE} Dir(0.5) seed 0: maecho" in notes
-    assert f"{RECIPE} Dir(0.1) seed 1: all 9 methods" in notes
-    assert f"{RECIPE} Dir(0.1) seed 0: fedelmy-kd, fedseq_best_val, maecho, local_only, centralized" in notes
+    assert f"recipe {RECIPE}: 20 of 36 planned cells done; missing: fedelmy at Dir(0.1) seed 1; fedelmy-kd at " \
+           "Dir(0.1) seeds 0,1; fedseq_last_epoch at Dir(0.1) seed 1; fedseq_best_val at Dir(0.1) seeds 0,1; fedavg " \
+           "at Dir(0.1) seed 1; ofasd at Dir(0.1) seed 1; maecho in every cell; local_only at Dir(0.1) seeds 0,1; " \
+           "centralized at Dir(0.1) seeds 0,1." in notes
     assert (tmp_path / "plots" / f"grid-{RECIPE}.png").stat().st_size > 1000
     md = (tmp_path / "RESULTS.md").read_text()
     assert "### accuracy.grid" in md and f"**Recipe {RECIPE} (constant lr, model cnn); Dirichlet(0.1)" in md
+
+
+def test_a_study_at_other_settings_publishes_beside_the_grid(tmp_path):
+    r = tmp_path / "r.json"
+    r.write_text(json.dumps({"accuracy": {"grid": {"study": "the grid's"}, "subsections": ["grid"]}}))
+    store = CellStore(tmp_path / "cells", grid.GridConfig(grid.parse(["-S", "1"]), {}).study)
+    store.put(_cell(0.7, "a", "fedelmy"), RECIPE, 0.5, 0, "fedelmy")
+    data = grid.main(["--publish-only", "-S", "1", "--cells", str(tmp_path / "cells"), "--seeds", "0",
+                      "--dirichlets", "0.5", "--methods", "fedelmy", "--results", str(r),
+                      "--plots", str(tmp_path / "plots")])
+    acc = json.loads(r.read_text())["accuracy"]
+    assert store.study == "fmnist-n10-full-S1-E5-Ew5" and data["study"] == store.study
+    assert acc["grid"]["study"] == "the grid's"  # the grid (S = 5) is left as it was
+    assert acc[f"grid_{store.study}"]["recipes"][RECIPE]["dir0_5"]["fedelmy"]["n"] == 1
+    assert data["summary"].startswith("A study beside the full-data grid")
+    assert (tmp_path / "plots" / f"grid-{store.study}-{RECIPE}.png").exists()
+    assert not (tmp_path / "plots" / f"grid-{RECIPE}.png").exists()
 
 
 @pytest.mark.integration
