@@ -73,8 +73,14 @@ def strongest_fedseq(block: dict) -> str | None:
 
 
 def _pts(d: dict) -> str:
-    return (f"{100 * d['mean']:+.2f} ± {100 * d['std']:.2f} points, ahead in {d['wins']} of {d['n']} seed(s) "
+    spread = f" ± {100 * d['std']:.2f}" if d["n"] > 1 else ""  # no spread from one seed
+    return (f"{100 * d['mean']:+.2f}{spread} points, ahead in {d['wins']} of {d['n']} seed(s) "
             f"(per seed: {', '.join(f'{s}: {100 * v:+.2f}' for s, v in d['per_seed'].items())})")
+
+
+def _acc(b: dict) -> str:
+    """A method's accuracy %: mean ± sample std over its seeds, the mean alone from one seed."""
+    return _pct(b["mean"], b["std"]) if b["n"] > 1 else f"{100 * b['mean']:.2f}"
 
 
 def reading(block: dict) -> list[str]:
@@ -85,7 +91,7 @@ def reading(block: dict) -> list[str]:
     fl = [m for m in CHAINS + STARS if m in block]
     if fl:
         best = max(fl, key=lambda m: block[m]["mean"])
-        line = f"{where}: best method {LABELS[best]} at {_pct(block[best]['mean'], block[best]['std'])} % " \
+        line = f"{where}: best method {LABELS[best]} at {_acc(block[best])} % " \
                f"(n = {block[best]['n']})"
         if a in TARGETS:
             met = block[best]["mean"] >= TARGETS[a]
@@ -123,8 +129,8 @@ def reading(block: dict) -> list[str]:
             out.append(f"{where}, MA-Echo ablation: {LABELS[x]} − {LABELS[y]}: {_pts(d)}.")
     if "local_only" in block and "centralized" in block and fl:
         below = [LABELS[m] for m in fl if block[m]["mean"] < block["local_only"]["mean"]]
-        out.append(f"{where}: references local only {_pct(block['local_only']['mean'], block['local_only']['std'])} %, "
-                   f"centralized {_pct(block['centralized']['mean'], block['centralized']['std'])} %; "
+        out.append(f"{where}: references local only {_acc(block['local_only'])} %, "
+                   f"centralized {_acc(block['centralized'])} %; "
                    + (f"below local only: {', '.join(below)}." if below else "every method is above local only."))
     return out
 
@@ -158,11 +164,12 @@ def table(tag: str, about: str, block: dict, cfg: GridConfig) -> dict:
         b = block[m]
         bytes_ = (_mb(b["to_model_bytes"]) if "to_model_bytes" in b else "0 (no transfer)" if m == "local_only"
                   else "n/a (pools raw data)" if m == "centralized" else "—")
-        rows.append([LABELS[m], _pct(b["mean"], b["std"]), b["n"], bytes_,
+        rows.append([LABELS[m], _acc(b), b["n"], bytes_,
                      {True: "yes", False: "NO"}.get(b.get("ledger_equals_plan"), "—"),
                      ", ".join(f"{s}: {100 * v:.2f}" for s, v in b["per_seed"].items())])
     return {"title": f"Recipe {tag} ({about}); Dirichlet({block['dirichlet']:g}), {cfg.sites} sites, "
-                     f"S = {cfg.S}, E = {cfg.E}, Ew = {cfg.Ew}: test accuracy % (mean ± sample std over seeds)",
+                     f"S = {cfg.S}, E = {cfg.E}, Ew = {cfg.Ew}: test accuracy % (mean ± sample std over seeds; "
+                     "the value alone from one seed)",
             "columns": ["method", "accuracy %", "n", "MB to the final model", "ledger = plan", "per seed (seed: %)"],
             "rows": rows}
 

@@ -85,7 +85,7 @@ def test_publish_only_reads_the_cells_and_states_the_targets(tmp_path):
     assert "ahead in 2 of 2 seed(s)" in notes and "target ≥ +3 points MET" in notes
     assert "Dirichlet(0.1): FedELMY − the strongest FedSeq (FedSeq, last epoch), paired by seed: +10.00" in notes
     assert "Dirichlet(0.5): best method FedELMY-KD (ours) at 90.50 ± 0.71 % (n = 2); target ≥ 89.5 % MET" in notes
-    assert "Dirichlet(0.1): best method FedELMY (paper) at 50.00 ± 0.00 % (n = 1); target ≥ 75.0 % NOT met " \
+    assert "Dirichlet(0.1): best method FedELMY (paper) at 50.00 % (n = 1); target ≥ 75.0 % NOT met " \
            "(short by 25.00 points)" in notes
     assert "FedELMY-KD (ours) − FedELMY (paper): +1.50" in notes
     assert "Dirichlet(0.5): OFASD's accuracy differs from FedAvg's in 1 of 2 cell(s) (equal at seed(s) 0)" in notes
