@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from fedrelay import privacy, registry
@@ -34,7 +35,8 @@ class LocalWork:
         job (``peer/jobs.py``) on a worker. Round 1 seeds are ``derive_seed(seed, "site",
         position)`` (a one-shot run's); round r > 1 adds ``("round", r)``. The warm-up happens
         only at the chain's first visit (no hop in). The receiver of this visit's model is told
-        first (``Peer.Prepare``), so that its worker starts while this site trains."""
+        (``Peer.Prepare``) as this site's worker starts the job, holding its slot, so that the
+        receiver's worker starts while this site trains and never takes the slot it waits for."""
         a = run.assignment
         folder = run.visit_dir(r)
         t = run.inbound(r)
@@ -49,8 +51,12 @@ class LocalWork:
             req["privacy_epochs"] = privacy.planned_epochs_of(req["params"], len(run.visits),
                                                               run.inbound(min(run.visits)) is None)
         with self.site.train_lock:
-            self.tell_receiver(run, r)
-            answer = self.run_job(run, TrainJob.from_dict(req), f"round {r}" if (a.rounds or 1) > 1 else "")
+            # The receiver is told once this site's worker holds its slot, not before: a worker
+            # the receiver starts ahead on the same host must not take the slot this training
+            # waits for (with --worker-slots 1 the chain then stalled until the warm worker's
+            # timeout, 300 s).
+            answer = self.run_job(run, TrainJob.from_dict(req), f"round {r}" if (a.rounds or 1) > 1 else "",
+                                  on_start=lambda: self.tell_receiver(run, r))
         log.info("run %s: round %d: trained %d pool models in %.1f s", run.run_id, r, answer["pool"],
                  answer["seconds"])
 
@@ -92,18 +98,26 @@ class LocalWork:
         log.info("run %s: aggregated %d models with %s in %.1f s", run.run_id, len(uploads), strategy.aggregator,
                  answer["seconds"])
 
-    def run_job(self, run: Run, req: TrainJob | AggregateJob, detail: str, images: int = 0) -> dict:
+    def run_job(self, run: Run, req: TrainJob | AggregateJob, detail: str, images: int = 0,
+                on_start: Callable[[], None] | None = None) -> dict:
         """Run a training or aggregation job for ``run`` (under the site's ``train_lock``): the state turns
-        "training" (``detail``) once its worker is ready; epochs are reported as they end; the
-        coordinator's end of the run stops the job (``RunEnded``). Raises ``RunEnded`` and what
-        the job raises (``peer.worker_pool.WorkerDied`` / ``WorkerError``)."""
+        "training" (``detail``) once its worker is ready (holding a worker slot), and ``on_start()``
+        is called then; epochs are reported as they end; the coordinator's end of the run stops
+        the job (``RunEnded``). Raises ``RunEnded`` and what the job raises
+        (``peer.worker_pool.WorkerDied`` / ``WorkerError``)."""
+
+        def started() -> None:
+            self.site.set_state(run, "training", detail)
+            if on_start is not None:
+                on_start()
+
         if run.ended.is_set():  # ended while waiting for the site's hardware
             raise RunEnded(run.run_id)
         try:
             return self.site.jobs.run(req, run_id=run.run_id, on_event=self.epoch_reporter(run, images),
                                  cancelled=lambda: run.ended.is_set() or self.site.stop.is_set(),
                                  on_wait=lambda why: self.site.set_state(run, "assigned", why),
-                                 on_start=lambda: self.site.set_state(run, "training", detail))
+                                 on_start=started)
         except JobCancelled:
             raise RunEnded(run.run_id) from None
 
