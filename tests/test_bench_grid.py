@@ -102,7 +102,7 @@ def test_publish_only_reads_the_cells_and_states_the_targets(tmp_path):
     assert "### accuracy.grid" in md and f"**Recipe {RECIPE} (constant lr, model cnn); Dirichlet(0.1)" in md
 
 
-@pytest.mark.integration  # the plot's matplotlib starts a process
+@pytest.mark.integration  # publishing starts a process (ldconfig -p, from an import)
 def test_a_study_at_other_settings_publishes_beside_the_grid(tmp_path):
     r = tmp_path / "r.json"
     r.write_text(json.dumps({"accuracy": {"grid": {"study": "the grid's"}, "subsections": ["grid"]}}))
