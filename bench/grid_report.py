@@ -151,6 +151,16 @@ def recipe_notes(tag: str, by_dirichlet: dict) -> list[str]:
                    + (f" ({'; '.join(build)})" if build else "") + (f" [{n} cell(s)]" if len(seen) > 1 else "") + ".")
     if len(seen) > 1:
         out.append(f"Recipe {tag}: its cells ran with {len(seen)} different sets of flags (builds differed).")
+    extra: dict[str, set[str]] = {}  # method -> its own extra flags (--method-args), as the cells ran them
+    for by_seed in by_dirichlet.values():
+        for ms in by_seed.values():
+            for m, c in ms.items():
+                flags = ((c.get("config") or {}).get("method_args") or {}).get(m)
+                if flags:
+                    extra.setdefault(m, set()).add(" ".join(flags))
+    for m, flags in sorted(extra.items()):
+        out.append(f"Recipe {tag}: {LABELS.get(m, m)} ran with its own extra `start-chain` flags "
+                   f"{' | '.join(f'`{f}`' for f in sorted(flags))} (--method-args).")
     return out
 
 

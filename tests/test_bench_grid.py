@@ -107,7 +107,8 @@ def test_a_study_at_other_settings_publishes_beside_the_grid(tmp_path):
     r = tmp_path / "r.json"
     r.write_text(json.dumps({"accuracy": {"grid": {"study": "the grid's"}, "subsections": ["grid"]}}))
     store = CellStore(tmp_path / "cells", grid.GridConfig(grid.parse(["-S", "1"]), {}).study)
-    store.put(_cell(0.7, "a", "fedelmy"), RECIPE, 0.5, 0, "fedelmy")
+    store.put({**_cell(0.7, "a", "fedelmy"), "config": {"method_args": {"fedelmy": ["--kd-weight", "0.75"]}}},
+              RECIPE, 0.5, 0, "fedelmy")
     data = grid.main(["--publish-only", "-S", "1", "--cells", str(tmp_path / "cells"), "--seeds", "0",
                       "--dirichlets", "0.5", "--methods", "fedelmy", "--results", str(r),
                       "--plots", str(tmp_path / "plots")])
@@ -116,6 +117,8 @@ def test_a_study_at_other_settings_publishes_beside_the_grid(tmp_path):
     assert acc["grid"]["study"] == "the grid's"  # the grid (S = 5) is left as it was
     assert acc[f"grid_{store.study}"]["recipes"][RECIPE]["dir0_5"]["fedelmy"]["n"] == 1
     assert data["summary"].startswith("A study beside the full-data grid")
+    assert f"Recipe {RECIPE}: FedELMY (paper) ran with its own extra `start-chain` flags `--kd-weight 0.75` " \
+           "(--method-args)." in data["notes"]
     assert (tmp_path / "plots" / f"grid-{store.study}-{RECIPE}.png").exists()
     assert not (tmp_path / "plots" / f"grid-{RECIPE}.png").exists()
 
