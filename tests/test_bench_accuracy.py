@@ -188,7 +188,7 @@ def test_grid_quick_stops_between_cells_and_resumes(tmp_path, idx_source, shared
         assert c["seed"] == 0 and c["dirichlet"] == 0.5 and c["recipe"]["tag"] == RECIPE and c["machine"]["cpu"]
         assert c["commit"] and c["seconds"] > 0
     assert done["fedelmy"]["bytes"]["to_model_bytes"] == 2 * done["fedelmy"]["bytes"]["model_bytes"]  # 3 sites: 2 hops
-    assert f"{RECIPE} Dir(0.5) seed 0: local_only" in "\n".join(first["notes"])
+    assert f"recipe {RECIPE}: 2 of 3 planned cells done; missing: local_only in every cell." in "\n".join(first["notes"])
     second = grid.main(args)
     after = CellStore(cells, study).all()[RECIPE][0.5][0]
     assert sorted(after) == ["fedavg", "fedelmy", "local_only"] and after["local_only"]["bytes"] is None
