@@ -139,25 +139,22 @@ def recipe_notes(tag: str, by_dirichlet: dict) -> list[str]:
     """What the recipe's cells ran with: the ``start-chain`` flags every method got (and the
     recipe's flags this build lacked), from the cells; says so when the cells disagree."""
     seen = {}
+    extra: dict[str, set[str]] = {}  # method -> its own extra flags (--method-args), as the cells ran them
     for by_seed in by_dirichlet.values():
         for ms in by_seed.values():
-            for c in ms.values():
+            for m, c in ms.items():
                 r = c.get("recipe") or {}
                 key = (tuple(sorted((r.get("flags") or {}).items())), tuple(r.get("notes") or ()))
                 seen[key] = seen.get(key, 0) + 1
+                flags = ((c.get("config") or {}).get("method_args") or {}).get(m)
+                if flags:
+                    extra.setdefault(m, set()).add(" ".join(flags))
     out = []
     for (flags, build), n in seen.items():
         out.append(f"Recipe {tag}: every method's `start-chain` got {' '.join(f'{k} {v}' for k, v in flags) or 'no flags'}"
                    + (f" ({'; '.join(build)})" if build else "") + (f" [{n} cell(s)]" if len(seen) > 1 else "") + ".")
     if len(seen) > 1:
         out.append(f"Recipe {tag}: its cells ran with {len(seen)} different sets of flags (builds differed).")
-    extra: dict[str, set[str]] = {}  # method -> its own extra flags (--method-args), as the cells ran them
-    for by_seed in by_dirichlet.values():
-        for ms in by_seed.values():
-            for m, c in ms.items():
-                flags = ((c.get("config") or {}).get("method_args") or {}).get(m)
-                if flags:
-                    extra.setdefault(m, set()).add(" ".join(flags))
     for m, flags in sorted(extra.items()):
         out.append(f"Recipe {tag}: {LABELS.get(m, m)} ran with its own extra `start-chain` flags "
                    f"{' | '.join(f'`{f}`' for f in sorted(flags))} (--method-args).")
