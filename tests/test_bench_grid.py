@@ -123,6 +123,37 @@ def test_a_study_at_other_settings_publishes_beside_the_grid(tmp_path):
     assert not (tmp_path / "plots" / f"grid-{RECIPE}.png").exists()
 
 
+@pytest.mark.integration  # publishing starts a process (ldconfig -p, from an import)
+def test_a_study_of_other_flags_pairs_with_the_study_it_varies(tmp_path):
+    s1 = {"sites": 10, "max_train_per_site": None, "S": 1, "E": 5, "Ew": 5, "alpha": 0.06, "beta": 1.0,
+          "init": "shared", "method_args": {}}
+    base, kdw = CellStore(tmp_path / "cells", "base"), CellStore(tmp_path / "cells", "kdw")
+    for seed, (elmy, seq, kd3, kd) in enumerate([(0.85, 0.76, 0.75, 0.87), (0.84, 0.87, 0.78, 0.89)]):
+        for m, v in (("fedelmy", elmy), ("fedseq_last_epoch", seq), ("fedelmy-kd-nod", kd3)):
+            base.put({**_cell(v, f"{m}{seed}", m), "config": s1}, RECIPE, 0.5, seed, m)
+        kdw.put({**_cell(kd, f"kd{seed}", "fedelmy-kd-nod"),
+                 "config": {**s1, "method_args": {"fedelmy-kd-nod": ["--kd-weight", "0.75"]}}},
+                RECIPE, 0.5, seed, "fedelmy-kd-nod")
+    argv = ["--publish-only", "-S", "1", "--cells", str(tmp_path / "cells"), "--study", "kdw", "--seeds", "0,1",
+            "--dirichlets", "0.5", "--methods", "fedelmy-kd-nod", "--results", str(tmp_path / "r.json"),
+            "--plots", str(tmp_path / "plots")]
+    data = grid.main([*argv, "--paired-with", "base"])
+    notes = "\n".join(data["notes"])
+    kd = "Recipe paper-cnn: Dirichlet(0.5): FedELMY-KD without d1/d2 (ours, α = β = 0) (this study)"
+    assert f"{kd} − FedELMY (paper) (study base), paired by seed: +3.50 ± 2.12 points, ahead in 2 of 2" in notes
+    # the strongest FedSeq of the other study by its mean, last epoch here: +11.00 and +2.00 points
+    assert f"{kd} − FedSeq, last epoch (study base), paired by seed: +6.50 ± 6.36 points, ahead in 2 of 2" in notes
+    assert f"{kd} − FedELMY-KD without d1/d2 (ours, α = β = 0) (study base), paired by seed: +11.50" in notes
+    assert data["paired_with"] == "base"
+    with pytest.raises(SystemExit, match="that is this study"):
+        grid.main([*argv, "--paired-with", "kdw"])
+    with pytest.raises(SystemExit, match="no cell"):
+        grid.main([*argv, "--paired-with", "nothing"])
+    base.put({**_cell(0.8, "x", "fedelmy"), "config": {**s1, "S": 5}}, RECIPE, 0.1, 0, "fedelmy")
+    with pytest.raises(SystemExit, match=r"other settings: S 5 \(this study: 1\)"):
+        grid.main([*argv, "--paired-with", "base"])
+
+
 @pytest.mark.integration
 def test_commit_cell_commits_that_file_only(tmp_path, tmp_path_factory):
     def git(*a):
