@@ -5,7 +5,8 @@ against its plan and its bytes beside its accuracy.
 
 Methods (``bench.grid_methods``): the chains ``fedelmy`` (the paper's), ``fedelmy-kd`` (ours:
 FedELMY plus distillation towards the received model), ``fedelmy-kd-nod`` (ours without d1/d2:
-α = β = 0), ``fedseq_last_epoch`` (and ``fedseq_best_val`` on request); the stars ``fedavg``,
+α = β = 0), ``fedseq-kd`` (ours without the pool: FedSeq plus the distillation, last epoch),
+``fedseq_last_epoch`` (and ``fedseq_best_val`` on request); the stars ``fedavg``,
 ``fedavg-classaware`` (FedAvg + MA-Echo's class-aware last layer: the MA-Echo ablation),
 ``fedelmy-pfl``, ``maecho``, ``ofasd``; the in-process references ``local_only`` and
 ``centralized`` (``bench.runs.run_references``). ``--recipe`` (``paper``: constant lr, no

@@ -28,7 +28,7 @@ MAIN_GRID = (10, None, 5, 5, 5)
 # issue #25's targets: the best method's mean accuracy per Dirichlet, and FedELMY over FedSeq (points).
 TARGETS = {0.5: 0.895, 0.1: 0.75}
 FEDELMY_OVER_FEDSEQ = 0.03
-MARKERS = {"fedelmy": "o", "fedelmy-kd": "*", "fedelmy-kd-nod": "X", "fedseq_last_epoch": "s", "fedseq_best_val": "d",
+MARKERS = {"fedelmy": "o", "fedelmy-kd": "*", "fedelmy-kd-nod": "X", "fedseq-kd": "p", "fedseq_last_epoch": "s", "fedseq_best_val": "d",
            "fedavg": "^", "fedavg_uniform": "<", "fedavg-classaware": ">", "fedelmy-pfl": "D", "maecho": "v", "ofasd": "P"}
 
 
@@ -111,8 +111,8 @@ def reading(block: dict) -> list[str]:
         met = d["mean"] >= FEDELMY_OVER_FEDSEQ
         out.append(f"{where}: FedELMY − the strongest FedSeq ({LABELS[fs]}), paired by seed: {_pts(d)}; target "
                    f"≥ +{100 * FEDELMY_OVER_FEDSEQ:.0f} points {'MET' if met else 'NOT met'}.")
-    for ext in ("fedelmy-kd", "fedelmy-kd-nod"):
-        for other in ("fedelmy", fs, "fedelmy-kd-nod" if ext == "fedelmy-kd" else None):
+    for ext in ("fedelmy-kd", "fedelmy-kd-nod", "fedseq-kd"):
+        for other in ("fedelmy", fs, {"fedelmy-kd": "fedelmy-kd-nod", "fedseq-kd": "fedelmy-kd-nod"}.get(ext)):
             d = paired(block, ext, other) if other else None
             if d:
                 out.append(f"{where}: {LABELS[ext]} − {LABELS[other]}: {_pts(d)}.")
