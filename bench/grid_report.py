@@ -329,6 +329,10 @@ def publish(store: CellStore, cfg: GridConfig, args, current: str, started: floa
                 config=cfg.config(), wall_seconds_this_run=time.monotonic() - started,
                 resume_command=args.resume_command, missing=gaps)
     record(SECTION, data, results=args.results, sub=sub)
+    if not args.quick:  # the recommendation reads every study's cells: refreshed with any of them
+        from bench import grid_recommend
+
+        grid_recommend.publish(store.root, args.results)
     return data
 
 

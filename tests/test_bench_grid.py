@@ -154,6 +154,30 @@ def test_a_study_of_other_flags_pairs_with_the_study_it_varies(tmp_path):
         grid.main([*argv, "--paired-with", "base"])
 
 
+def test_the_recommendation_is_the_best_mean_over_enough_seeds(tmp_path):
+    from bench import grid_recommend
+
+    cfg = {"sites": 10, "max_train_per_site": None}
+    args = {"a": ["--strategy", "fedelmy"], "b": ["--strategy", "fedseq", "--selection", "last-epoch"]}
+    accs = {("s1", "fedelmy"): [0.80, 0.82, 0.84], ("s1", "fedseq_last_epoch"): [0.78, 0.83, 0.82],
+            ("s2", "fedelmy"): [0.95, 0.99]}  # the best mean, but two seeds only
+    for (study, m), values in accs.items():
+        for seed, v in enumerate(values):
+            CellStore(tmp_path, study).put({**_cell(v, "x", m), "config": cfg, "args": args["a" if m == "fedelmy" else "b"]},
+                                           RECIPE, 0.5, seed, m)
+    CellStore(tmp_path, "s3").put({**_cell(0.99, "x", "fedelmy"), "config": {**cfg, "max_train_per_site": 600},
+                                   "args": args["a"]}, RECIPE, 0.5, 0, "fedelmy")  # other data: never a candidate
+    found = grid_recommend.candidates(tmp_path)
+    assert [(c["study"], c["method"]) for c in found[0.5]] == [("s1", "fedelmy"), ("s1", "fedseq_last_epoch")]
+    tables, notes = grid_recommend.reading(found)
+    assert notes[0].startswith("Dirichlet(0.5): recommended FedELMY (paper) [s1, paper-cnn]: 82.00 ± 2.00 % over 3 "
+                               "seeds; against the runner-up FedSeq, last epoch [s1, paper-cnn] (81.00 %), paired on 3 "
+                               "common seed(s): +1.00 ± 1.73 points, ahead in 2 of 3")
+    assert "`make demo DIRICHLET=0.5 SEED=0 CHAIN_ARGS='--strategy fedelmy'` (seed 0: 80.00 % in its cell)" in notes[0]
+    assert tables[0]["rows"][0][-1] == "--strategy fedelmy"
+    assert grid_recommend.reading({})[1][0].startswith("No method has 3 seeds")
+
+
 @pytest.mark.integration
 def test_commit_cell_commits_that_file_only(tmp_path, tmp_path_factory):
     def git(*a):
