@@ -37,7 +37,8 @@ def candidates(root: Path) -> dict:
     """Dirichlet -> list of candidates, best mean first; each {study, recipe, method, args (the
     ``start-chain`` arguments its cells share), mean, std, n, seeds, per_seed, to_model_bytes,
     machines}. Accuracies are fractions, bytes bytes.
-    Cells whose arguments differ between seeds split into no candidate (none is formed)."""
+    A method whose cells differ between seeds in their arguments or run parameters forms no
+    candidate."""
     out: dict = {}
     for study in sorted(p.name for p in Path(root).iterdir() if p.is_dir()) if Path(root).is_dir() else []:
         for tag, by_dirichlet in CellStore(root, study).all().items():
@@ -50,8 +51,9 @@ def candidates(root: Path) -> dict:
                             continue
                         by_method.setdefault(m, {})[str(s)] = c
                 for m, cells in by_method.items():
-                    args = {tuple(c.get("args") or ()) for c in cells.values()}
-                    if len(cells) < MIN_SEEDS or len(args) != 1 or not next(iter(args)):
+                    args = {tuple(run_args(c)) for c in cells.values()}
+                    params = {repr(sorted((c.get("params") or {}).items())) for c in cells.values()}
+                    if len(cells) < MIN_SEEDS or len(args) != 1 or not next(iter(args)) or len(params) != 1:
                         continue
                     b = sorted({(c.get("bytes") or {}).get("to_model_bytes") for c in cells.values()} - {None})
                     machines = sorted({f"{(c.get('machine') or {}).get('cpu', '?')}, device "
@@ -62,6 +64,20 @@ def candidates(root: Path) -> dict:
     for a in out:
         out[a].sort(key=lambda c: -c["mean"])
     return out
+
+
+def run_args(cell: dict) -> list[str]:
+    """The ``start-chain`` arguments that run ``cell`` again today: its own ``args``, plus each
+    method option (``fedrelay.registry``) it ran at a value other than today's default without
+    naming it (a default changed since; read from the ``params`` the cell recorded)."""
+    from fedrelay import registry
+
+    args = list(cell.get("args") or ())
+    params = cell.get("params") or {}
+    for o in registry.all_options():
+        if o.name in params and o.flag not in args and params[o.name] != o.default:
+            args += [o.flag, str(params[o.name])]
+    return args
 
 
 def _name(c: dict) -> str:

@@ -199,6 +199,42 @@ def recipe_notes(tag: str, by_dirichlet: dict) -> list[str]:
     for m, flags in sorted(extra.items()):
         out.append(f"Recipe {tag}: {LABELS.get(m, m)} ran with its own extra `start-chain` flags "
                    f"{' | '.join(f'`{f}`' for f in sorted(flags))} (--method-args).")
+    return out + option_notes(tag, by_dirichlet)
+
+
+def option_notes(tag: str, by_dirichlet: dict) -> list[str]:
+    """From the run parameters each cell recorded (``params``): a method whose cells ran with
+    different values of a parameter (named, with the cells at each value), which its table's mean
+    would mix; and a method option (``fedrelay.registry``) that the cells' ``start-chain`` did not
+    get but at which every cell of a method ran with a value other than today's default (the
+    default changed since), so that a reader does not take today's default for what they ran."""
+    from fedrelay import registry
+
+    defaults = {o.name: o for o in registry.all_options()}
+    by_method: dict[str, dict[str, dict]] = {}
+    given: dict[str, set[str]] = {}  # method -> the flags its cells' start-chain got
+    for a, by_seed in sorted(by_dirichlet.items(), reverse=True):
+        for seed, ms in sorted(by_seed.items()):
+            for m, c in ms.items():
+                if c.get("params"):
+                    by_method.setdefault(m, {})[f"Dir({a:g}) seed {seed}"] = c["params"]
+                    given.setdefault(m, set()).update(c.get("args") or ())
+    out = []
+    for m, cells in sorted(by_method.items()):
+        keys = sorted({k for p in cells.values() for k in p})
+        for k in keys:
+            values: dict[str, list[str]] = {}
+            for where, p in cells.items():
+                values.setdefault(repr(p.get(k)), []).append(where)
+            if len(values) > 1:
+                out.append(f"Recipe {tag}: {LABELS.get(m, m)}'s cells differ in {k}: "
+                           + "; ".join(f"{v} at {', '.join(w)}" for v, w in values.items())
+                           + " (its figures mix them).")
+            elif (k in defaults and defaults[k].flag not in given[m]
+                  and next(iter(cells.values())).get(k) != defaults[k].default):
+                o = defaults[k]
+                out.append(f"Recipe {tag}: {LABELS.get(m, m)} ran with {o.flag} {next(iter(cells.values()))[k]} "
+                           f"(today's default: {o.default}).")
     return out
 
 

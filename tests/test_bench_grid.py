@@ -154,6 +154,22 @@ def test_a_study_of_other_flags_pairs_with_the_study_it_varies(tmp_path):
         grid.main([*argv, "--paired-with", "base"])
 
 
+def test_the_reading_names_mixed_options_and_defaults_changed_since():
+    from bench.grid_report import option_notes
+
+    def cell(w, args=("--strategy", "fedelmy-kd")):
+        return {"params": {"kd_weight": w, "kd_temperature": 2.0}, "args": list(args)}
+
+    mixed = {0.5: {0: {"fedelmy-kd": cell(3.0)}, 1: {"fedelmy-kd": cell(0.75)}}}
+    assert option_notes(RECIPE, mixed) == [f"Recipe {RECIPE}: FedELMY-KD (ours)'s cells differ in kd_weight: 3.0 at "
+                                           "Dir(0.5) seed 0; 0.75 at Dir(0.5) seed 1 (its figures mix them)."]
+    old = {0.1: {0: {"fedelmy-kd": cell(3.0)}}, 0.5: {0: {"fedelmy-kd": cell(3.0)}}}
+    assert option_notes(RECIPE, old) == [f"Recipe {RECIPE}: FedELMY-KD (ours) ran with --kd-weight 3.0 (today's "
+                                         "default: 0.75)."]
+    named = {0.5: {0: {"fedelmy-kd": cell(3.0, ("--strategy", "fedelmy-kd", "--kd-weight", "3"))}}}
+    assert option_notes(RECIPE, named) == []  # the flag is in its arguments: nothing implicit to name
+
+
 def test_the_recommendation_is_the_best_mean_over_enough_seeds(tmp_path):
     from bench import grid_recommend
 
@@ -176,6 +192,9 @@ def test_the_recommendation_is_the_best_mean_over_enough_seeds(tmp_path):
     assert "`make demo DIRICHLET=0.5 SEED=0 CHAIN_ARGS='--strategy fedelmy'` (seed 0: 80.00 % in its cell)" in notes[0]
     assert tables[0]["rows"][0][-1] == "--strategy fedelmy"
     assert grid_recommend.reading({})[1][0].startswith("No method has 3 seeds")
+    # a cell that ran at an earlier default of a method option gets it named in the command
+    cell = {"args": ["--strategy", "fedelmy-kd"], "params": {"kd_weight": 3.0, "kd_temperature": 2.0, "lr": 0.001}}
+    assert grid_recommend.run_args(cell) == ["--strategy", "fedelmy-kd", "--kd-weight", "3.0"]
 
 
 @pytest.mark.integration

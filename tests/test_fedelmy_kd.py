@@ -23,8 +23,8 @@ def test_start_chain_help_lists_the_strategy_and_its_options_with_their_defaults
     text = flat(invoke("start-chain", "--help").output)
     assert "fedelmy-kd: fedrelay's extension of FedELMY, not in the paper" in text
     assert "fedseq-kd: fedrelay's ablation of fedelmy-kd, not in a paper" in text
-    assert re.search(r"--kd-weight <float> fedelmy-kd, fedseq-kd: weight of the distillation[^-]*\[default: 3\.0\]",
-                     text)
+    assert re.search(r"--kd-weight <float> fedelmy-kd, fedseq-kd: weight w of the distillation[^-]*"
+                     r"\[default: 0\.75\]", text)
     assert re.search(r"--kd-temperature <float> fedelmy-kd, fedseq-kd: the distillation's temperature T\.[^-]*"
                      r"\[default: 2\.0\]", text)
     assert re.search(r"--kd-ce-classes <all\|seen> fedelmy-kd, fedseq-kd: all .*\| seen .*\[default: all\]", text)

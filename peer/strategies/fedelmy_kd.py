@@ -28,8 +28,14 @@ the data terms, as it stays below CE in FedELMY. With ``kd_weight = 0`` and ``kd
 "all"`` (or a site that holds every class, at the first site) ``L`` is the task's loss and the
 visit is FedELMY's, bit for bit.
 
+The default weight 0.75 is the probe's of issue #25 ("KL at temperature 2, weight 3") read
+without the ``T^2`` factor (3 / T^2 = 0.75); our first default, 3.0, multiplied ``T^2 * KL``
+(an effective 12 on the KL) and fell below FedSeq and FedELMY on the full-data chains at S = 1,
+while 0.75 rose above them (the KD-weight study beside the grid in bench/RESULTS.md, generated
+from its cells; docs/explanation/fedelmy-kd.md).
+
 Options (declared in :mod:`fedrelay.registry`, typed and checked before they reach
-:func:`train`): ``kd_weight`` (float >= 0, default 3.0), ``kd_temperature`` (float > 0, default
+:func:`train`): ``kd_weight`` (float >= 0, default 0.75), ``kd_temperature`` (float > 0, default
 2.0), ``kd_ce_classes`` (``"all"`` | ``"seen"``, default ``"all"``). Not available under
 differential privacy (``fedrelay.privacy.check`` refuses it): the set of classes a site holds is
 a statistic of its data that DP-SGD does not noise.
