@@ -30,9 +30,10 @@ visit is FedELMY's, bit for bit.
 
 The default weight 0.75 is the probe's of issue #25 ("KL at temperature 2, weight 3") read
 without the ``T^2`` factor (3 / T^2 = 0.75); our first default, 3.0, multiplied ``T^2 * KL``
-(an effective 12 on the KL) and fell below FedSeq and FedELMY on the full-data chains at S = 1,
-while 0.75 rose above them (the KD-weight study beside the grid in bench/RESULTS.md, generated
-from its cells; docs/explanation/fedelmy-kd.md).
+(an effective 12 on the KL) and fell below FedSeq and FedELMY on the full-data chains at S = 1;
+0.75 was above 3.0 in every cell paired by seed (the KD-weight study beside the grid in
+bench/RESULTS.md, generated from its cells, says by how much and against FedSeq and FedELMY;
+docs/explanation/fedelmy-kd.md).
 
 Options (declared in :mod:`fedrelay.registry`, typed and checked before they reach
 :func:`train`): ``kd_weight`` (float >= 0, default 0.75), ``kd_temperature`` (float > 0, default
