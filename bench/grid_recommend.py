@@ -121,6 +121,9 @@ def reading(found: dict) -> tuple[list[dict], list[str]]:
             line += (f"; against the runner-up {_name(cands[1])} ({100 * cands[1]['mean']:.2f} %), paired on "
                      f"{d['n']} common seed(s): {100 * d['mean']:+.2f} ± {100 * d['std']:.2f} points, ahead in "
                      f"{d['wins']} of {d['n']}" if d else f"; the runner-up {_name(cands[1])} shares no seed with it")
+            if d and (d["n"] < 2 or abs(d["mean"]) <= d["std"]):
+                line += (" (a tie on these seeds: the paired difference is within its spread over seeds, so the "
+                         "ranking rests on the means alone)")
             if d and best["machines"] != cands[1]["machines"]:
                 line += (f" (their cells ran on other machines, {'; '.join(best['machines'])} against "
                          f"{'; '.join(cands[1]['machines'])}: the pairing mixes the machine with the method)")

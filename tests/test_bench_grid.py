@@ -190,6 +190,7 @@ def test_the_recommendation_is_the_best_mean_over_enough_seeds(tmp_path):
                                "seeds; against the runner-up FedSeq, last epoch [s1, paper-cnn] (81.00 %), paired on 3 "
                                "common seed(s): +1.00 ± 1.73 points, ahead in 2 of 3")
     assert "`make demo DIRICHLET=0.5 SEED=0 CHAIN_ARGS='--strategy fedelmy'` (seed 0: 80.00 % in its cell)" in notes[0]
+    assert "(a tie on these seeds: the paired difference is within its spread" in notes[0]  # +1.00 ± 1.73
     assert tables[0]["rows"][0][-1] == "--strategy fedelmy"
     assert grid_recommend.reading({})[1][0].startswith("No method has 3 seeds")
     # a cell that ran at an earlier default of a method option gets it named in the command
