@@ -5,7 +5,8 @@ against its plan and its bytes beside its accuracy.
 
 Methods (``bench.grid_methods``): the chains ``fedelmy`` (the paper's), ``fedelmy-kd`` (ours:
 FedELMY plus distillation towards the received model), ``fedelmy-kd-nod`` (ours without d1/d2:
-α = β = 0), ``fedseq_last_epoch`` (and ``fedseq_best_val`` on request); the stars ``fedavg``,
+α = β = 0), ``fedseq-kd`` (ours without the pool: FedSeq plus the distillation, last epoch),
+``fedseq_last_epoch`` (and ``fedseq_best_val`` on request); the stars ``fedavg``,
 ``fedavg-classaware`` (FedAvg + MA-Echo's class-aware last layer: the MA-Echo ablation),
 ``fedelmy-pfl``, ``maecho``, ``ofasd``; the in-process references ``local_only`` and
 ``centralized`` (``bench.runs.run_references``). ``--recipe`` (``paper``: constant lr, no
@@ -42,7 +43,7 @@ from bench.common import BENCH, REPO, failed, finish, grid_args, grid_flags, log
 from bench.grid_cells import CellStore, commit_cell, plan
 from bench.grid_methods import (DEFAULT_METHODS, METHODS, RECIPES, REFS, GridConfig, check_build, probe_start_chain,
                                 recipe_tag, reference_options, train_config_fields)
-from bench.grid_report import publish
+from bench.grid_report import check_paired, publish
 
 DEFAULT_CELLS = BENCH / "cells"
 DEFAULT_WORKDIR = REPO / ".fedrelay" / "bench-grid"  # splits and the daemons' state: not tracked
@@ -105,6 +106,11 @@ def parse(argv):
     ap.add_argument("--maecho-eta", type=float, default=0.05)
     ap.add_argument("--method-args", action="append", default=[], metavar="METHOD=FLAGS",
                     help="more start-chain flags for one method, e.g. 'ofasd=--ofasd-epochs 20' (repeatable)")
+    ap.add_argument("--paired-with", default=None, metavar="STUDY",
+                    help="also pair this study's methods, seed by seed, with FedELMY, the strongest FedSeq and the "
+                    "same method in STUDY's cells (same cells folder and recipe; the same sites, data, S, E, Ew, "
+                    "alpha, beta and init, else refused): for a study that changes one method's flags, e.g. "
+                    "--method-args 'fedelmy-kd=--kd-weight 0.75'")
     argv = list(argv or [])
     args = grid_args(ap, argv, "bench.grid", METHODS, maecho_tau=3)
     if args.quick and not any(a == "--methods" or a.startswith("--methods=") for a in argv):
@@ -175,6 +181,8 @@ def main(argv=None) -> dict:
     recipe_flags, cannot, build_notes = check_build(recipe, args.model, args.methods, flags, strategies)
     cfg = GridConfig(args, recipe_flags)
     store = CellStore(cells_root, args.study or cfg.study)
+    if args.paired_with:  # refused before any cell is computed, not only when publishing at the end
+        check_paired(CellStore(cells_root, args.paired_with).all(), args.paired_with, cfg, store.study)
     ref_options = None
     log(f"cells {store.base / tag}; workdir {work}; recipe {tag} {recipe_flags}")
     for note in build_notes:

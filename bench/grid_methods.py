@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from deploy.processes import tool
 
-CHAINS = ("fedelmy", "fedelmy-kd", "fedelmy-kd-nod", "fedseq_last_epoch", "fedseq_best_val")
+CHAINS = ("fedelmy", "fedelmy-kd", "fedelmy-kd-nod", "fedseq-kd", "fedseq_last_epoch", "fedseq_best_val")
 STARS = ("fedavg", "fedavg_uniform", "fedavg-classaware", "fedelmy-pfl", "maecho", "ofasd")
 REFS = ("local_only", "centralized")
 METHODS = CHAINS + STARS + REFS
@@ -29,6 +29,7 @@ DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("fedseq_best_val", "feda
 FEDSEQS = ("fedseq_last_epoch", "fedseq_best_val")
 LABELS = {"fedelmy": "FedELMY (paper)", "fedelmy-kd": "FedELMY-KD (ours)",
           "fedelmy-kd-nod": "FedELMY-KD without d1/d2 (ours, α = β = 0)",
+          "fedseq-kd": "FedSeq-KD, last epoch (ours: the distillation without the pool)",
           "fedseq_last_epoch": "FedSeq, last epoch", "fedseq_best_val": "FedSeq, best val",
           "fedavg": "FedAvg (sample-weighted)", "fedavg_uniform": "FedAvg (uniform)",
           "fedavg-classaware": "FedAvg (uniform) + class-aware last layer", "fedelmy-pfl": "FedELMY-PFL",
@@ -157,6 +158,7 @@ class GridConfig:
         ab = ["--alpha", f"{self.alpha:g}", "--beta", f"{self.beta:g}"]
         own = {"fedelmy": [*ab, "--selection", "best-val"], "fedelmy-kd": [*ab, "--selection", "best-val"],
                "fedelmy-kd-nod": ["--alpha", "0", "--beta", "0", "--selection", "best-val"],
+               "fedseq-kd": ["--selection", "last-epoch"],
                "fedseq_last_epoch": ["--selection", "last-epoch"], "fedseq_best_val": ["--selection", "best-val"],
                "fedavg": ["--weighting", "samples"], "fedavg_uniform": ["--weighting", "uniform"],
                "fedavg-classaware": [],

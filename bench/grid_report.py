@@ -3,6 +3,8 @@ never typed: per recipe and Dirichlet a table (mean ± sample std, n, bytes, per
 FedELMY against the strongest FedSeq paired by seed; the extension against both, with and without
 d1/d2; OFASD against FedAvg in every cell; the MA-Echo ablation; issue #25's targets, each met or
 not met with its figure; the cells still missing; and an accuracy-against-bytes plot per recipe.
+With ``--paired-with STUDY`` also each method against FedELMY, FedSeq and itself in another study
+at the same settings (a study that changes one method's flags).
 Published as ``accuracy.grid`` in results.json and its section of RESULTS.md; a study at other
 settings than the issue's grid (:data:`MAIN_GRID`) as ``accuracy.grid_<study>`` beside it.
 """
@@ -26,7 +28,7 @@ MAIN_GRID = (10, None, 5, 5, 5)
 # issue #25's targets: the best method's mean accuracy per Dirichlet, and FedELMY over FedSeq (points).
 TARGETS = {0.5: 0.895, 0.1: 0.75}
 FEDELMY_OVER_FEDSEQ = 0.03
-MARKERS = {"fedelmy": "o", "fedelmy-kd": "*", "fedelmy-kd-nod": "X", "fedseq_last_epoch": "s", "fedseq_best_val": "d",
+MARKERS = {"fedelmy": "o", "fedelmy-kd": "*", "fedelmy-kd-nod": "X", "fedseq-kd": "p", "fedseq_last_epoch": "s", "fedseq_best_val": "d",
            "fedavg": "^", "fedavg_uniform": "<", "fedavg-classaware": ">", "fedelmy-pfl": "D", "maecho": "v", "ofasd": "P"}
 
 
@@ -53,15 +55,17 @@ def blocks(by_dirichlet: dict) -> dict:
     return out
 
 
-def paired(block: dict, a: str, b: str) -> dict | None:
+def paired(block: dict, a: str, b: str, other: dict | None = None) -> dict | None:
     """``a − b`` on the seeds both have: {mean, std, n, wins (seeds where a > b), per_seed}; None
-    without a common seed."""
-    if a not in block or b not in block:
+    without a common seed. ``b`` is read from ``other`` (another study's block of the same recipe
+    and Dirichlet) when given, else from ``block``."""
+    other = block if other is None else other
+    if a not in block or b not in other:
         return None
-    common = [s for s in block[a]["per_seed"] if s in block[b]["per_seed"]]
+    common = [s for s in block[a]["per_seed"] if s in other[b]["per_seed"]]
     if not common:
         return None
-    diffs = {s: block[a]["per_seed"][s] - block[b]["per_seed"][s] for s in common}
+    diffs = {s: block[a]["per_seed"][s] - other[b]["per_seed"][s] for s in common}
     mean, std = _stats(list(diffs.values()))
     return {"a": a, "b": b, "mean": mean, "std": std, "n": len(diffs), "wins": sum(v > 0 for v in diffs.values()),
             "per_seed": diffs}
@@ -107,8 +111,8 @@ def reading(block: dict) -> list[str]:
         met = d["mean"] >= FEDELMY_OVER_FEDSEQ
         out.append(f"{where}: FedELMY − the strongest FedSeq ({LABELS[fs]}), paired by seed: {_pts(d)}; target "
                    f"≥ +{100 * FEDELMY_OVER_FEDSEQ:.0f} points {'MET' if met else 'NOT met'}.")
-    for ext in ("fedelmy-kd", "fedelmy-kd-nod"):
-        for other in ("fedelmy", fs, "fedelmy-kd-nod" if ext == "fedelmy-kd" else None):
+    for ext in ("fedelmy-kd", "fedelmy-kd-nod", "fedseq-kd"):
+        for other in ("fedelmy", fs, {"fedelmy-kd": "fedelmy-kd-nod", "fedseq-kd": "fedelmy-kd-nod"}.get(ext)):
             d = paired(block, ext, other) if other else None
             if d:
                 out.append(f"{where}: {LABELS[ext]} − {LABELS[other]}: {_pts(d)}.")
@@ -135,6 +139,43 @@ def reading(block: dict) -> list[str]:
     return out
 
 
+# What two studies must share for their cells to be paired seed by seed (the cells' config).
+PAIRED_KEYS = ("sites", "max_train_per_site", "S", "E", "Ew", "alpha", "beta", "init")
+
+
+def paired_study(block: dict, other: dict, study: str) -> list[str]:
+    """The sentences pairing one (recipe, Dirichlet) block of this study with the same block of
+    another study (``--paired-with``): each of this study's FL methods against the other's
+    FedELMY, its strongest FedSeq and the same method (the other study ran it with other flags)."""
+    where = f"Dirichlet({block['dirichlet']:g})"
+    out = []
+    fs = strongest_fedseq(other)
+    for m in (m for m in CHAINS + STARS if m in block):
+        for b in dict.fromkeys(x for x in ("fedelmy", fs, m) if x):
+            d = paired(block, m, b, other)
+            if d:
+                out.append(f"{where}: {LABELS[m]} (this study) − {LABELS[b]} (study {study}), paired by seed: "
+                           f"{_pts(d)}.")
+    return out
+
+
+def check_paired(other: dict, study: str, cfg: GridConfig, this: str) -> None:
+    """Refuse (``SystemExit``, naming the setting) to pair with a study that has no cell or whose
+    cells ran at other settings than this study's (:data:`PAIRED_KEYS`), or with this study itself."""
+    if study == this:
+        raise SystemExit(f"--paired-with {study}: that is this study")
+    others = [c for t in other.values() for by_seed in t.values() for ms in by_seed.values() for c in ms.values()]
+    if not others:
+        raise SystemExit(f"--paired-with {study}: that study has no cell in this cells folder")
+    mine = {k: cfg.config()[k] for k in PAIRED_KEYS}
+    for c in others:
+        theirs = {k: (c.get("config") or {}).get(k) for k in PAIRED_KEYS}
+        differ = [f"{k} {theirs[k]} (this study: {mine[k]})" for k in PAIRED_KEYS if theirs[k] != mine[k]]
+        if differ:
+            raise SystemExit(f"--paired-with {study}: its cells ran at other settings: {', '.join(differ)}; "
+                             "cells are paired only at the same sites, data, S, E, Ew, alpha, beta and init")
+
+
 def recipe_notes(tag: str, by_dirichlet: dict) -> list[str]:
     """What the recipe's cells ran with: the ``start-chain`` flags every method got (and the
     recipe's flags this build lacked), from the cells; says so when the cells disagree."""
@@ -158,6 +199,42 @@ def recipe_notes(tag: str, by_dirichlet: dict) -> list[str]:
     for m, flags in sorted(extra.items()):
         out.append(f"Recipe {tag}: {LABELS.get(m, m)} ran with its own extra `start-chain` flags "
                    f"{' | '.join(f'`{f}`' for f in sorted(flags))} (--method-args).")
+    return out + option_notes(tag, by_dirichlet)
+
+
+def option_notes(tag: str, by_dirichlet: dict) -> list[str]:
+    """From the run parameters each cell recorded (``params``): a method whose cells ran with
+    different values of a parameter (named, with the cells at each value), which its table's mean
+    would mix; and a method option (``fedrelay.registry``) that the cells' ``start-chain`` did not
+    get but at which every cell of a method ran with a value other than today's default (the
+    default changed since), so that a reader does not take today's default for what they ran."""
+    from fedrelay import registry
+
+    defaults = {o.name: o for o in registry.all_options()}
+    by_method: dict[str, dict[str, dict]] = {}
+    given: dict[str, set[str]] = {}  # method -> the flags its cells' start-chain got
+    for a, by_seed in sorted(by_dirichlet.items(), reverse=True):
+        for seed, ms in sorted(by_seed.items()):
+            for m, c in ms.items():
+                if c.get("params"):
+                    by_method.setdefault(m, {})[f"Dir({a:g}) seed {seed}"] = c["params"]
+                    given.setdefault(m, set()).update(c.get("args") or ())
+    out = []
+    for m, cells in sorted(by_method.items()):
+        keys = sorted({k for p in cells.values() for k in p})
+        for k in keys:
+            values: dict[str, list[str]] = {}
+            for where, p in cells.items():
+                values.setdefault(repr(p.get(k)), []).append(where)
+            if len(values) > 1:
+                out.append(f"Recipe {tag}: {LABELS.get(m, m)}'s cells differ in {k}: "
+                           + "; ".join(f"{v} at {', '.join(w)}" for v, w in values.items())
+                           + " (its figures mix them).")
+            elif (k in defaults and defaults[k].flag not in given[m]
+                  and next(iter(cells.values())).get(k) != defaults[k].default):
+                o = defaults[k]
+                out.append(f"Recipe {tag}: {LABELS.get(m, m)} ran with {o.flag} {next(iter(cells.values()))[k]} "
+                           f"(today's default: {o.default}).")
     return out
 
 
@@ -231,8 +308,12 @@ def publish(store: CellStore, cfg: GridConfig, args, current: str, started: floa
     has one). Returns the section's data."""
     cells = store.all()
     sub, prefix = destination(store, cfg, args.quick)
+    pair = getattr(args, "paired_with", None)
+    pair_cells = CellStore(store.root, pair).all() if pair else {}
+    if pair:
+        check_paired(pair_cells, pair, cfg, store.study)
     tags = sorted(set(cells) | {current})
-    data: dict = {"study": store.study, "recipes": {}}
+    data: dict = {"study": store.study, "recipes": {}, "paired_with": pair}
     tables, notes, plots = [], [], []
     for tag in tags:
         figures = blocks(cells.get(tag, {}))
@@ -245,6 +326,9 @@ def publish(store: CellStore, cfg: GridConfig, args, current: str, started: floa
         for key in [k for k in figures if k.startswith("dir")]:
             tables.append(table(tag, about, figures[key], cfg))
             notes += [f"Recipe {tag}: {line}" for line in reading(figures[key])]
+            theirs = blocks(pair_cells.get(tag, {})).get(key) if pair else None
+            if theirs:
+                notes += [f"Recipe {tag}: {line}" for line in paired_study(figures[key], theirs, pair)]
         plots += plot(tag, figures, Path(args.plots) / f"{prefix}{tag}.png")
     gaps = missing(cells, tags, args)
     seeds = "; ".join(f"Dir({a:g}) seeds {','.join(map(str, s))}" for a, s in args.seeds_of.items())
@@ -281,6 +365,10 @@ def publish(store: CellStore, cfg: GridConfig, args, current: str, started: floa
                 config=cfg.config(), wall_seconds_this_run=time.monotonic() - started,
                 resume_command=args.resume_command, missing=gaps)
     record(SECTION, data, results=args.results, sub=sub)
+    if not args.quick:  # the recommendation reads every study's cells: refreshed with any of them
+        from bench import grid_recommend
+
+        grid_recommend.publish(store.root, args.results)
     return data
 
 

@@ -25,7 +25,7 @@ strategy whose aggregator declares ``outside_dp=""``): those whose every release
 DP-SGD training: ``fedelmy``, ``fedseq`` (chains, one-shot or ``--rounds``), ``fedavg`` and
 ``fedelmy-pfl`` (stars). ``maecho`` (its uploads carry projection matrices computed from the
 site's raw features) and ``ofasd`` (its aggregator learns coefficients on the aggregating site's
-data) are refused: DP-SGD would not cover what they release; so is ``fedelmy-kd`` (its loss
+data) are refused: DP-SGD would not cover what they release; so are ``fedelmy-kd`` and ``fedseq-kd`` (their loss
 reads the set of classes a site holds; ``fedrelay.registry.Strategy.outside_dp``). DP also needs ``--selection
 last-epoch``: best-validation selection picks an epoch by the validation split's accuracy,
 which DP-SGD's accounting does not cover.
@@ -124,7 +124,7 @@ def refusal(strategy: str) -> str:
     """Why DP-SGD at the sites does not cover what a run of ``strategy`` releases ("" when it
     does): a chain strategy releases only its sites' DP-trained models; a star strategy, what its
     aggregator declares (``fedrelay.registry.Aggregator.outside_dp``); a strategy that declares
-    ``fedrelay.registry.Strategy.outside_dp`` (``fedelmy-kd``) is refused whatever its plan."""
+    ``fedrelay.registry.Strategy.outside_dp`` (``fedelmy-kd``, ``fedseq-kd``) is refused whatever its plan."""
     s = registry.STRATEGIES.get(strategy)
     if s is None:
         return "it is not one of the strategies DP-SGD covers"

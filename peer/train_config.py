@@ -16,7 +16,7 @@ class TrainConfig:
 
     Attributes:
         strategy: a name in :data:`fedrelay.registry.STRATEGIES`: ``"fedelmy"`` (model
-            pool + distance regulariser) or ``"fedseq"`` (one model, plain CE).
+            pool + distance regulariser), ``"fedseq"`` (one model, plain CE), ...
         models_per_site: S, pool models trained per site (FedSeq trains one model for
             S*E epochs so that both spend the same number of epochs).
         local_epochs: E, epochs per pool model.

@@ -29,6 +29,9 @@ visit's model pool (:func:`fill_pool`: :mod:`fedrelay.peer.model_pool`).  The st
   epoch; the site sends the average of the pool (``train_pool``).
 * ``"fedseq"`` (:mod:`fedrelay.peer.strategies.fedseq`): the baseline; one model trained
   from ``m0`` with plain CE for ``S*E`` epochs (``train_fedseq``), which is the model sent on.
+* ``"fedelmy-kd"`` and ``"fedseq-kd"`` (fedrelay's extension, not the papers':
+  :mod:`fedrelay.peer.strategies.fedelmy_kd`, :mod:`fedrelay.peer.strategies.fedseq_kd`):
+  FedELMY's pool, or FedSeq's one model, trained with distillation towards the received model.
 
 Determinism: given the same inputs, config and seed, every function here and in the
 strategies returns bit-identical states on the CPU, and on a CUDA GPU once
@@ -160,7 +163,7 @@ def run_site(
 
     A strategy whose ``train`` takes a ``received`` keyword gets ``received=True`` when ``m0``
     came from a predecessor and ``False`` at the first site (``m0`` is then the warm-up):
-    ``fedelmy-kd`` distils towards a received model only.
+    ``fedelmy-kd`` and ``fedseq-kd`` distil towards a received model only.
 
     Returns:
         ``(model to send, pool)``: the final model of the chain when this is the last

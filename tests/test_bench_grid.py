@@ -123,6 +123,80 @@ def test_a_study_at_other_settings_publishes_beside_the_grid(tmp_path):
     assert not (tmp_path / "plots" / f"grid-{RECIPE}.png").exists()
 
 
+@pytest.mark.integration  # publishing starts a process (ldconfig -p, from an import)
+def test_a_study_of_other_flags_pairs_with_the_study_it_varies(tmp_path):
+    s1 = {"sites": 10, "max_train_per_site": None, "S": 1, "E": 5, "Ew": 5, "alpha": 0.06, "beta": 1.0,
+          "init": "shared", "method_args": {}}
+    base, kdw = CellStore(tmp_path / "cells", "base"), CellStore(tmp_path / "cells", "kdw")
+    for seed, (elmy, seq, kd3, kd) in enumerate([(0.85, 0.76, 0.75, 0.87), (0.84, 0.87, 0.78, 0.89)]):
+        for m, v in (("fedelmy", elmy), ("fedseq_last_epoch", seq), ("fedelmy-kd-nod", kd3)):
+            base.put({**_cell(v, f"{m}{seed}", m), "config": s1}, RECIPE, 0.5, seed, m)
+        kdw.put({**_cell(kd, f"kd{seed}", "fedelmy-kd-nod"),
+                 "config": {**s1, "method_args": {"fedelmy-kd-nod": ["--kd-weight", "0.75"]}}},
+                RECIPE, 0.5, seed, "fedelmy-kd-nod")
+    argv = ["--publish-only", "-S", "1", "--cells", str(tmp_path / "cells"), "--study", "kdw", "--seeds", "0,1",
+            "--dirichlets", "0.5", "--methods", "fedelmy-kd-nod", "--results", str(tmp_path / "r.json"),
+            "--plots", str(tmp_path / "plots")]
+    data = grid.main([*argv, "--paired-with", "base"])
+    notes = "\n".join(data["notes"])
+    kd = "Recipe paper-cnn: Dirichlet(0.5): FedELMY-KD without d1/d2 (ours, α = β = 0) (this study)"
+    assert f"{kd} − FedELMY (paper) (study base), paired by seed: +3.50 ± 2.12 points, ahead in 2 of 2" in notes
+    # the strongest FedSeq of the other study by its mean, last epoch here: +11.00 and +2.00 points
+    assert f"{kd} − FedSeq, last epoch (study base), paired by seed: +6.50 ± 6.36 points, ahead in 2 of 2" in notes
+    assert f"{kd} − FedELMY-KD without d1/d2 (ours, α = β = 0) (study base), paired by seed: +11.50" in notes
+    assert data["paired_with"] == "base"
+    with pytest.raises(SystemExit, match="that is this study"):
+        grid.main([*argv, "--paired-with", "kdw"])
+    with pytest.raises(SystemExit, match="no cell"):
+        grid.main([*argv, "--paired-with", "nothing"])
+    base.put({**_cell(0.8, "x", "fedelmy"), "config": {**s1, "S": 5}}, RECIPE, 0.1, 0, "fedelmy")
+    with pytest.raises(SystemExit, match=r"other settings: S 5 \(this study: 1\)"):
+        grid.main([*argv, "--paired-with", "base"])
+
+
+def test_the_reading_names_mixed_options_and_defaults_changed_since():
+    from bench.grid_report import option_notes
+
+    def cell(w, args=("--strategy", "fedelmy-kd")):
+        return {"params": {"kd_weight": w, "kd_temperature": 2.0}, "args": list(args)}
+
+    mixed = {0.5: {0: {"fedelmy-kd": cell(3.0)}, 1: {"fedelmy-kd": cell(0.75)}}}
+    assert option_notes(RECIPE, mixed) == [f"Recipe {RECIPE}: FedELMY-KD (ours)'s cells differ in kd_weight: 3.0 at "
+                                           "Dir(0.5) seed 0; 0.75 at Dir(0.5) seed 1 (its figures mix them)."]
+    old = {0.1: {0: {"fedelmy-kd": cell(3.0)}}, 0.5: {0: {"fedelmy-kd": cell(3.0)}}}
+    assert option_notes(RECIPE, old) == [f"Recipe {RECIPE}: FedELMY-KD (ours) ran with --kd-weight 3.0 (today's "
+                                         "default: 0.75)."]
+    named = {0.5: {0: {"fedelmy-kd": cell(3.0, ("--strategy", "fedelmy-kd", "--kd-weight", "3"))}}}
+    assert option_notes(RECIPE, named) == []  # the flag is in its arguments: nothing implicit to name
+
+
+def test_the_recommendation_is_the_best_mean_over_enough_seeds(tmp_path):
+    from bench import grid_recommend
+
+    cfg = {"sites": 10, "max_train_per_site": None}
+    args = {"a": ["--strategy", "fedelmy"], "b": ["--strategy", "fedseq", "--selection", "last-epoch"]}
+    accs = {("s1", "fedelmy"): [0.80, 0.82, 0.84], ("s1", "fedseq_last_epoch"): [0.78, 0.83, 0.82],
+            ("s2", "fedelmy"): [0.95, 0.99]}  # the best mean, but two seeds only
+    for (study, m), values in accs.items():
+        for seed, v in enumerate(values):
+            CellStore(tmp_path, study).put({**_cell(v, "x", m), "config": cfg, "args": args["a" if m == "fedelmy" else "b"]},
+                                           RECIPE, 0.5, seed, m)
+    CellStore(tmp_path, "s3").put({**_cell(0.99, "x", "fedelmy"), "config": {**cfg, "max_train_per_site": 600},
+                                   "args": args["a"]}, RECIPE, 0.5, 0, "fedelmy")  # other data: never a candidate
+    found = grid_recommend.candidates(tmp_path)
+    assert [(c["study"], c["method"]) for c in found[0.5]] == [("s1", "fedelmy"), ("s1", "fedseq_last_epoch")]
+    tables, notes = grid_recommend.reading(found)
+    assert notes[0].startswith("Dirichlet(0.5): recommended FedELMY (paper) [s1, paper-cnn]: 82.00 ± 2.00 % over 3 "
+                               "seeds; against the runner-up FedSeq, last epoch [s1, paper-cnn] (81.00 %), paired on 3 "
+                               "common seed(s): +1.00 ± 1.73 points, ahead in 2 of 3")
+    assert "`make demo DIRICHLET=0.5 SEED=0 CHAIN_ARGS='--strategy fedelmy'` (seed 0: 80.00 % in its cell)" in notes[0]
+    assert tables[0]["rows"][0][-1] == "--strategy fedelmy"
+    assert grid_recommend.reading({})[1][0].startswith("No method has 3 seeds")
+    # a cell that ran at an earlier default of a method option gets it named in the command
+    cell = {"args": ["--strategy", "fedelmy-kd"], "params": {"kd_weight": 3.0, "kd_temperature": 2.0, "lr": 0.001}}
+    assert grid_recommend.run_args(cell) == ["--strategy", "fedelmy-kd", "--kd-weight", "3.0"]
+
+
 @pytest.mark.integration
 def test_commit_cell_commits_that_file_only(tmp_path, tmp_path_factory):
     def git(*a):

@@ -22,10 +22,12 @@ BASE = dict(strategy="fedelmy-kd", models_per_site=2, local_epochs=1, warmup_epo
 def test_start_chain_help_lists_the_strategy_and_its_options_with_their_defaults():
     text = flat(invoke("start-chain", "--help").output)
     assert "fedelmy-kd: fedrelay's extension of FedELMY, not in the paper" in text
-    assert re.search(r"--kd-weight <float> fedelmy-kd: weight of the distillation[^-]*\[default: 3\.0\]", text)
-    assert re.search(r"--kd-temperature <float> fedelmy-kd: the distillation's temperature T\.[^-]*"
+    assert "fedseq-kd: fedrelay's ablation of fedelmy-kd, not in a paper" in text
+    assert re.search(r"--kd-weight <float> fedelmy-kd, fedseq-kd: weight w of the distillation[^-]*"
+                     r"\[default: 0\.75\]", text)
+    assert re.search(r"--kd-temperature <float> fedelmy-kd, fedseq-kd: the distillation's temperature T\.[^-]*"
                      r"\[default: 2\.0\]", text)
-    assert re.search(r"--kd-ce-classes <all\|seen> fedelmy-kd: all .*\| seen .*\[default: all\]", text)
+    assert re.search(r"--kd-ce-classes <all\|seen> fedelmy-kd, fedseq-kd: all .*\| seen .*\[default: all\]", text)
 
 
 def test_bad_values_are_refused_naming_the_flag_before_the_coordinator_is_called():
@@ -55,6 +57,9 @@ def test_differential_privacy_refuses_the_strategy_by_name():
     with pytest.raises(ValueError, match="--strategy fedelmy-kd: differential privacy .* reads the set of classes"):
         privacy.check({**BASE, "selection": "last-epoch", "dp_noise_multiplier": 1.0})
     assert "fedelmy-kd" not in privacy.covered() and "fedelmy" in privacy.covered()
+    with pytest.raises(ValueError, match="--strategy fedseq-kd: differential privacy .* reads the set of classes"):
+        privacy.check({**BASE, "strategy": "fedseq-kd", "selection": "last-epoch", "dp_noise_multiplier": 1.0})
+    assert "fedseq-kd" not in privacy.covered() and "fedseq" in privacy.covered()
 
 
 # -- training in-process, on tiny data -----------------------------------------------------------
@@ -87,6 +92,15 @@ def visit(chain, m0, site, strategy, **options):
     return run_site(m0, spec, train, val, cfg, 10 + site, "cpu", options=params.options(run))
 
 
+def visit_finished(chain, m0, site, strategy, finished, **options):
+    from fedrelay.peer.training import TrainConfig, run_site
+
+    run = {**BASE, "strategy": strategy, **options}
+    cfg = TrainConfig(**params.train_config(run))
+    train, val = chain[site]
+    return run_site(m0, chain[0], train, val, cfg, 10 + site, "cpu", options=params.options(run), finished=finished)
+
+
 def same(a, b) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -116,6 +130,22 @@ def test_without_its_terms_the_strategy_is_fedelmy_bit_for_bit(chain):
     distilled, _ = visit(chain, first, 2, "fedelmy-kd", kd_weight=3.0, kd_ce_classes="all")
     restricted, _ = visit(chain, first, 2, "fedelmy-kd", kd_weight=0.0, kd_ce_classes="seen")
     assert not same(distilled, send) and not same(restricted, send) and not same(distilled, restricted)
+
+
+def test_fedseq_kd_is_fedseq_without_its_terms_and_distils_with_them(chain):
+    """``fedseq-kd`` (the extension without the pool): FedSeq's visit bit for bit at weight 0 and
+    every class's CE; the distillation changes the received site's model, not the first site's."""
+    first, _ = visit(chain, None, 1, "fedseq")
+    send, pool = visit(chain, first, 2, "fedseq")
+    first_kd, _ = visit(chain, None, 1, "fedseq-kd", kd_weight=3.0, kd_ce_classes="all")
+    send_kd, pool_kd = visit(chain, first, 2, "fedseq-kd", kd_weight=0.0, kd_ce_classes="all")
+    assert same(first, first_kd) and same(send, send_kd) and len(pool_kd) == 2 and same(pool_kd[1], send_kd)
+    distilled, _ = visit(chain, first, 2, "fedseq-kd", kd_weight=0.75, kd_ce_classes="all")
+    restricted, _ = visit(chain, first, 2, "fedseq-kd", kd_weight=0.0, kd_ce_classes="seen")
+    assert not same(distilled, send) and not same(restricted, send) and not same(distilled, restricted)
+    # resume: the trained model handed back as finished is sent as it is, without training
+    again, _ = visit_finished(chain, first, 2, "fedseq-kd", [distilled], kd_weight=0.75)
+    assert same(again, distilled)
 
 
 def test_the_loss_terms():

@@ -28,8 +28,15 @@ the data terms, as it stays below CE in FedELMY. With ``kd_weight = 0`` and ``kd
 "all"`` (or a site that holds every class, at the first site) ``L`` is the task's loss and the
 visit is FedELMY's, bit for bit.
 
+The default weight 0.75 is the probe's of issue #25 ("KL at temperature 2, weight 3") read
+without the ``T^2`` factor (3 / T^2 = 0.75); our first default, 3.0, multiplied ``T^2 * KL``
+(an effective 12 on the KL) and fell below FedSeq and FedELMY on the full-data chains at S = 1;
+0.75 was above 3.0 in every cell paired by seed (the KD-weight study beside the grid in
+bench/RESULTS.md, generated from its cells, says by how much and against FedSeq and FedELMY;
+docs/explanation/fedelmy-kd.md).
+
 Options (declared in :mod:`fedrelay.registry`, typed and checked before they reach
-:func:`train`): ``kd_weight`` (float >= 0, default 3.0), ``kd_temperature`` (float > 0, default
+:func:`train`): ``kd_weight`` (float >= 0, default 0.75), ``kd_temperature`` (float > 0, default
 2.0), ``kd_ce_classes`` (``"all"`` | ``"seen"``, default ``"all"``). Not available under
 differential privacy (``fedrelay.privacy.check`` refuses it): the set of classes a site holds is
 a statistic of its data that DP-SGD does not noise.
@@ -54,7 +61,8 @@ from ..train_config import TrainConfig
 from ..training_loop import EpochCallback
 from . import fedelmy
 
-__all__ = ["train", "models_to_keep", "ForgettingLoss", "distillation", "seen_classes", "SEEN", "ALL"]
+__all__ = ["train", "models_to_keep", "forgetting_loss", "ForgettingLoss", "distillation", "seen_classes", "SEEN",
+           "ALL"]
 
 SEEN, ALL = "seen", "all"   # kd_ce_classes' choices
 
@@ -79,25 +87,37 @@ def train(m0: Mapping[str, Tensor], spec: ModelSpec, train, val, cfg: TrainConfi
         ValueError: bad config, data or states (as :func:`fedelmy.train_pool`), or a bad option
             value (named by its flag).
     """
+    train, val = check_site_data(spec, train, val)
+    loss = forgetting_loss("fedelmy-kd", m0, spec, train[1], device, options=options, received=received)
+    return fedelmy.train_pool(m0, spec, train, val, cfg, seed, device, finished=finished, on_epoch=on_epoch,
+                              on_model=on_model, batch_loss=loss if loss.active else None)
+
+
+def forgetting_loss(strategy: str, m0: Mapping[str, Tensor], spec: ModelSpec, labels: Tensor, device, *,
+                    options: Mapping[str, object], received: bool) -> "ForgettingLoss":
+    """The :class:`ForgettingLoss` of one visit of ``strategy`` (``fedelmy-kd`` or ``fedseq-kd``,
+    whose registry entries declare the ``kd_*`` options): the teacher is ``m0`` (eval mode, no
+    gradient, on ``device``) when ``received`` and ``kd_weight != 0``; the seen classes are
+    those of ``labels`` (int64 ``N``, the site's training labels) when ``kd_ce_classes ==
+    "seen"``. Options not given take their declared defaults.
+
+    Raises:
+        ValueError: a bad option value (named by its flag).
+    """
     from fedrelay import registry
 
-    declared = registry.strategy("fedelmy-kd").options
+    declared = registry.strategy(strategy).options
     options = {**registry.defaults(declared), **options}
     for option in declared:
         option.check(options[option.name])
     weight, temperature = float(options["kd_weight"]), float(options["kd_temperature"])
-    classes = options["kd_ce_classes"]
-    train, val = check_site_data(spec, train, val)
-    task = tasks.resolve(spec)
-    seen = seen_classes(train[1], spec.num_classes) if classes == SEEN else None
+    seen = seen_classes(labels, spec.num_classes) if options["kd_ce_classes"] == SEEN else None
     teacher = None
     if received and weight != 0.0:
         teacher = build_loaded(spec, m0).to(device).eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
-    loss = ForgettingLoss(task, teacher=teacher, weight=weight, temperature=temperature, seen=seen)
-    return fedelmy.train_pool(m0, spec, train, val, cfg, seed, device, finished=finished, on_epoch=on_epoch,
-                              on_model=on_model, batch_loss=loss if loss.active else None)
+    return ForgettingLoss(tasks.resolve(spec), teacher=teacher, weight=weight, temperature=temperature, seen=seen)
 
 
 def models_to_keep(cfg: TrainConfig) -> int:

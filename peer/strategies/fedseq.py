@@ -22,7 +22,7 @@ from ..determinism import derive_seed, seeded_generator
 from ..model_pool import ModelCallback, fill_pool
 from ..site_data import check_site_data
 from ..train_config import TrainConfig
-from ..training_loop import EpochCallback, fit
+from ..training_loop import BatchLoss, EpochCallback, fit
 
 __all__ = ["train", "models_to_keep", "train_fedseq"]
 
@@ -54,7 +54,7 @@ def models_to_keep(cfg: TrainConfig) -> int:
 
 
 def train_fedseq(m0: Mapping[str, Tensor], spec: ModelSpec, train, val, cfg: TrainConfig, seed: int, device,
-                 on_epoch: EpochCallback | None = None) -> State:
+                 on_epoch: EpochCallback | None = None, batch_loss: BatchLoss | None = None) -> State:
     """The FedSeq baseline at one site: one model from ``m0``, plain CE, S*E epochs.
 
     Same optimiser, batching and selection as FedELMY's pool models
@@ -62,7 +62,9 @@ def train_fedseq(m0: Mapping[str, Tensor], spec: ModelSpec, train, val, cfg: Tra
     Neither FedSeq nor its hyperparameters are in the reference repository
     (reference-code §1.7); S*E epochs give it the same local compute as
     FedELMY (paper section 4.3.2).  ``on_epoch`` gets ``stage="fedseq"``, ``model=0``,
-    ``epochs=S*E``.
+    ``epochs=S*E``.  ``batch_loss`` (an extension's hook, not the baseline's: ``fedseq-kd``,
+    :mod:`fedrelay.peer.strategies.fedseq_kd`) replaces the task's loss of every batch; None
+    (the default): plain CE, arithmetic unchanged.
 
     Returns:
         The selected state (new CPU tensors).
@@ -77,5 +79,5 @@ def train_fedseq(m0: Mapping[str, Tensor], spec: ModelSpec, train, val, cfg: Tra
     return fit(
         model, train, val, cfg, seeded_generator(derive_seed(seed, "fedseq")), device,
         epochs=cfg.models_per_site * cfg.local_epochs, stage="fedseq", index=0, on_epoch=on_epoch,
-        task=tasks.resolve(spec),
+        task=tasks.resolve(spec), batch_loss=batch_loss,
     )
