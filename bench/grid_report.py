@@ -317,6 +317,7 @@ def publish(store: CellStore, cfg: GridConfig, args, current: str, started: floa
     tables, notes, plots = [], [], []
     for tag in tags:
         figures = blocks(cells.get(tag, {}))
+        their_figures = blocks(pair_cells.get(tag, {})) if pair else {}  # once per recipe, not per Dirichlet
         first = next((c for by_seed in cells.get(tag, {}).values() for ms in by_seed.values() for c in ms.values()),
                      None)
         recipe = (first or {}).get("recipe") or {"tag": tag, "about": "no cell yet"}
@@ -326,7 +327,7 @@ def publish(store: CellStore, cfg: GridConfig, args, current: str, started: floa
         for key in [k for k in figures if k.startswith("dir")]:
             tables.append(table(tag, about, figures[key], cfg))
             notes += [f"Recipe {tag}: {line}" for line in reading(figures[key])]
-            theirs = blocks(pair_cells.get(tag, {})).get(key) if pair else None
+            theirs = their_figures.get(key)
             if theirs:
                 notes += [f"Recipe {tag}: {line}" for line in paired_study(figures[key], theirs, pair)]
         plots += plot(tag, figures, Path(args.plots) / f"{prefix}{tag}.png")
