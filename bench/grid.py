@@ -40,7 +40,7 @@ import sys
 from pathlib import Path
 
 from bench.common import BENCH, REPO, failed, finish, grid_args, grid_flags, log, meta, study_start
-from bench.grid_cells import CellStore, commit_cell, plan
+from bench.grid_cells import CellStore, commit_cell, each, plan
 from bench.grid_methods import (DEFAULT_METHODS, METHODS, RECIPES, REFS, GridConfig, check_build, probe_start_chain,
                                 recipe_tag, reference_options, train_config_fields)
 from bench.grid_report import check_paired, publish
@@ -157,8 +157,7 @@ def machine(device: str) -> dict:
 def _estimate(store: CellStore, recipe: str, method: str) -> float:
     """Seconds a cell of ``method`` will take: the median over the study's earlier cells of it in
     this recipe, else over all its cells of this recipe, else 0."""
-    cells = [c for by_seed in store.all().get(recipe, {}).values() for ms in by_seed.values() for c in ms.values()
-             if "seconds" in c]
+    cells = [c for *_, c in each(store.all().get(recipe, {})) if "seconds" in c]
     own = [c["seconds"] for c in cells if c.get("method") == method]
     return statistics.median(own or [c["seconds"] for c in cells] or [0.0])
 
