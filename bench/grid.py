@@ -40,6 +40,7 @@ import sys
 from pathlib import Path
 
 from bench.common import BENCH, REPO, failed, finish, grid_args, grid_flags, log, meta, study_start
+from bench.bn_oracle import BnOracle, final_model_file
 from bench.grid_cells import CellStore, commit_cell, each, plan
 from bench.grid_methods import (DEFAULT_METHODS, METHODS, RECIPES, REFS, GridConfig, check_build, probe_start_chain,
                                 recipe_tag, reference_options, train_config_fields)
@@ -255,6 +256,7 @@ def main(argv=None) -> dict:
             if daemon:
                 log(f"Dirichlet {a:g} seed {seed}: starting {len(dirs)} peers for {daemon}")
                 try:
+                    oracle = None  # the split's data for bench.bn_oracle, loaded at the group's first cell
                     with lt.LocalTrial(work / "trial", dirs, device=args.device,
                                        peer_args=["--worker-slots", str(args.worker_slots)]) as trial:
                         for m in daemon:
@@ -265,6 +267,8 @@ def main(argv=None) -> dict:
                                 failed(failures, f"Dirichlet {a:g} seed {seed} {m}", exc, m)
                                 continue
                             cell["args"] = cfg.chain_args(m)
+                            oracle = oracle or BnOracle(dirs, args.model)
+                            cell["bn_oracle"] = bn_oracle_of(oracle, trial.workdir, cell)
                             land(cell, seed, a, m)
                 except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
                     failed(failures, f"Dirichlet {a:g} seed {seed}", exc)
@@ -281,6 +285,16 @@ def main(argv=None) -> dict:
     except Stop as why:
         log(f"stopping between cells: {why}")
     return finish(publish(store, cfg, args, tag, started, failures), started, failures, args.quick)
+
+
+def bn_oracle_of(oracle: BnOracle, trial_dir: Path, cell: dict) -> dict | None:
+    """``bench.bn_oracle``'s figures for the final model of a daemon cell, or ``{"error": why}``
+    when they cannot be had (the cell itself stands: the oracle is a reading beside it)."""
+    try:
+        return oracle.measure(final_model_file(trial_dir, cell))
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        log(f"  BatchNorm oracle not measured: {exc}")
+        return {"error": str(exc)[:500]}
 
 
 def reference_cell(dirs, cfg: GridConfig, seed: int, method: str, args, options: dict) -> dict:
