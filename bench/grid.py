@@ -40,7 +40,8 @@ import sys
 from pathlib import Path
 
 from bench.common import BENCH, REPO, failed, finish, grid_args, grid_flags, log, meta, study_start
-from bench.grid_cells import CellStore, commit_cell, plan
+from bench.bn_oracle import BnOracle, final_model_file
+from bench.grid_cells import CellStore, commit_cell, each, plan
 from bench.grid_methods import (DEFAULT_METHODS, METHODS, RECIPES, REFS, GridConfig, check_build, probe_start_chain,
                                 recipe_tag, reference_options, train_config_fields)
 from bench.grid_report import check_paired, publish
@@ -157,8 +158,7 @@ def machine(device: str) -> dict:
 def _estimate(store: CellStore, recipe: str, method: str) -> float:
     """Seconds a cell of ``method`` will take: the median over the study's earlier cells of it in
     this recipe, else over all its cells of this recipe, else 0."""
-    cells = [c for by_seed in store.all().get(recipe, {}).values() for ms in by_seed.values() for c in ms.values()
-             if "seconds" in c]
+    cells = [c for *_, c in each(store.all().get(recipe, {})) if "seconds" in c]
     own = [c["seconds"] for c in cells if c.get("method") == method]
     return statistics.median(own or [c["seconds"] for c in cells] or [0.0])
 
@@ -256,6 +256,7 @@ def main(argv=None) -> dict:
             if daemon:
                 log(f"Dirichlet {a:g} seed {seed}: starting {len(dirs)} peers for {daemon}")
                 try:
+                    oracle = None  # the split's data for bench.bn_oracle, loaded at the group's first cell
                     with lt.LocalTrial(work / "trial", dirs, device=args.device,
                                        peer_args=["--worker-slots", str(args.worker_slots)]) as trial:
                         for m in daemon:
@@ -266,6 +267,8 @@ def main(argv=None) -> dict:
                                 failed(failures, f"Dirichlet {a:g} seed {seed} {m}", exc, m)
                                 continue
                             cell["args"] = cfg.chain_args(m)
+                            oracle = oracle or BnOracle(dirs, args.model)
+                            cell["bn_oracle"] = bn_oracle_of(oracle, trial.workdir, cell)
                             land(cell, seed, a, m)
                 except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
                     failed(failures, f"Dirichlet {a:g} seed {seed}", exc)
@@ -282,6 +285,16 @@ def main(argv=None) -> dict:
     except Stop as why:
         log(f"stopping between cells: {why}")
     return finish(publish(store, cfg, args, tag, started, failures), started, failures, args.quick)
+
+
+def bn_oracle_of(oracle: BnOracle, trial_dir: Path, cell: dict) -> dict | None:
+    """``bench.bn_oracle``'s figures for the final model of a daemon cell, or ``{"error": why}``
+    when they cannot be had (the cell itself stands: the oracle is a reading beside it)."""
+    try:
+        return oracle.measure(final_model_file(trial_dir, cell))
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        log(f"  BatchNorm oracle not measured: {exc}")
+        return {"error": str(exc)[:500]}
 
 
 def reference_cell(dirs, cfg: GridConfig, seed: int, method: str, args, options: dict) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -59,6 +60,22 @@ class CellStore:
                 raise ValueError(f"{f}: not a cell ({exc})") from None
             out.setdefault(recipe, {}).setdefault(float(d[3:]), {}).setdefault(int(s[4:]), {})[f.stem] = cell
         return out
+
+
+def each(by_dirichlet: dict) -> Iterator[tuple[float, int, str, dict]]:
+    """``(Dirichlet, seed, method, cell)`` for every cell of one recipe's tree (a value of
+    :meth:`CellStore.all`: Dirichlet -> seed -> method -> cell), in the tree's order."""
+    for a, by_seed in by_dirichlet.items():
+        for s, ms in by_seed.items():
+            for m, c in ms.items():
+                yield a, s, m, c
+
+
+def every_cell(tree: dict) -> Iterator[dict]:
+    """Every cell of :meth:`CellStore.all`'s tree (recipe tag -> Dirichlet -> ...), in its order."""
+    for by_dirichlet in tree.values():
+        for *_, c in each(by_dirichlet):
+            yield c
 
 
 def plan(seeds_of: dict[float, list[int]], methods: list[str]) -> list[tuple[int, float, str]]:

@@ -70,14 +70,22 @@ def run_args(cell: dict) -> list[str]:
     """The ``start-chain`` arguments that run ``cell`` again today: its own ``args``, plus each
     method option (``fedrelay.registry``) it ran at a value other than today's default without
     naming it (a default changed since; read from the ``params`` the cell recorded)."""
+    args = list(cell.get("args") or ())
+    for o, value in implicit_options(cell):
+        args += [o.flag, str(value)]
+    return args
+
+
+def implicit_options(cell: dict) -> list[tuple]:
+    """``(option, value)`` for each method option (``fedrelay.registry``) that ``cell`` ran at
+    (its recorded ``params``) without naming its flag in its ``args``, at a value other than
+    today's default: a default that changed since the cell ran."""
     from fedrelay import registry
 
-    args = list(cell.get("args") or ())
+    args = cell.get("args") or ()
     params = cell.get("params") or {}
-    for o in registry.all_options():
-        if o.name in params and o.flag not in args and params[o.name] != o.default:
-            args += [o.flag, str(params[o.name])]
-    return args
+    return [(o, params[o.name]) for o in registry.all_options()
+            if o.name in params and o.flag not in args and params[o.name] != o.default]
 
 
 def _name(c: dict) -> str:

@@ -18,7 +18,7 @@ from bench.accuracy_figures import _pct, _stats, seed_summary
 from bench.bytes_plot import accuracy_against_bytes
 from bench.cells import dir_key
 from bench.common import record
-from bench.grid_cells import CellStore, plan
+from bench.grid_cells import CellStore, each, every_cell, plan
 from bench.grid_methods import CHAINS, FEDSEQS, LABELS, METHODS, REFS, STARS, GridConfig
 
 SECTION, SUB = "accuracy", "grid"
@@ -164,7 +164,7 @@ def check_paired(other: dict, study: str, cfg: GridConfig, this: str) -> None:
     cells ran at other settings than this study's (:data:`PAIRED_KEYS`), or with this study itself."""
     if study == this:
         raise SystemExit(f"--paired-with {study}: that is this study")
-    others = [c for t in other.values() for by_seed in t.values() for ms in by_seed.values() for c in ms.values()]
+    others = list(every_cell(other))
     if not others:
         raise SystemExit(f"--paired-with {study}: that study has no cell in this cells folder")
     mine = {k: cfg.config()[k] for k in PAIRED_KEYS}
@@ -181,15 +181,13 @@ def recipe_notes(tag: str, by_dirichlet: dict) -> list[str]:
     recipe's flags this build lacked), from the cells; says so when the cells disagree."""
     seen = {}
     extra: dict[str, set[str]] = {}  # method -> its own extra flags (--method-args), as the cells ran them
-    for by_seed in by_dirichlet.values():
-        for ms in by_seed.values():
-            for m, c in ms.items():
-                r = c.get("recipe") or {}
-                key = (tuple(sorted((r.get("flags") or {}).items())), tuple(r.get("notes") or ()))
-                seen[key] = seen.get(key, 0) + 1
-                flags = ((c.get("config") or {}).get("method_args") or {}).get(m)
-                if flags:
-                    extra.setdefault(m, set()).add(" ".join(flags))
+    for _, _, m, c in each(by_dirichlet):
+        r = c.get("recipe") or {}
+        key = (tuple(sorted((r.get("flags") or {}).items())), tuple(r.get("notes") or ()))
+        seen[key] = seen.get(key, 0) + 1
+        flags = ((c.get("config") or {}).get("method_args") or {}).get(m)
+        if flags:
+            extra.setdefault(m, set()).add(" ".join(flags))
     out = []
     for (flags, build), n in seen.items():
         out.append(f"Recipe {tag}: every method's `start-chain` got {' '.join(f'{k} {v}' for k, v in flags) or 'no flags'}"
@@ -199,7 +197,33 @@ def recipe_notes(tag: str, by_dirichlet: dict) -> list[str]:
     for m, flags in sorted(extra.items()):
         out.append(f"Recipe {tag}: {LABELS.get(m, m)} ran with its own extra `start-chain` flags "
                    f"{' | '.join(f'`{f}`' for f in sorted(flags))} (--method-args).")
-    return out + option_notes(tag, by_dirichlet)
+    return out + option_notes(tag, by_dirichlet) + bn_oracle_notes(tag, by_dirichlet)
+
+
+def bn_oracle_notes(tag: str, by_dirichlet: dict) -> list[str]:
+    """Per Dirichlet, what the BatchNorm oracle (``bench.bn_oracle``: the final model's BatchNorm
+    statistics recomputed over every site's training data) changes in the final accuracy, over
+    the cells that recorded it: mean ± sample std in points, the range, and per method."""
+    out = []
+    for a, by_seed in sorted(by_dirichlet.items(), reverse=True):
+        diffs: dict[str, list[float]] = {}
+        for _, _, m, c in each({a: by_seed}):
+            o = c.get("bn_oracle") or {}
+            if "oracle_accuracy" in o:
+                diffs.setdefault(m, []).append(o["oracle_accuracy"] - o["accuracy"])
+        every = [d for ds in diffs.values() for d in ds]
+        if not every:
+            continue
+        mean, std = _stats(every)
+        spread = f" ± {100 * std:.2f}" if len(every) > 1 else ""
+        per = "; ".join(f"{LABELS.get(m, m)} {100 * _stats(ds)[0]:+.2f} (n = {len(ds)})" for m, ds in sorted(diffs.items()))
+        out.append(f"Recipe {tag}: Dirichlet({a:g}): BatchNorm statistics recomputed over every site's training data "
+                   "(an oracle: no site holds that data; the most that carrying BatchNorm statistics along a chain, or "
+                   f"pooling them better in a star, could give the final weights; bench/bn_oracle.py) change the "
+                   f"final accuracy by "
+                   f"{100 * mean:+.2f}{spread} points over {len(every)} cell(s) (from {100 * min(every):+.2f} to "
+                   f"{100 * max(every):+.2f}; per method: {per}).")
+    return out
 
 
 def option_notes(tag: str, by_dirichlet: dict) -> list[str]:
@@ -208,33 +232,27 @@ def option_notes(tag: str, by_dirichlet: dict) -> list[str]:
     would mix; and a method option (``fedrelay.registry``) that the cells' ``start-chain`` did not
     get but at which every cell of a method ran with a value other than today's default (the
     default changed since), so that a reader does not take today's default for what they ran."""
-    from fedrelay import registry
+    from bench.grid_recommend import implicit_options
 
-    defaults = {o.name: o for o in registry.all_options()}
     by_method: dict[str, dict[str, dict]] = {}
-    given: dict[str, set[str]] = {}  # method -> the flags its cells' start-chain got
-    for a, by_seed in sorted(by_dirichlet.items(), reverse=True):
-        for seed, ms in sorted(by_seed.items()):
-            for m, c in ms.items():
-                if c.get("params"):
-                    by_method.setdefault(m, {})[f"Dir({a:g}) seed {seed}"] = c["params"]
-                    given.setdefault(m, set()).update(c.get("args") or ())
+    for a, seed, m, c in sorted(each(by_dirichlet), key=lambda t: (-t[0], t[1])):
+        if c.get("params"):
+            by_method.setdefault(m, {})[f"Dir({a:g}) seed {seed}"] = c
     out = []
     for m, cells in sorted(by_method.items()):
-        keys = sorted({k for p in cells.values() for k in p})
+        implicit = [{o.name: (o, v) for o, v in implicit_options(c)} for c in cells.values()]
+        keys = sorted({k for c in cells.values() for k in c["params"]})
         for k in keys:
             values: dict[str, list[str]] = {}
-            for where, p in cells.items():
-                values.setdefault(repr(p.get(k)), []).append(where)
+            for where, c in cells.items():
+                values.setdefault(repr(c["params"].get(k)), []).append(where)
             if len(values) > 1:
                 out.append(f"Recipe {tag}: {LABELS.get(m, m)}'s cells differ in {k}: "
                            + "; ".join(f"{v} at {', '.join(w)}" for v, w in values.items())
                            + " (its figures mix them).")
-            elif (k in defaults and defaults[k].flag not in given[m]
-                  and next(iter(cells.values())).get(k) != defaults[k].default):
-                o = defaults[k]
-                out.append(f"Recipe {tag}: {LABELS.get(m, m)} ran with {o.flag} {next(iter(cells.values()))[k]} "
-                           f"(today's default: {o.default}).")
+            elif all(k in i for i in implicit):
+                o, v = implicit[0][k]
+                out.append(f"Recipe {tag}: {LABELS.get(m, m)} ran with {o.flag} {v} (today's default: {o.default}).")
     return out
 
 
@@ -318,8 +336,7 @@ def publish(store: CellStore, cfg: GridConfig, args, current: str, started: floa
     for tag in tags:
         figures = blocks(cells.get(tag, {}))
         their_figures = blocks(pair_cells.get(tag, {})) if pair else {}  # once per recipe, not per Dirichlet
-        first = next((c for by_seed in cells.get(tag, {}).values() for ms in by_seed.values() for c in ms.values()),
-                     None)
+        first = next((c for *_, c in each(cells.get(tag, {}))), None)
         recipe = (first or {}).get("recipe") or {"tag": tag, "about": "no cell yet"}
         about = f"{recipe.get('about')}, model {recipe.get('model', '?')}"
         data["recipes"][tag] = {**figures, "recipe": recipe}
@@ -337,10 +354,9 @@ def publish(store: CellStore, cfg: GridConfig, args, current: str, started: floa
               for gap in gaps] or [f"Cells missing from the planned grid ({seeds}; {len(args.methods)} methods): none."]
     if gaps and not args.quick:
         notes.append(f"To compute them (finished cells are skipped): `{args.resume_command}`.")
-    commits = sorted({c.get("commit", "?") for t in cells.values() for by_seed in t.values() for ms in by_seed.values()
-                      for c in ms.values()})
+    commits = sorted({c.get("commit", "?") for c in every_cell(cells)})
     machines: dict[str, int] = {}
-    for c in (c for t in cells.values() for by_seed in t.values() for ms in by_seed.values() for c in ms.values()):
+    for c in every_cell(cells):
         m = c.get("machine", {})
         where = f"{m.get('cpu', '?')}, device {m.get('device', '?')}" + (f" ({m['gpu']})" if m.get("gpu") else "")
         machines[where] = machines.get(where, 0) + 1

@@ -188,6 +188,10 @@ def test_grid_quick_stops_between_cells_and_resumes(tmp_path, idx_source, shared
         assert c["seed"] == 0 and c["dirichlet"] == 0.5 and c["recipe"]["tag"] == RECIPE and c["machine"]["cpu"]
         assert c["commit"] and c["seconds"] > 0
     assert done["fedelmy"]["bytes"]["to_model_bytes"] == 2 * done["fedelmy"]["bytes"]["model_bytes"]  # 3 sites: 2 hops
+    for m in ("fedelmy", "fedavg"):  # the BatchNorm oracle read the run's own final model: same accuracy as is
+        o = done[m]["bn_oracle"]
+        assert o["accuracy"] == pytest.approx(done[m]["accuracy"]) and 0.0 <= o["oracle_accuracy"] <= 1.0, o
+        assert o["bn_layers"] == 2
     assert f"recipe {RECIPE}: 2 of 3 planned cells done; missing: local_only in every cell." in "\n".join(first["notes"])
     second = grid.main(args)
     after = CellStore(cells, study).all()[RECIPE][0.5][0]
@@ -197,6 +201,8 @@ def test_grid_quick_stops_between_cells_and_resumes(tmp_path, idx_source, shared
     rows = {r[0]: r for r in second["tables"][0]["rows"]}
     assert set(rows) == {"FedELMY (paper)", "FedAvg (sample-weighted)", "local only"}
     assert rows["FedAvg (sample-weighted)"][4] == "yes" and rows["local only"][3] == "0 (no transfer)"
+    assert any(n.startswith(f"Recipe {RECIPE}: Dirichlet(0.5): BatchNorm statistics recomputed over every site's")
+               and "over 2 cell(s)" in n for n in second["notes"]), second["notes"]
     assert any(n.startswith(f"Recipe {RECIPE}: every method's `start-chain` got ") and "--model cnn" in n
                and "--lr-schedule constant" in n and "--augment none" in n for n in second["notes"]), second["notes"]
 

@@ -214,3 +214,64 @@ def test_commit_cell_commits_that_file_only(tmp_path, tmp_path_factory):
     assert "A  other.txt" in git("status", "--porcelain")
     outside = CellStore(tmp_path_factory.mktemp("nogit"), "s").put({"accuracy": 0.5}, RECIPE, 0.5, 0, "fedelmy")
     assert "git add" in (commit_cell(outside, "cell") or "")  # git's reason, no exception
+
+
+def test_bn_oracle_recomputes_the_statistics_over_every_sites_training_data(tmp_path, three_sites, one_torch_thread):
+    """bench.bn_oracle: the oracle replaces a model's BatchNorm statistics by the sites' training
+    data's (a model that already has them keeps its accuracy, and both end equal); the final
+    model's file is found by its digest, and a wrong digest is refused."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import save_file
+
+    from bench.bn_oracle import BnOracle, final_model_file
+    from fedrelay.models import build_model
+
+    oracle = BnOracle(three_sites, "cnn")
+    torch.manual_seed(0)
+    net = build_model(oracle.spec)
+    state = {k: v.clone().contiguous() for k, v in net.state_dict().items()}
+    for k in state:  # statistics nothing like the data's
+        if k.endswith("running_mean"):
+            state[k] += 5.0
+    run = tmp_path / "state" / "site-01" / "runs" / "r1"
+    run.mkdir(parents=True)
+    save_file(state, str(run / "final.safetensors"))
+    off = oracle.measure(run / "final.safetensors")
+    assert off["bn_layers"] == 2 and 0.0 <= off["accuracy"] <= 1.0
+    # measured again from the oracle's statistics, the oracle changes nothing more
+    net.load_state_dict(state)
+    for m in net.modules():
+        if isinstance(m, torch.nn.BatchNorm2d | torch.nn.BatchNorm1d):
+            m.reset_running_stats()
+            m.momentum = None
+            m.train()
+    with torch.no_grad():
+        for start in range(0, len(oracle.train_images), oracle.batch_size):
+            net(oracle.task.batch(oracle.train_images[start:start + oracle.batch_size], train=True))
+    fixed = {k: v.contiguous() for k, v in net.state_dict().items()}
+    save_file(fixed, str(tmp_path / "fixed.safetensors"))
+    again = oracle.measure(tmp_path / "fixed.safetensors")
+    assert again["accuracy"] == pytest.approx(again["oracle_accuracy"]) == pytest.approx(off["oracle_accuracy"])
+    sha = hashlib.sha256((run / "final.safetensors").read_bytes()).hexdigest()
+    cell = {"run_id": "r1", "final_site": "site-00", "sha256": sha}
+    assert final_model_file(tmp_path, cell) == run / "final.safetensors"  # another site's copy
+    with pytest.raises(FileNotFoundError, match="no file of run r1's final model"):
+        final_model_file(tmp_path, {**cell, "sha256": "0" * 64})
+
+
+def test_bn_oracle_notes_read_the_cells_that_recorded_it():
+    from bench.grid_report import bn_oracle_notes
+
+    def cell(m, acc, oracle):
+        return {"method": m, "accuracy": acc, "bn_oracle": {"accuracy": acc, "oracle_accuracy": oracle, "bn_layers": 2}}
+
+    tree = {0.1: {0: {"fedseq_last_epoch": cell("fedseq_last_epoch", 0.40, 0.38), "fedelmy": cell("fedelmy", 0.5, 0.56),
+                      "local_only": {"method": "local_only", "accuracy": 0.3}},
+                  1: {"fedelmy": {**cell("fedelmy", 0.5, 0.5), "bn_oracle": {"error": "no file"}}}},
+            0.5: {0: {"fedelmy": {"method": "fedelmy", "accuracy": 0.8}}}}
+    notes = bn_oracle_notes(RECIPE, tree)
+    assert len(notes) == 1 and notes[0].startswith(f"Recipe {RECIPE}: Dirichlet(0.1): BatchNorm statistics")
+    assert "by +2.00 ± 5.66 points over 2 cell(s) (from -2.00 to +6.00; per method: FedELMY (paper) +6.00 (n = 1); " \
+           "FedSeq, last epoch -2.00 (n = 1))." in notes[0]
