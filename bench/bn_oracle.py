@@ -46,7 +46,9 @@ def final_model_file(trial_dir: Path, cell: dict) -> Path:
 
 
 class BnOracle:
-    """The sites' data of one split, loaded once, to measure final models against.
+    """The sites' data of one split, to measure final models against; loaded at the first
+    :meth:`measure` (so that making one costs nothing, and a split that cannot be read fails
+    there, as a measurement).
 
     Args:
         dirs: the split's site folders (image-folder layout, ``train/`` and ``test/``).
@@ -55,21 +57,29 @@ class BnOracle:
     """
 
     def __init__(self, dirs: list[Path], model: str, batch_size: int = 512):
+        self.dirs, self.model, self.batch_size = list(dirs), model, int(batch_size)
+        self.spec = None
+
+    def load(self) -> None:
+        """Read the sites' folders (once): :attr:`spec`, :attr:`task`, :attr:`test` (images,
+        labels), :attr:`train_images`."""
+        if self.spec is not None:
+            return
         import torch
 
         from fedrelay.tasks import resolve
         from fedrelay.tasks.image_folder import spec as image_spec
         from fedrelay.tasks.image_folder.data import load_site
 
-        sites = [load_site(d) for d in dirs]
+        sites = [load_site(d) for d in self.dirs]
         classes = sorted({c for s in sites for c in s.class_names})
         c, h, w = sites[0].image_shape
-        self.spec = image_spec(model, c, (h, w), len(classes))
-        self.task = resolve(self.spec)
         tests = [s.tensors("test", classes) for s in sites]
         self.test = torch.cat([t[0] for t in tests]), torch.cat([t[1] for t in tests])
         self.train_images = torch.cat([s.tensors("train", classes)[0] for s in sites])
-        self.batch_size = int(batch_size)
+        spec = image_spec(self.model, c, (h, w), len(classes))
+        self.task = resolve(spec)
+        self.spec = spec  # last: a failed load leaves the oracle unloaded
 
     def measure(self, path: Path) -> dict | None:
         """The model at ``path`` (safetensors, e.g. :func:`final_model_file`) as it is and with
@@ -82,8 +92,10 @@ class BnOracle:
             of the sites' test splits.
 
         Raises:
-            OSError: the file cannot be read; ``safetensors``' own errors for a file that is not one.
+            OSError: the file or the sites' folders cannot be read; ValueError: a site folder that
+            is not one; ``safetensors``' own errors for a file that is not one.
         """
+        self.load()
         import torch
         from safetensors.torch import load_file
 

@@ -256,7 +256,7 @@ def main(argv=None) -> dict:
             if daemon:
                 log(f"Dirichlet {a:g} seed {seed}: starting {len(dirs)} peers for {daemon}")
                 try:
-                    oracle = None  # the split's data for bench.bn_oracle, loaded at the group's first cell
+                    oracle = BnOracle(dirs, args.model)  # reads the split at its first measurement
                     with lt.LocalTrial(work / "trial", dirs, device=args.device,
                                        peer_args=["--worker-slots", str(args.worker_slots)]) as trial:
                         for m in daemon:
@@ -267,7 +267,6 @@ def main(argv=None) -> dict:
                                 failed(failures, f"Dirichlet {a:g} seed {seed} {m}", exc, m)
                                 continue
                             cell["args"] = cfg.chain_args(m)
-                            oracle = oracle or BnOracle(dirs, args.model)
                             cell["bn_oracle"] = bn_oracle_of(oracle, trial.workdir, cell)
                             land(cell, seed, a, m)
                 except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:

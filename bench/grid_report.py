@@ -207,10 +207,11 @@ def bn_oracle_notes(tag: str, by_dirichlet: dict) -> list[str]:
     out = []
     for a, by_seed in sorted(by_dirichlet.items(), reverse=True):
         diffs: dict[str, list[float]] = {}
-        for _, _, m, c in each({a: by_seed}):
-            o = c.get("bn_oracle") or {}
-            if "oracle_accuracy" in o:
-                diffs.setdefault(m, []).append(o["oracle_accuracy"] - o["accuracy"])
+        for ms in by_seed.values():
+            for m, c in ms.items():
+                o = c.get("bn_oracle") or {}
+                if "oracle_accuracy" in o:
+                    diffs.setdefault(m, []).append(o["oracle_accuracy"] - o["accuracy"])
         every = [d for ds in diffs.values() for d in ds]
         if not every:
             continue
@@ -219,9 +220,8 @@ def bn_oracle_notes(tag: str, by_dirichlet: dict) -> list[str]:
         per = "; ".join(f"{LABELS.get(m, m)} {100 * _stats(ds)[0]:+.2f} (n = {len(ds)})" for m, ds in sorted(diffs.items()))
         out.append(f"Recipe {tag}: Dirichlet({a:g}): BatchNorm statistics recomputed over every site's training data "
                    "(an oracle: no site holds that data; the most that carrying BatchNorm statistics along a chain, or "
-                   f"pooling them better in a star, could give the final weights; bench/bn_oracle.py) change the "
-                   f"final accuracy by "
-                   f"{100 * mean:+.2f}{spread} points over {len(every)} cell(s) (from {100 * min(every):+.2f} to "
+                   "pooling them better in a star, could give the final weights; bench/bn_oracle.py) change the "
+                   f"final accuracy by {100 * mean:+.2f}{spread} points over {len(every)} cell(s) (from {100 * min(every):+.2f} to "
                    f"{100 * max(every):+.2f}; per method: {per}).")
     return out
 

@@ -229,6 +229,7 @@ def test_bn_oracle_recomputes_the_statistics_over_every_sites_training_data(tmp_
     from fedrelay.models import build_model
 
     oracle = BnOracle(three_sites, "cnn")
+    oracle.load()
     torch.manual_seed(0)
     net = build_model(oracle.spec)
     state = {k: v.clone().contiguous() for k, v in net.state_dict().items()}
