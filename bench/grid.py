@@ -107,11 +107,11 @@ def parse(argv):
     ap.add_argument("--maecho-eta", type=float, default=0.05)
     ap.add_argument("--method-args", action="append", default=[], metavar="METHOD=FLAGS",
                     help="more start-chain flags for one method, e.g. 'ofasd=--ofasd-epochs 20' (repeatable)")
-    ap.add_argument("--paired-with", default=None, metavar="STUDY",
+    ap.add_argument("--paired-with", action="append", default=[], metavar="STUDY",
                     help="also pair this study's methods, seed by seed, with FedELMY, the strongest FedSeq and the "
                     "same method in STUDY's cells (same cells folder and recipe; the same sites, data, S, E, Ew, "
                     "alpha, beta and init, else refused): for a study that changes one method's flags, e.g. "
-                    "--method-args 'fedelmy-kd=--kd-weight 0.75'")
+                    "--method-args 'fedelmy-kd=--kd-weight 0.75' (repeatable: one pairing per STUDY)")
     argv = list(argv or [])
     args = grid_args(ap, argv, "bench.grid", METHODS, maecho_tau=3)
     if args.quick and not any(a == "--methods" or a.startswith("--methods=") for a in argv):
@@ -181,8 +181,8 @@ def main(argv=None) -> dict:
     recipe_flags, cannot, build_notes = check_build(recipe, args.model, args.methods, flags, strategies)
     cfg = GridConfig(args, recipe_flags)
     store = CellStore(cells_root, args.study or cfg.study)
-    if args.paired_with:  # refused before any cell is computed, not only when publishing at the end
-        check_paired(CellStore(cells_root, args.paired_with).all(), args.paired_with, cfg, store.study)
+    for pair in args.paired_with:  # refused before any cell is computed, not only when publishing at the end
+        check_paired(CellStore(cells_root, pair).all(), pair, cfg, store.study)
     ref_options = None
     log(f"cells {store.base / tag}; workdir {work}; recipe {tag} {recipe_flags}")
     for note in build_notes:

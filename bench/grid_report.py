@@ -221,8 +221,9 @@ def bn_oracle_notes(tag: str, by_dirichlet: dict) -> list[str]:
         out.append(f"Recipe {tag}: Dirichlet({a:g}): BatchNorm statistics recomputed over every site's training data "
                    "(an oracle: no site holds that data; the most that carrying BatchNorm statistics along a chain, or "
                    "pooling them better in a star, could give the final weights; bench/bn_oracle.py) change the "
-                   f"final accuracy by {100 * mean:+.2f}{spread} points over {len(every)} cell(s) (from {100 * min(every):+.2f} to "
-                   f"{100 * max(every):+.2f}; per method: {per}).")
+                   f"final accuracy by {100 * mean:+.2f}{spread} points over {len(every)} cell(s) ("
+                   + (f"from {100 * min(every):+.2f} to {100 * max(every):+.2f}; " if len(every) > 1 else "")
+                   + f"per method: {per}).")
     return out
 
 
@@ -326,16 +327,15 @@ def publish(store: CellStore, cfg: GridConfig, args, current: str, started: floa
     has one). Returns the section's data."""
     cells = store.all()
     sub, prefix = destination(store, cfg, args.quick)
-    pair = getattr(args, "paired_with", None)
-    pair_cells = CellStore(store.root, pair).all() if pair else {}
-    if pair:
-        check_paired(pair_cells, pair, cfg, store.study)
+    pair_cells = {pair: CellStore(store.root, pair).all() for pair in getattr(args, "paired_with", None) or []}
+    for pair, theirs in pair_cells.items():
+        check_paired(theirs, pair, cfg, store.study)
     tags = sorted(set(cells) | {current})
-    data: dict = {"study": store.study, "recipes": {}, "paired_with": pair}
+    data: dict = {"study": store.study, "recipes": {}, "paired_with": list(pair_cells)}
     tables, notes, plots = [], [], []
     for tag in tags:
         figures = blocks(cells.get(tag, {}))
-        their_figures = blocks(pair_cells.get(tag, {})) if pair else {}  # once per recipe, not per Dirichlet
+        their_figures = {pair: blocks(theirs.get(tag, {})) for pair, theirs in pair_cells.items()}  # once per recipe
         first = next((c for *_, c in each(cells.get(tag, {}))), None)
         recipe = (first or {}).get("recipe") or {"tag": tag, "about": "no cell yet"}
         about = f"{recipe.get('about')}, model {recipe.get('model', '?')}"
@@ -344,9 +344,9 @@ def publish(store: CellStore, cfg: GridConfig, args, current: str, started: floa
         for key in [k for k in figures if k.startswith("dir")]:
             tables.append(table(tag, about, figures[key], cfg))
             notes += [f"Recipe {tag}: {line}" for line in reading(figures[key])]
-            theirs = their_figures.get(key)
-            if theirs:
-                notes += [f"Recipe {tag}: {line}" for line in paired_study(figures[key], theirs, pair)]
+            for pair, by_key in their_figures.items():
+                if by_key.get(key):
+                    notes += [f"Recipe {tag}: {line}" for line in paired_study(figures[key], by_key[key], pair)]
         plots += plot(tag, figures, Path(args.plots) / f"{prefix}{tag}.png")
     gaps = missing(cells, tags, args)
     seeds = "; ".join(f"Dir({a:g}) seeds {','.join(map(str, s))}" for a, s in args.seeds_of.items())

@@ -123,6 +123,13 @@ def test_a_study_at_other_settings_publishes_beside_the_grid(tmp_path):
     assert not (tmp_path / "plots" / f"grid-{RECIPE}.png").exists()
 
 
+def other_study(tmp_path, config: dict) -> None:
+    """A third study, ``other``, of FedELMY-KD without d1/d2 at 0.88 and 0.90 (seeds 0, 1)."""
+    store = CellStore(tmp_path / "cells", "other")
+    for seed, v in enumerate((0.88, 0.90)):
+        store.put({**_cell(v, f"o{seed}", "fedelmy-kd-nod"), "config": config}, RECIPE, 0.5, seed, "fedelmy-kd-nod")
+
+
 @pytest.mark.integration  # publishing starts a process (ldconfig -p, from an import)
 def test_a_study_of_other_flags_pairs_with_the_study_it_varies(tmp_path):
     s1 = {"sites": 10, "max_train_per_site": None, "S": 1, "E": 5, "Ew": 5, "alpha": 0.06, "beta": 1.0,
@@ -144,7 +151,13 @@ def test_a_study_of_other_flags_pairs_with_the_study_it_varies(tmp_path):
     # the strongest FedSeq of the other study by its mean, last epoch here: +11.00 and +2.00 points
     assert f"{kd} − FedSeq, last epoch (study base), paired by seed: +6.50 ± 6.36 points, ahead in 2 of 2" in notes
     assert f"{kd} − FedELMY-KD without d1/d2 (ours, α = β = 0) (study base), paired by seed: +11.50" in notes
-    assert data["paired_with"] == "base"
+    assert data["paired_with"] == ["base"]
+    # a study paired with two: the lines of each (the second pairs its own FedELMY-KD without d1/d2)
+    other_study(tmp_path, s1)
+    both = grid.main([*argv, "--paired-with", "base", "--paired-with", "other"])
+    assert both["paired_with"] == ["base", "other"]
+    assert f"{kd} − FedELMY (paper) (study base)" in "\n".join(both["notes"])
+    assert f"{kd} − FedELMY-KD without d1/d2 (ours, α = β = 0) (study other), paired by seed: -1.00" in "\n".join(both["notes"])
     with pytest.raises(SystemExit, match="that is this study"):
         grid.main([*argv, "--paired-with", "kdw"])
     with pytest.raises(SystemExit, match="no cell"):
