@@ -14,9 +14,9 @@ accuracy does. No site holds that union, so the figure is an oracle: the most th
 BatchNorm statistics along the chain could add to the final model, not a method. ``bench.grid``
 records it in each daemon cell (``bn_oracle``) and its report reads it per recipe and Dirichlet.
 
-The measurement runs in the benchmark's process, after the run, on the final model the final
-site persisted (``<trial>/state/<site>/runs/<run id>/final.safetensors``), its SHA-256 checked
-against the ledger's; it changes nothing in the run.
+The measurement runs in the benchmark's process, after the run, on a file of the final model in
+the trial's state dirs (:func:`final_model_file`, found by the ledger's SHA-256); it changes
+nothing in the run.
 """
 
 from __future__ import annotations
@@ -67,12 +67,11 @@ class BnOracle:
             return
         import torch
 
+        from bench.runs import _load_sites
         from fedrelay.tasks import resolve
         from fedrelay.tasks.image_folder import spec as image_spec
-        from fedrelay.tasks.image_folder.data import load_site
 
-        sites = [load_site(d) for d in self.dirs]
-        classes = sorted({c for s in sites for c in s.class_names})
+        sites, classes = _load_sites(self.dirs)
         c, h, w = sites[0].image_shape
         tests = [s.tensors("test", classes) for s in sites]
         self.test = torch.cat([t[0] for t in tests]), torch.cat([t[1] for t in tests])
@@ -118,9 +117,7 @@ class BnOracle:
         for m in norms:
             m.reset_running_stats()
             m.momentum = None  # cumulative average over every batch
-        net.eval()
-        for m in norms:  # only the statistics are recomputed: dropout and the like stay as at inference
-            m.train()
+            m.train()  # the rest stays in eval mode (accuracy() left it so): only the statistics change
         with torch.no_grad():
             for start in range(0, len(self.train_images), self.batch_size):
                 net(self.task.batch(self.train_images[start:start + self.batch_size], train=True))
