@@ -41,6 +41,7 @@ from pathlib import Path
 
 from bench.common import BENCH, REPO, failed, finish, grid_args, grid_flags, log, meta, study_start
 from bench.bn_oracle import BnOracle, final_model_file
+from bench.ofasd_start import distance_from_average
 from bench.grid_cells import CellStore, commit_cell, each, plan
 from bench.grid_methods import (DEFAULT_METHODS, METHODS, RECIPES, REFS, GridConfig, check_build, probe_start_chain,
                                 recipe_tag, reference_options, train_config_fields)
@@ -268,6 +269,8 @@ def main(argv=None) -> dict:
                                 continue
                             cell["args"] = cfg.chain_args(m)
                             cell["bn_oracle"] = bn_oracle_of(oracle, trial.workdir, cell)
+                            if m == "ofasd":
+                                cell["ofasd_start"] = ofasd_start_of(trial.workdir, cell)
                             land(cell, seed, a, m)
                 except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
                     failed(failures, f"Dirichlet {a:g} seed {seed}", exc)
@@ -293,6 +296,16 @@ def bn_oracle_of(oracle: BnOracle, trial_dir: Path, cell: dict) -> dict | None:
         return oracle.measure(final_model_file(trial_dir, cell))
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         log(f"  BatchNorm oracle not measured: {exc}")
+        return {"error": str(exc)[:500]}
+
+
+def ofasd_start_of(trial_dir: Path, cell: dict) -> dict:
+    """``bench.ofasd_start``'s distance of an OFASD cell's final model from the uniform weight
+    average of its uploads, or ``{"error": why}`` (the cell stands: a reading beside it)."""
+    try:
+        return distance_from_average(trial_dir, cell, final_model_file(trial_dir, cell))
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        log(f"  OFASD's distance from the weight average not measured: {exc}")
         return {"error": str(exc)[:500]}
 
 

@@ -289,3 +289,34 @@ def test_bn_oracle_notes_read_the_cells_that_recorded_it():
     assert len(notes) == 1 and notes[0].startswith(f"Recipe {RECIPE}: Dirichlet(0.1): BatchNorm statistics")
     assert "by +2.00 ± 5.66 points over 2 cell(s) (from -2.00 to +6.00; per method: FedELMY (paper) +6.00 (n = 1); " \
            "FedSeq, last epoch -2.00 (n = 1))." in notes[0]
+
+
+def test_ofasd_start_measures_the_final_models_distance_from_the_uploads_average(tmp_path):
+    """bench.ofasd_start: a final model equal to the uniform average of the aggregating site's
+    uploads (its own outgoing + the arrived ones) is 'at the average'; one moved away is not; a
+    missing upload is an error, not a figure."""
+    import torch
+    from safetensors.torch import save_file
+
+    from bench.ofasd_start import distance_from_average
+
+    run = tmp_path / "state" / "site-01" / "runs" / "r1"
+    (run / "uploads").mkdir(parents=True)
+    states = [{"w": torch.full((2, 3), float(i)), "n": torch.tensor(i)} for i in range(3)]
+    save_file(states[0], str(run / "outgoing.safetensors"))
+    for i in (1, 2):
+        save_file(states[i], str(run / "uploads" / f"site-0{i + 1}.safetensors"))
+    cell = {"run_id": "r1", "bytes": {"kind": "star", "aggregator": "site-01", "uploads": 2}}
+    at = tmp_path / "at.safetensors"
+    save_file({"w": torch.full((2, 3), 1.0), "n": torch.tensor(1)}, str(at))
+    got = distance_from_average(tmp_path, cell, at)
+    assert got["at_average"] and got["relative_l2"] == 0.0 and got["uploads"] == 3
+    away = tmp_path / "away.safetensors"
+    save_file({"w": torch.full((2, 3), 1.5), "n": torch.tensor(1)}, str(away))
+    got = distance_from_average(tmp_path, cell, away)
+    assert not got["at_average"] and got["relative_l2"] == pytest.approx(0.5) and got["max_abs"] == pytest.approx(0.5)
+    (run / "uploads" / "site-03.safetensors").unlink()
+    with pytest.raises(ValueError, match="2 upload file"):
+        distance_from_average(tmp_path, cell, at)
+    with pytest.raises(ValueError, match="not a star cell"):
+        distance_from_average(tmp_path, {"run_id": "r1", "bytes": {"kind": "chain"}}, at)
