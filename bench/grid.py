@@ -268,9 +268,11 @@ def main(argv=None) -> dict:
                                 failed(failures, f"Dirichlet {a:g} seed {seed} {m}", exc, m)
                                 continue
                             cell["args"] = cfg.chain_args(m)
-                            cell["bn_oracle"] = bn_oracle_of(oracle, trial.workdir, cell)
+                            final = lambda: final_model_file(trial.workdir, cell)  # noqa: E731
+                            cell["bn_oracle"] = reading("BatchNorm oracle", lambda: oracle.measure(final()))
                             if m == "ofasd":
-                                cell["ofasd_start"] = ofasd_start_of(trial.workdir, cell)
+                                cell["ofasd_start"] = reading("OFASD's distance from the weight average",
+                                                              lambda: distance_from_average(trial.workdir, cell, final()))
                             land(cell, seed, a, m)
                 except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
                     failed(failures, f"Dirichlet {a:g} seed {seed}", exc)
@@ -289,23 +291,13 @@ def main(argv=None) -> dict:
     return finish(publish(store, cfg, args, tag, started, failures), started, failures, args.quick)
 
 
-def bn_oracle_of(oracle: BnOracle, trial_dir: Path, cell: dict) -> dict | None:
-    """``bench.bn_oracle``'s figures for the final model of a daemon cell, or ``{"error": why}``
-    when they cannot be had (the cell itself stands: the oracle is a reading beside it)."""
+def reading(what: str, measure) -> dict | None:
+    """A reading beside a daemon cell (``bench.bn_oracle``, ``bench.ofasd_start``): what
+    ``measure()`` returns, or ``{"error": why}`` when it cannot be had (the cell itself stands)."""
     try:
-        return oracle.measure(final_model_file(trial_dir, cell))
+        return measure()
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
-        log(f"  BatchNorm oracle not measured: {exc}")
-        return {"error": str(exc)[:500]}
-
-
-def ofasd_start_of(trial_dir: Path, cell: dict) -> dict:
-    """``bench.ofasd_start``'s distance of an OFASD cell's final model from the uniform weight
-    average of its uploads, or ``{"error": why}`` (the cell stands: a reading beside it)."""
-    try:
-        return distance_from_average(trial_dir, cell, final_model_file(trial_dir, cell))
-    except (OSError, ValueError, RuntimeError, KeyError) as exc:
-        log(f"  OFASD's distance from the weight average not measured: {exc}")
+        log(f"  {what} not measured: {exc}")
         return {"error": str(exc)[:500]}
 
 

@@ -6,10 +6,11 @@ its selection prefers, or the start when no epoch improves on it. The daemon say
 its worker; the run's ledger holds the final model and every upload's digest. So the bench reads
 the answer from the files: :func:`distance_from_average` recomputes the uniform average of the
 very uploads the aggregating site combined (its own ``outgoing.safetensors`` and the arrived
-``uploads/*.safetensors`` of ``<trial>/state/<aggregator>/runs/<run id>/``, each checked against
-the cell's final-model count) and measures how far the final model lies from it. A final model at
-the average means OFASD returned (uniform) FedAvg; one away from it means a distilled epoch was
-kept. ``bench.grid`` records it in every OFASD cell (``ofasd_start``) and its report reads it.
+``uploads/*.safetensors`` of ``<trial>/state/<aggregator>/runs/<run id>/``; their count must be
+the run's, ``cell["bytes"]["uploads"]`` + 1) and measures how far the final model lies from it. A
+final model at the average means OFASD returned (uniform) FedAvg; one away from it means a
+distilled epoch was kept. ``bench.grid`` records it in every new OFASD cell (``ofasd_start``);
+the report does not read it yet.
 """
 
 from __future__ import annotations
